@@ -1,0 +1,31 @@
+"""autopar: a compiler-style auto-parallel planner for PyTorch."""
+from autopar.errors import (
+    AutoparError,
+    ConfigError,
+    MeshError,
+    PlanError,
+    RankError,
+    ReshardError,
+    ShardingError,
+    TraceError,
+)
+from autopar.sharding_spec import Mesh, Partial, Replicate, Shard, ShardingSpec, plan_reshard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoparError",
+    "ConfigError",
+    "Mesh",
+    "MeshError",
+    "Partial",
+    "PlanError",
+    "RankError",
+    "ReshardError",
+    "Replicate",
+    "Shard",
+    "ShardingError",
+    "ShardingSpec",
+    "TraceError",
+    "plan_reshard",
+]

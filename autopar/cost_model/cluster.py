@@ -1,0 +1,191 @@
+"""Device and cluster specs: what one device can do and how fast its links are.
+
+A ClusterSpec is a frozen record, so a Mesh that holds one stays hashable and plans can be
+cached per mesh. Link speeds follow the alpha-beta model: sending a message of b bytes over
+one hop costs ``alpha + b * beta`` seconds (alpha: latency in s, beta: s per byte).
+
+Which link a mesh axis uses: the last mesh axis is the fastest. An axis whose group, together
+with all axes after it, fits inside one node (``devices_per_node``) talks over the intra-node
+link; any other axis crosses nodes. ``axis_links`` overrides that per axis.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from autopar.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One kind of link. alpha: seconds per message hop; beta: seconds per byte."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self):
+        if not (self.alpha >= 0 and self.beta >= 0 and math.isfinite(self.alpha) and math.isfinite(self.beta)):
+            raise ConfigError(f"a link needs finite alpha >= 0 and beta >= 0, got alpha={self.alpha}, beta={self.beta}")
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second (inf for a free link)."""
+        return math.inf if self.beta == 0 else 1.0 / self.beta
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """A homogeneous cluster.
+
+    name: preset name or the file it came from.
+    peak_flops: FLOP/s of one device per dtype name ("float32", "bfloat16", "float16").
+    memory_bandwidth: bytes/s between a device and its memory.
+    memory_bytes: memory of one device.
+    devices_per_node: devices sharing the fast intra-node link.
+    intra_node / inter_node: the two link kinds.
+    axis_links: optional explicit link per mesh axis (overrides the node rule); its length must
+      equal the mesh's number of axes.
+    source: where the numbers come from.
+    """
+
+    name: str
+    peak_flops: tuple[tuple[str, float], ...]
+    memory_bandwidth: float
+    memory_bytes: int
+    devices_per_node: int
+    intra_node: Link
+    inter_node: Link
+    axis_links: tuple[Link, ...] | None = None
+    source: str = ""
+
+    def __post_init__(self):
+        if self.devices_per_node < 1:
+            raise ConfigError(f"cluster {self.name!r}: devices_per_node must be >= 1, got {self.devices_per_node}")
+        if self.memory_bandwidth <= 0 or self.memory_bytes <= 0:
+            raise ConfigError(f"cluster {self.name!r}: memory_bandwidth and memory_bytes must be > 0")
+        if not self.peak_flops or any(v <= 0 for _, v in self.peak_flops):
+            raise ConfigError(f"cluster {self.name!r}: peak_flops needs a positive FLOP/s per dtype")
+
+    def flops(self, dtype: str) -> float:
+        """Peak FLOP/s for a dtype name; falls back to float32's figure for dtypes not listed."""
+        table = dict(self.peak_flops)
+        return table.get(dtype, table.get("float32", max(table.values())))
+
+    def links_for(self, mesh_shape: tuple[int, ...]) -> tuple[Link, ...]:
+        """The link each mesh axis uses (see the module docstring)."""
+        if self.axis_links is not None:
+            if len(self.axis_links) != len(mesh_shape):
+                raise ConfigError(
+                    f"cluster {self.name!r} gives {len(self.axis_links)} axis_links but the mesh has "
+                    f"{len(mesh_shape)} axes {tuple(mesh_shape)}; give one link per mesh axis"
+                )
+            return self.axis_links
+        links = []
+        inner = 1
+        for size in reversed(mesh_shape):
+            inner *= size
+            links.append(self.intra_node if inner <= self.devices_per_node else self.inter_node)
+        return tuple(reversed(links))
+
+    def with_axis_links(self, links) -> "ClusterSpec":
+        return dataclasses.replace(self, axis_links=tuple(links))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["peak_flops"] = dict(self.peak_flops)
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "ClusterSpec":
+        try:
+            d = dict(d)
+            d["peak_flops"] = tuple(sorted((str(k), float(v)) for k, v in d["peak_flops"].items()))
+            d["intra_node"] = Link(**d["intra_node"])
+            d["inter_node"] = Link(**d["inter_node"])
+            if d.get("axis_links") is not None:
+                d["axis_links"] = tuple(Link(**x) for x in d["axis_links"])
+            d["memory_bytes"] = int(d["memory_bytes"])
+            return ClusterSpec(**d)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(
+                f"bad cluster description ({e}); it needs name, peak_flops {{dtype: FLOP/s}}, memory_bandwidth, "
+                "memory_bytes, devices_per_node, intra_node {alpha, beta}, inter_node {alpha, beta}"
+            ) from None
+
+
+GB = 1e9
+_GIB = 1 << 30
+
+PRESETS: dict[str, ClusterSpec] = {
+    # NVIDIA A100 SXM4 80GB in a DGX A100 (8 GPUs per node).
+    "a100-80g": ClusterSpec(
+        name="a100-80g",
+        peak_flops=(("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12)),
+        memory_bandwidth=2.039e12,
+        memory_bytes=80 * _GIB,
+        devices_per_node=8,
+        intra_node=Link(alpha=5e-6, beta=1 / (300 * GB)),
+        inter_node=Link(alpha=10e-6, beta=1 / (25 * GB)),
+        source=(
+            "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16, 19.5 TFLOP/s FP32, 2,039 GB/s HBM2e; "
+            "NVLink 3 600 GB/s bidirectional = 300 GB/s per direction; DGX A100 user guide: "
+            "8x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU. Latencies are typical NCCL figures."
+        ),
+    ),
+    # NVIDIA H100 SXM5 80GB in a DGX H100 (8 GPUs per node).
+    "h100-80g": ClusterSpec(
+        name="h100-80g",
+        peak_flops=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12)),
+        memory_bandwidth=3.35e12,
+        memory_bytes=80 * _GIB,
+        devices_per_node=8,
+        intra_node=Link(alpha=4e-6, beta=1 / (450 * GB)),
+        inter_node=Link(alpha=8e-6, beta=1 / (50 * GB)),
+        source=(
+            "NVIDIA H100 datasheet (SXM): 989 TFLOP/s dense BF16/FP16, 67 TFLOP/s FP32, 3.35 TB/s HBM3; "
+            "NVLink 4 900 GB/s bidirectional = 450 GB/s per direction; DGX H100: 8x 400 Gb/s NDR "
+            "InfiniBand = 50 GB/s per GPU. Latencies are typical NCCL figures."
+        ),
+    ),
+    # This kind of machine: processes on a few CPU cores talking gloo over loopback TCP.
+    "cpu-gloo": ClusterSpec(
+        name="cpu-gloo",
+        peak_flops=(("float32", 20e9), ("bfloat16", 5e9), ("float16", 2e9)),
+        memory_bandwidth=5e9,
+        memory_bytes=8 * _GIB,
+        devices_per_node=1 << 20,
+        intra_node=Link(alpha=60e-6, beta=1 / (1.0 * GB)),
+        inter_node=Link(alpha=60e-6, beta=1 / (1.0 * GB)),
+        source=(
+            "Rough figures for gloo over loopback on a 2-core cloud VM (one core per rank, fp32 GEMM "
+            "~20 GFLOP/s); `autopar profile` measures the real ones."
+        ),
+    ),
+}
+
+
+def resolve_cluster(cluster) -> ClusterSpec:
+    """A ClusterSpec from a preset name, a JSON file path, a dict or a ClusterSpec."""
+    if cluster is None:
+        return PRESETS["cpu-gloo"]
+    if isinstance(cluster, ClusterSpec):
+        return cluster
+    if isinstance(cluster, dict):
+        return ClusterSpec.from_dict(cluster)
+    if isinstance(cluster, (str, Path)):
+        if str(cluster) in PRESETS:
+            return PRESETS[str(cluster)]
+        path = Path(cluster)
+        if path.suffix == ".json" or path.exists():
+            if not path.exists():
+                raise ConfigError(f"cluster file {str(path)!r} does not exist; give a preset name {sorted(PRESETS)} or a JSON file")
+            try:
+                data = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"cluster file {str(path)!r} is not valid JSON: {e}") from None
+            data.setdefault("name", str(path))
+            return ClusterSpec.from_dict(data)
+        raise ConfigError(f"unknown cluster {str(cluster)!r}; use one of {sorted(PRESETS)} or a JSON file path")
+    raise ConfigError(f"cluster must be a preset name, a JSON file, a dict or a ClusterSpec, got {type(cluster).__name__}")

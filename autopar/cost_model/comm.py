@@ -1,0 +1,60 @@
+"""Alpha-beta prices of collectives, in seconds. Pure functions of (kind, bytes, group).
+
+A collective over a group of n ranks runs as a ring (or pairwise exchange) of ``n - 1`` hops. Each
+call also pays one alpha of set-up, so one fused collective beats two that move the same data:
+
+    all_gather      alpha * n        + beta * (n-1)/n * B      B = bytes each rank ends with
+    reduce_scatter  alpha * n        + beta * (n-1)/n * B      B = bytes each rank starts with
+    all_to_all      alpha * n        + beta * (n-1)/n * B      B = bytes each rank holds
+    all_reduce      alpha * (2n - 1) + beta * 2(n-1)/n * B     B = bytes each rank holds
+
+A group spanning several mesh axes is priced on its slowest link: the largest alpha and the
+largest beta among its axes (a ring over the group crosses every kind of link it contains).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from autopar.cost_model.cluster import Link
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+
+
+def group_link(links: Sequence[Link]) -> Link:
+    """The effective link of a group over several mesh axes."""
+    if not links:
+        raise ValueError("a group needs at least one mesh axis")
+    return Link(alpha=max(l.alpha for l in links), beta=max(l.beta for l in links))
+
+
+def latency_hops(kind: str, n: int) -> float:
+    """How many alphas one call of ``kind`` on ``n`` ranks pays (0 when there is nothing to do)."""
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * n - 1
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return n
+    raise ValueError(f"unknown collective {kind!r}; expected one of {COLLECTIVES}")
+
+
+def volume_factor(kind: str, n: int) -> float:
+    """How many times B each rank sends over the wire, as a fraction."""
+    if n <= 1:
+        return 0.0
+    frac = (n - 1) / n
+    return 2 * frac if kind == "all_reduce" else frac
+
+
+def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Seconds for one ``kind`` collective of ``nbytes`` (see the module docstring for which bytes)."""
+    if nbytes < 0:
+        raise ValueError(f"bytes must be >= 0, got {nbytes}")
+    return link.alpha * latency_hops(kind, n) + link.beta * volume_factor(kind, n) * nbytes
+
+
+def mesh_collective_time(kind: str, nbytes: float, mesh, axes: Sequence[int]) -> float:
+    """Seconds for ``kind`` on the mesh's group over ``axes``."""
+    links = mesh.links()
+    return collective_time(kind, nbytes, math.prod(mesh.shape[a] for a in axes), group_link([links[a] for a in axes]))
