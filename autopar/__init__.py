@@ -10,6 +10,7 @@ from autopar.errors import (
     TraceError,
 )
 from autopar.sharding_spec import Mesh, Partial, Replicate, Shard, ShardingSpec, plan_reshard
+from autopar.solver import Plan, plan
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,7 @@ __all__ = [
     "Mesh",
     "MeshError",
     "Partial",
+    "Plan",
     "PlanError",
     "RankError",
     "ReshardError",
@@ -27,5 +29,6 @@ __all__ = [
     "ShardingError",
     "ShardingSpec",
     "TraceError",
+    "plan",
     "plan_reshard",
 ]

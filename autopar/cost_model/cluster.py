@@ -61,6 +61,9 @@ class ClusterSpec:
     source: str = ""
 
     def __post_init__(self):
+        # Canonical order (by dtype name), as from_dict builds it, so a to_dict/from_dict round
+        # trip gives an equal (and equally hashed) spec, and meshes holding it stay cache keys.
+        object.__setattr__(self, "peak_flops", tuple(sorted(self.peak_flops)))
         if self.devices_per_node < 1:
             raise ConfigError(f"cluster {self.name!r}: devices_per_node must be >= 1, got {self.devices_per_node}")
         if self.memory_bandwidth <= 0 or self.memory_bytes <= 0:

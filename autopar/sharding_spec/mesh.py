@@ -90,13 +90,12 @@ class Mesh:
             r = r * s + c
         return r
 
-    def groups(self, axes: int | Sequence[int]) -> list[list[int]]:
+    def groups(self, axes: int | str | Sequence[int | str]) -> list[list[int]]:
         """The process groups over ``axes``: each a list of ranks, ordered with the first listed
         axis as the most significant (so a group's index order equals the shard order when a tensor
         dim is split over ``axes`` major-first)."""
-        axes = (axes,) if isinstance(axes, int) else tuple(axes)
-        for a in axes:
-            self.axis(a)
+        axes = (axes,) if isinstance(axes, (int, str)) else tuple(axes)
+        axes = tuple(self.axis(a) for a in axes)  # validates; axis names become indices
         if len(set(axes)) != len(axes):
             raise MeshError(f"axes {axes} repeat an axis")
         rest = [a for a in range(self.ndim) if a not in axes]

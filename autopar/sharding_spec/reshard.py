@@ -13,7 +13,8 @@ States are specs of one tensor on one mesh. A step changes the spec over one gro
 Only the trailing splitters of a dim can be gathered or moved: gathering a more significant axis
 would leave each rank a strided, not a contiguous, piece. Dijkstra over these states, each step
 priced by cost_model.comm (local steps cost a tie-break constant so shorter plans win ties), finds
-the cheapest plan. Plans are cached per (source, target, mesh, itemsize).
+the cheapest plan. One search from a source prices every target; searches and plans are cached
+per (source, target, mesh, itemsize).
 """
 from __future__ import annotations
 
@@ -161,28 +162,48 @@ def plan_reshard(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) 
 def _plan_cached(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int) -> ReshardPlan:
     if src == dst:
         return ReshardPlan(src, dst, ())
+    dist, prev = _search_from(src, mesh, itemsize)
+    if dst not in dist:
+        raise ReshardError(f"no sequence of collectives turns {src} into {dst} on {mesh}")
+    steps = []
+    spec = dst
+    while spec != src:
+        step = prev[spec]
+        steps.append(step)
+        spec = step.before
+    return ReshardPlan(src, dst, tuple(reversed(steps)))
+
+
+def reshard_cost(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) -> float:
+    """The cost of the cheapest plan (inf when the target is uneven or unreachable). One search
+    from ``src`` prices every target, so filling a cost matrix is cheap."""
+    if src == dst:
+        return 0.0
+    if src.shape != dst.shape or not src.is_even(mesh.shape) or not dst.is_even(mesh.shape):
+        return math.inf
+    return _search_from(src, mesh, int(itemsize))[0].get(dst, math.inf)
+
+
+@functools.lru_cache(maxsize=8192)
+def _search_from(src: ShardingSpec, mesh, itemsize: int):
+    """Dijkstra from ``src`` over every reachable spec: (cost per spec, last step per spec)."""
     best = {src: 0.0}
     prev: dict[ShardingSpec, Step] = {}
+    done = set()
     counter = itertools.count()
     heap = [(0.0, next(counter), src)]
     while heap:
         cost, _, spec = heapq.heappop(heap)
-        if spec == dst:
-            steps = []
-            while spec != src:
-                step = prev[spec]
-                steps.append(step)
-                spec = step.before
-            return ReshardPlan(src, dst, tuple(reversed(steps)))
-        if cost > best.get(spec, math.inf):
+        if spec in done:
             continue
+        done.add(spec)
         for step in neighbours(spec, mesh, itemsize):
             c = cost + step.cost
             if c < best.get(step.after, math.inf):
                 best[step.after] = c
                 prev[step.after] = step
                 heapq.heappush(heap, (c, next(counter), step.after))
-    raise ReshardError(f"no sequence of collectives turns {src} into {dst} on {mesh}")
+    return best, prev
 
 
 def naive_plan(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) -> ReshardPlan:

@@ -1,0 +1,206 @@
+"""Sharding strategies of one op, and the registry of rules that produce them.
+
+A rule looks at one traced node (its ATen target, arguments and input shapes) and returns every way
+the op can run on the mesh: the spec it needs for each tensor input, the spec of its output, the
+fraction of the op's FLOPs each device does, and a family label (see DESIGN.md: dp, 1d-col, 1d-row,
+2d, 2.5d, 3d, ...). A pending sum the op leaves behind (a split contraction) is part of its output
+spec (``| P1``); whoever reads the output decides how to resolve it.
+
+Rules register with ``@register("aten.mm.default", ...)`` and live in ``rules/`` by op family. An op
+without a rule runs replicated, with one warning naming the op: never a crash.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import warnings
+from typing import Callable, Iterable, Sequence
+
+from autopar.sharding_spec.spec import ShardingSpec
+
+# A spec per output: one spec for a single tensor, a tuple for ops returning several, None for none.
+OutSpec = ShardingSpec | tuple[ShardingSpec | None, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One way to run an op. ``inputs`` is aligned with ``node.inputs`` (None: not a tensor)."""
+
+    inputs: tuple[ShardingSpec | None, ...]
+    output: OutSpec
+    family: str
+    compute_fraction: float = 1.0
+
+    def __str__(self) -> str:
+        ins = ", ".join("-" if s is None else s.notation() for s in self.inputs)
+        return f"({ins}) -> {_out_str(self.output)} [{self.family}]"
+
+
+def _out_str(out: OutSpec) -> str:
+    if out is None:
+        return "-"
+    if isinstance(out, ShardingSpec):
+        return out.notation()
+    return "(" + ", ".join(_out_str(o) for o in out) + ")"
+
+
+@dataclasses.dataclass
+class OpContext:
+    """What a rule may look at: the node, the mesh and the metadata of each input."""
+
+    node: object  # autopar.ir.Node
+    mesh: object  # autopar.Mesh
+    input_metas: list  # aligned with node.inputs: TensorMeta, tuple of them, or None
+    graph: object = None  # autopar.ir.Graph, for rules that need to look further
+
+    @property
+    def out_meta(self):
+        return self.node.meta
+
+    def arg(self, i: int, name: str | None = None, default=None):
+        """The i-th positional argument, or keyword ``name`` when it was passed by keyword."""
+        args = self.node.args
+        if i < len(args):
+            return args[i]
+        return self.node.kwargs.get(name, default) if name else default
+
+    def kwarg(self, name: str, default=None):
+        return self.node.kwargs.get(name, default)
+
+    def shape_of(self, i: int) -> tuple[int, ...]:
+        """Shape of the i-th tensor input (in ``node.inputs`` order)."""
+        return tuple(self.input_metas[i].shape)
+
+    def index_of(self, ref) -> int:
+        """Position in node.inputs of an argument that is a node reference."""
+        return self.node.inputs.index(ref.name)
+
+    def replicated(self) -> Strategy:
+        return replicate_strategy(self)
+
+
+Rule = Callable[[OpContext], list[Strategy]]
+_RULES: dict[str, Rule] = {}
+_WARNED: set[str] = set()
+
+
+def register(*targets: str):
+    """Register a rule for ATen targets written like ``"aten.mm.default"``."""
+
+    def deco(fn: Rule) -> Rule:
+        for t in targets:
+            if t in _RULES:
+                raise ValueError(f"two rules registered for {t}")
+            _RULES[t] = fn
+        return fn
+
+    return deco
+
+
+def has_rule(target: str) -> bool:
+    _load_rules()
+    return target in _RULES
+
+
+def registered_targets() -> list[str]:
+    _load_rules()
+    return sorted(_RULES)
+
+
+def strategies_for(ctx: OpContext) -> list[Strategy]:
+    """The candidate strategies of one node; the replicated fallback for ops without a rule."""
+    _load_rules()
+    target = ctx.node.target
+    rule = _RULES.get(target)
+    if rule is None:
+        if target not in _WARNED:
+            _WARNED.add(target)
+            warnings.warn(f"autopar: no sharding rule for {target}; it runs replicated on every device", stacklevel=2)
+        return [replicate_strategy(ctx)]
+    out = [s for s in rule(ctx) if _even(s, ctx.mesh.shape)]
+    # Always keep the replicated strategy: it is valid for every op and a safe fallback.
+    rep = replicate_strategy(ctx)
+    if rep not in out:
+        out.append(rep)
+    return _dedupe(out)
+
+
+def _even(s: Strategy, mesh_shape) -> bool:
+    specs = [x for x in s.inputs if x is not None]
+    out = s.output
+    if isinstance(out, ShardingSpec):
+        specs.append(out)
+    elif isinstance(out, tuple):
+        specs += [o for o in out if o is not None]
+    return all(x.is_even(mesh_shape) for x in specs)
+
+
+def _dedupe(strategies: Iterable[Strategy]) -> list[Strategy]:
+    seen, out = set(), []
+    for s in strategies:
+        key = (s.inputs, s.output)
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+# ---- helpers for rules ----------------------------------------------------------------------
+def rep(shape: Sequence[int], mesh) -> ShardingSpec:
+    return ShardingSpec.replicate(tuple(shape), mesh.ndim)
+
+
+def _rep_meta(meta, mesh):
+    if meta is None:
+        return None
+    if isinstance(meta, tuple):
+        return tuple(_rep_meta(m, mesh) for m in meta)
+    return rep(meta.shape, mesh)
+
+
+def replicate_strategy(ctx: OpContext) -> Strategy:
+    """Every input whole on every device, the output too: valid for any op."""
+    ins = tuple(None if m is None or isinstance(m, tuple) else rep(m.shape, ctx.mesh) for m in ctx.input_metas)
+    return Strategy(ins, _rep_meta(ctx.out_meta, ctx.mesh), "replicate", 1.0)
+
+
+def active_axes(mesh) -> list[int]:
+    """Mesh axes of size > 1: size-1 axes never split anything."""
+    return [a for a, s in enumerate(mesh.shape) if s > 1]
+
+
+def axis_assignments(mesh, n_options: int) -> Iterable[tuple[int | None, ...]]:
+    """Every map from active mesh axes to one of ``n_options`` slots or None (one tuple entry per
+    mesh axis; inactive axes map to None)."""
+    act = active_axes(mesh)
+    for choice in itertools.product([None, *range(n_options)], repeat=len(act)):
+        full: list[int | None] = [None] * mesh.ndim
+        for a, c in zip(act, choice):
+            full[a] = c
+        yield tuple(full)
+
+
+def enumerate_specs(shape: Sequence[int], mesh, *, partial: bool = False) -> list[ShardingSpec]:
+    """Every even spec of a tensor: each active axis splits one dim (axes on one dim in mesh order)
+    or nothing, or, with ``partial``, holds a pending sum."""
+    shape = tuple(shape)
+    n = len(shape) + (1 if partial else 0)
+    out = []
+    for assign in axis_assignments(mesh, n):
+        dims = tuple(tuple(a for a in range(mesh.ndim) if assign[a] == d) for d in range(len(shape)))
+        part = tuple(a for a in range(mesh.ndim) if partial and assign[a] == len(shape))
+        spec = ShardingSpec(shape, dims, part, mesh.ndim)
+        if spec.is_even(mesh.shape):
+            out.append(spec)
+    return out
+
+
+def compute_fraction(spec: ShardingSpec, mesh) -> float:
+    """Fraction of an elementwise op's work one device does when its output has ``spec``."""
+    return 1.0 / math.prod(mesh.shape[a] for ax in spec.dim_axes for a in ax)
+
+
+def _load_rules() -> None:
+    # Importing the package registers every rule once.
+    from autopar.sharding_spec import rules  # noqa: F401

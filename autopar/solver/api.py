@@ -1,0 +1,148 @@
+"""`autopar.plan()`: trace, enumerate strategies, price them, solve, and package a Plan."""
+from __future__ import annotations
+
+import time
+
+from autopar.errors import ConfigError
+from autopar.ir.graph import Role
+from autopar.sharding_spec.mesh import Mesh
+from autopar.sharding_spec.reshard import plan_reshard
+from autopar.solver import ilp
+from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
+from autopar.solver.problem import build_problem, node_choices, produced_spec
+from autopar.solver.simplify import block_ties, eliminate, recover
+
+
+def plan(
+    model,
+    mesh: Mesh,
+    example_inputs=(),
+    *,
+    example_kwargs=None,
+    memory_budget=None,
+    optimizer: str = "adamw",
+    op_table=None,
+    reuse_blocks: bool = True,
+    simplify: bool = True,
+    time_limit_s: float = 60.0,
+    solver: str | None = None,
+    graph=None,
+) -> Plan:
+    """The cheapest single-stage plan of ``model`` on ``mesh`` (no processes needed).
+
+    memory_budget: bytes per device (int/float) or a string like "40GB"/"512MiB".
+    reuse_blocks: tie structurally identical layers together (solve one block, reuse it).
+    simplify: eliminate chain nodes exactly before solving.
+    graph: an already traced ``autopar.ir.Graph`` (skips tracing).
+    """
+    from autopar import ir
+
+    if not isinstance(mesh, Mesh):
+        raise ConfigError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    t0 = time.perf_counter()
+    if graph is None:
+        if not isinstance(example_inputs, (tuple, list)):
+            example_inputs = (example_inputs,)
+        graph = ir.trace(model, tuple(example_inputs), example_kwargs)
+    t_trace = time.perf_counter()
+    choices = node_choices(graph, mesh, optimizer=optimizer, op_table=op_table)
+    built = build_problem(graph, mesh, memory_budget=budget, optimizer=optimizer, choices=choices)
+    problem = built.problem
+    if reuse_blocks:
+        problem.tie = block_ties(graph, choices)
+    t_build = time.perf_counter()
+    reduced = problem.reduced()
+    if simplify:
+        small, records = eliminate(reduced)
+    else:
+        small, records = reduced, []
+    solution = ilp.solve(small, time_limit_s=time_limit_s, solver=solver)
+    picked = recover(solution.choice, records)
+    full = {v: picked[problem.rep(v)] for v in problem.costs}
+    objective, memory = ilp.evaluate(problem, full)
+    t_solve = time.perf_counter()
+    stats = {
+        "status": solution.status,
+        "objective_s": objective,
+        "graph_nodes": len(graph.nodes),
+        "ilp_nodes_full": len(problem.costs),
+        "ilp_nodes_after_block_reuse": len(reduced.costs),
+        "ilp_nodes_solved": len(small.costs),
+        "ilp_variables": solution.n_variables,
+        "ilp_constraints": solution.n_constraints,
+        "trace_s": t_trace - t0,
+        "build_s": t_build - t_trace,
+        "solve_s": t_solve - t_build,
+    }
+    return make_plan(graph, mesh, built, full, memory, stats)
+
+
+def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: dict) -> Plan:
+    choices = built.choices
+    nodes = {}
+    compute = 0.0
+    for name, c in choices.items():
+        node = graph.nodes[name]
+        s = c.strategies[full[name]]
+        compute += float(c.compute_s[full[name]])
+        target = node.target if node.op == "call_function" else node.op
+        nodes[name] = NodePlan(name, target, node.layer, s.family, list(s.inputs), s.output, float(c.compute_s[full[name]]), float(c.memory[full[name]]))
+    edges = []
+    for src, dst, pos in built.edge_list:
+        s_spec = produced_spec(choices[src].strategies[full[src]], graph.nodes[dst], pos, graph)
+        d_strat = choices[dst].strategies[full[dst]]
+        d_spec = d_strat.inputs[pos] if pos < len(d_strat.inputs) else None
+        if s_spec is None or d_spec is None:
+            continue
+        meta = graph.nodes[src].meta
+        itemsize = meta.itemsize if hasattr(meta, "itemsize") else 4
+        rp = plan_reshard(s_spec, d_spec, mesh, itemsize)
+        steps = [StepPlan(st.kind, tuple(st.axes), int(st.nbytes), float(st.cost), st.src_dim, st.dst_dim) for st in rp.steps]
+        edges.append(EdgePlan(src, dst, pos, s_spec, d_spec, steps, src in built.requires_grad))
+    params = {}
+    grad_sync_s = 0.0
+    for fqn, node_name in list(graph.params.items()) + list(graph.buffers.items()):
+        if node_name not in choices:
+            continue
+        c = choices[node_name]
+        i = full[node_name]
+        s = c.strategies[i]
+        is_buffer = graph.nodes[node_name].role == Role.BUFFER
+        sync_s = float(c.comm_s[i])
+        grad_sync_s += sync_s
+        params[fqn] = ParamPlan(
+            fqn, node_name, s.output, s.family, c.grad_sync[i], sync_s,
+            tuple(graph.param_aliases.get(fqn, (fqn,))), is_buffer,
+        )
+    comm = sum(e.cost_s for e in edges) + grad_sync_s
+    predicted = {
+        "compute_s": compute,
+        "comm_s": comm,
+        "step_time_s": compute + comm,
+        "memory_bytes_per_device": memory,
+    }
+    return Plan(graph.model_name, graph.fingerprint(), mesh.to_dict(), nodes, edges, params, predicted, stats)
+
+
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value) -> float:
+    """Bytes from a number or a string like "40GB", "512 MiB", "1.5e9"."""
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ConfigError(f"memory budget must be positive, got {value}")
+        return float(value)
+    import re
+
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ConfigError(f"cannot read memory size {value!r}; write it like 40GB, 512MiB or 1.5e9")
+    try:
+        n = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    except ValueError:
+        raise ConfigError(f"cannot read memory size {value!r}; write it like 40GB, 512MiB or 1.5e9") from None
+    if n <= 0:
+        raise ConfigError(f"memory budget must be positive, got {value!r}")
+    return n

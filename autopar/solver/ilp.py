@@ -1,0 +1,220 @@
+"""The intra-op ILP: one strategy per node, resharding costs on edges, a per-device memory budget.
+
+Notation. Node v has k_v strategies; s_v in {0,1}^{k_v} picks one. Edge (u, v) carries a cost
+matrix R_uv[i, j]: seconds to turn u's output under strategy i into the input v reads under j
+(forward and backward). The ILP, after linearising the products s_u[i] * s_v[j] with e_uv:
+
+    minimise    sum_v  c_v . s_v  +  sum_(u,v) sum_ij R_uv[i,j] e_uv[i,j]
+    subject to  sum_i s_v[i] = 1                                  (one strategy per node)
+                sum_j e_uv[i,j] = s_u[i]     for every i          (edge agrees with its source)
+                sum_i e_uv[i,j] = s_v[j]     for every j          (edge agrees with its target)
+                sum_v m_v . s_v <= M                              (memory, when a budget M is given)
+                s, e in {0, 1}
+
+c_v: compute and the op's own communication (s); m_v: bytes the choice keeps on a device at the
+peak. Nodes tied to a representative (repeated blocks, nodes that must follow their producer)
+share its variables, so the ILP has one copy of each repeated block.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+
+import numpy as np
+import pulp
+
+from autopar.errors import PlanError
+
+# Costs below this are noise; rounding them keeps CBC's numerics clean.
+COST_EPS = 1e-12
+
+
+@dataclasses.dataclass
+class Problem:
+    """costs[v]: shape (k_v,) seconds; memory[v]: shape (k_v,) bytes; edges[(u, v)]: (k_u, k_v)
+    seconds; tie[v] = u means v uses u's variables (same k); budget: bytes or None."""
+
+    costs: dict[str, np.ndarray]
+    memory: dict[str, np.ndarray]
+    edges: dict[tuple[str, str], np.ndarray]
+    tie: dict[str, str] = dataclasses.field(default_factory=dict)
+    budget: float | None = None
+    base_memory: float = 0.0  # bytes that do not depend on any choice
+
+    def rep(self, v: str) -> str:
+        while v in self.tie:
+            v = self.tie[v]
+        return v
+
+    def reduced(self) -> "Problem":
+        """The same problem over representatives only: tied nodes' costs are added to their
+        representative, their edges mapped onto the representatives' edges."""
+        costs: dict[str, np.ndarray] = {}
+        memory: dict[str, np.ndarray] = {}
+        for v in self.costs:
+            r = self.rep(v)
+            if r not in costs:
+                costs[r] = np.zeros_like(self.costs[r], dtype=float)
+                memory[r] = np.zeros_like(self.memory[r], dtype=float)
+            if len(self.costs[v]) != len(costs[r]):
+                raise ValueError(f"node {v} is tied to {r} but has {len(self.costs[v])} strategies, not {len(costs[r])}")
+            costs[r] = costs[r] + self.costs[v]
+            memory[r] = memory[r] + self.memory[v]
+        edges: dict[tuple[str, str], np.ndarray] = {}
+        for (u, v), mat in self.edges.items():
+            ru, rv = self.rep(u), self.rep(v)
+            if ru == rv:
+                costs[ru] = costs[ru] + np.diag(mat)  # both ends always pick the same index
+                continue
+            if (rv, ru) in edges:
+                edges[(rv, ru)] = edges[(rv, ru)] + mat.T
+            else:
+                edges[(ru, rv)] = edges.get((ru, rv), 0) + mat
+        return Problem(costs, memory, edges, {}, self.budget, self.base_memory)
+
+
+@dataclasses.dataclass
+class Solution:
+    choice: dict[str, int]
+    objective: float
+    memory: float
+    status: str
+    solve_seconds: float
+    n_variables: int
+    n_constraints: int
+
+
+def evaluate(problem: Problem, choice: dict[str, int]) -> tuple[float, float]:
+    """(objective, memory) of a full assignment (tied nodes read their representative's choice)."""
+    pick = {v: choice[problem.rep(v)] for v in problem.costs}
+    obj = sum(float(problem.costs[v][pick[v]]) for v in problem.costs)
+    obj += sum(float(m[pick[u], pick[v]]) for (u, v), m in problem.edges.items())
+    mem = problem.base_memory + sum(float(problem.memory[v][pick[v]]) for v in problem.memory)
+    return obj, mem
+
+
+def _prune_infinite(problem: Problem) -> dict[str, list[int]]:
+    """Strategies worth a variable: finite own cost."""
+    return {v: [i for i, c in enumerate(cs) if math.isfinite(c)] for v, cs in problem.costs.items()}
+
+
+def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = None, msg: bool = False) -> Solution:
+    """Solve with pulp: HiGHS when highspy is installed (or ``solver="highs"``), else CBC."""
+    t0 = time.perf_counter()
+    red = problem.reduced()
+    alive = _prune_infinite(red)
+    for v, idx in alive.items():
+        if not idx:
+            raise PlanError(f"node {v} has no strategy with a finite cost")
+    lp = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
+    s = {v: {i: pulp.LpVariable(f"s_{n}_{i}", cat="Binary") for i in idx} for n, (v, idx) in enumerate(alive.items())}
+    objective = []
+    for v, vars_ in s.items():
+        lp += pulp.lpSum(vars_.values()) == 1, f"one_strategy_{len(lp.constraints)}"
+        objective += [_round(red.costs[v][i]) * x for i, x in vars_.items() if _round(red.costs[v][i])]
+    for n, ((u, v), mat) in enumerate(red.edges.items()):
+        su, sv = s[u], s[v]
+        if len(su) == 1 or len(sv) == 1:
+            # One side is fixed: the edge cost is linear in the other side's choice.
+            for i, xi in su.items():
+                for j, xj in sv.items():
+                    c = _round(mat[i, j])
+                    if math.isinf(c):
+                        lp += (xi + xj <= 1), f"forbid_{n}_{i}_{j}"
+                    elif c:
+                        objective.append(c * (xj if len(su) == 1 else xi))
+            continue
+        e = {}
+        for i in su:
+            for j in sv:
+                c = _round(mat[i, j])
+                if math.isinf(c):
+                    continue  # no variable: the pair cannot be chosen together
+                e[i, j] = pulp.LpVariable(f"e_{n}_{i}_{j}", lowBound=0, upBound=1)
+                if c:
+                    objective.append(c * e[i, j])
+        for i, xi in su.items():
+            lp += pulp.lpSum(e[i, j] for j in sv if (i, j) in e) == xi, f"edge_src_{n}_{i}"
+        for j, xj in sv.items():
+            lp += pulp.lpSum(e[i, j] for i in su if (i, j) in e) == xj, f"edge_dst_{n}_{j}"
+    if problem.budget is not None:
+        lp += (
+            pulp.lpSum(float(red.memory[v][i]) * x for v, vars_ in s.items() for i, x in vars_.items())
+            <= problem.budget - problem.base_memory,
+            "memory_budget",
+        )
+    lp += pulp.lpSum(objective)
+    status = lp.solve(_solver(solver, time_limit_s, msg))
+    status_name = pulp.LpStatus[status]
+    if status_name not in ("Optimal",) and not _has_solution(s):
+        if problem.budget is not None:
+            need = min_memory(problem)
+            raise PlanError(
+                f"no plan fits the memory budget of {_fmt_bytes(problem.budget)} per device; the smallest plan needs "
+                f"{_fmt_bytes(need)} per device. Raise the budget, use more devices, or a smaller model/batch."
+            )
+        raise PlanError(f"the ILP solver ended with status {status_name} and no plan")
+    choice = {v: max(vars_, key=lambda i: vars_[i].value() or 0.0) for v, vars_ in s.items()}
+    full = {v: choice[problem.rep(v)] for v in problem.costs}
+    obj, mem = evaluate(problem, full)
+    if problem.budget is not None and mem > problem.budget * (1 + 1e-9):
+        need = min_memory(problem)
+        raise PlanError(
+            f"no plan fits the memory budget of {_fmt_bytes(problem.budget)} per device; the smallest plan needs "
+            f"{_fmt_bytes(need)} per device. Raise the budget, use more devices, or a smaller model/batch."
+        )
+    return Solution(full, obj, mem, status_name, time.perf_counter() - t0, lp.numVariables(), lp.numConstraints())
+
+
+def min_memory(problem: Problem) -> float:
+    """The smallest memory any assignment needs (memory is a sum of per-node terms, and infinite
+    cost pairs do not forbid memory), used in the infeasibility message."""
+    red = problem.reduced()
+    return problem.base_memory + sum(float(np.min(m)) for m in red.memory.values())
+
+
+def _has_solution(s) -> bool:
+    return all(any((x.value() or 0) > 0.5 for x in vars_.values()) for vars_ in s.values())
+
+
+def _round(c: float) -> float:
+    c = float(c)
+    return 0.0 if abs(c) < COST_EPS else c
+
+
+def _solver(name: str | None, time_limit_s: float, msg: bool):
+    if name in (None, "highs"):
+        try:
+            import highspy  # noqa: F401
+
+            return pulp.HiGHS(msg=msg, timeLimit=time_limit_s)
+        except ImportError:
+            if name == "highs":
+                raise PlanError("solver 'highs' needs the highspy package: pip install 'autopar[highs]'") from None
+    return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s)
+
+
+def brute_force(problem: Problem) -> tuple[dict[str, int], float]:
+    """Exhaustive search over representatives (for tests on tiny problems)."""
+    red = problem.reduced()
+    names = list(red.costs)
+    best, best_choice = math.inf, None
+    for combo in itertools.product(*(range(len(red.costs[v])) for v in names)):
+        choice = dict(zip(names, combo))
+        obj, mem = evaluate(red, choice)
+        if problem.budget is not None and mem > problem.budget:
+            continue
+        if obj < best:
+            best, best_choice = obj, choice
+    if best_choice is None:
+        raise PlanError("no assignment has a finite cost within the memory budget")
+    return {v: best_choice[problem.rep(v)] for v in problem.costs}, best
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"

@@ -1,0 +1,196 @@
+"""From a traced graph to the ILP: candidate strategies per node, their costs, the edge matrices.
+
+Placeholders get strategies too. A parameter's strategy is its *storage*: replicated, split (read
+as split by a tensor-parallel consumer, or gathered before use = FSDP/ZeRO-3), and, where it is
+replicated over active axes, a ZeRO-2 variant that shards its gradient and optimizer states over
+those axes. User inputs may be split for free (every rank holds the full batch and slices it).
+The output node reads every returned tensor replicated.
+
+Gradients follow the dual-layout convention (autopar/codegen/collectives.py): a tensor replicated
+over an axis gets a pending-sum gradient there, so every parameter stored replicated over an
+active axis pays one all-reduce of its gradient per step over those axes, and every resharding
+edge on the gradient path pays its dual in backward (priced equal to the forward plan).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from autopar.cost_model import compute as compute_model
+from autopar.cost_model import memory as memory_model
+from autopar.cost_model.comm import mesh_collective_time
+from autopar.ir.graph import Role
+from autopar.sharding_spec.reshard import reshard_cost
+from autopar.sharding_spec.spec import ShardingSpec
+from autopar.sharding_spec.strategy import OpContext, Strategy, active_axes, enumerate_specs, rep, strategies_for
+from autopar.solver.ilp import Problem
+
+
+@dataclasses.dataclass
+class NodeChoices:
+    """A node's candidates and what each costs. ``grad_sync[i]``: (kind, axes, bytes) of the
+    gradient collective a parameter storage choice implies, or None."""
+
+    name: str
+    strategies: list[Strategy]
+    compute_s: np.ndarray
+    comm_s: np.ndarray
+    memory: np.ndarray
+    grad_sync: list
+
+
+@dataclasses.dataclass
+class Built:
+    problem: Problem
+    choices: dict[str, NodeChoices]
+    # (producer, consumer, input position) for every tensor edge
+    edge_list: list[tuple[str, str, int]]
+    requires_grad: set[str]
+
+
+def requires_grad(graph) -> set[str]:
+    """Nodes whose value carries a gradient: floating values downstream of a parameter."""
+    out = set()
+    for node in graph.nodes.values():
+        floating = _is_floating(node.meta)
+        if node.role == Role.PARAMETER:
+            out.add(node.name)
+        elif floating and any(i in out for i in node.inputs):
+            out.add(node.name)
+    return out
+
+
+def _is_floating(meta) -> bool:
+    if meta is None:
+        return False
+    if isinstance(meta, tuple):
+        return any(_is_floating(m) for m in meta)
+    return meta.dtype in ("float32", "float16", "bfloat16", "float64")
+
+
+def _param_choices(node, mesh, optimizer: str) -> tuple[list[Strategy], list, list, list]:
+    meta = node.meta
+    itemsize = meta.itemsize
+    act = active_axes(mesh)
+    strategies, costs, mems, syncs = [], [], [], []
+    for spec in enumerate_specs(meta.shape, mesh):
+        repl = tuple(a for a in act if a not in spec.used_axes)
+        local = memory_model.local_bytes(spec, mesh, itemsize)
+        family = "replicated" if spec.is_replicated else "sharded"
+        if repl:
+            grad_spec = ShardingSpec(spec.shape, spec.dim_axes, repl, mesh.ndim)
+            cost = reshard_cost(grad_spec, spec, mesh, itemsize)
+            sync = ("all_reduce", repl, local)
+        else:
+            cost, sync = 0.0, None
+        strategies.append(Strategy((), spec, family, 1.0))
+        costs.append(cost)
+        mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer))
+        syncs.append(sync)
+        if repl:
+            # ZeRO-2: reduce-scatter the gradient, update a shard, all-gather the new parameter.
+            cost_z = mesh_collective_time("reduce_scatter", local, mesh, repl) + mesh_collective_time("all_gather", local, mesh, repl)
+            strategies.append(Strategy((), spec, "zero2" if spec.is_replicated else "sharded+zero2", 1.0))
+            costs.append(cost_z)
+            mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl))
+            syncs.append(("reduce_scatter+all_gather", repl, local))
+    return strategies, costs, mems, syncs
+
+
+def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None) -> dict[str, NodeChoices]:
+    saved = memory_model.saved_for_backward(graph)
+    out = {}
+    for node in graph.nodes.values():
+        syncs = None
+        if node.op == "placeholder" and node.role == Role.PARAMETER:
+            strategies, comm, mem, syncs = _param_choices(node, mesh, optimizer)
+            comp = [0.0] * len(strategies)
+        elif node.op == "placeholder":
+            strategies = [Strategy((), spec, "input" if node.role == Role.INPUT else "buffer", 1.0) for spec in _placeholder_specs(node, mesh)]
+            comp = [0.0] * len(strategies)
+            comm = [0.0] * len(strategies)
+            mem = [memory_model.local_bytes(s.output, mesh, node.meta.itemsize) for s in strategies]
+        elif node.op == "output":
+            ins = tuple(rep(graph.nodes[i].meta.shape, mesh) if _is_tensor(graph.nodes[i].meta) else None for i in node.inputs)
+            strategies = [Strategy(ins, None, "output", 1.0)]
+            comp, comm, mem = [0.0], [0.0], [0.0]
+        else:
+            ctx = OpContext(node, mesh, [graph.nodes[i].meta for i in node.inputs], graph)
+            strategies = strategies_for(ctx)
+            comp = [sum(compute_model.node_time(node, s, graph, mesh, op_table)) for s in strategies]
+            comm = [0.0] * len(strategies)
+            mem = [memory_model.node_activation_bytes(node, s.output, mesh) if node.name in saved else 0.0 for s in strategies]
+        n = len(strategies)
+        out[node.name] = NodeChoices(
+            node.name, strategies, np.asarray(comp, float), np.asarray(comm, float), np.asarray(mem, float),
+            syncs if syncs is not None else [None] * n,
+        )
+    return out
+
+
+def _is_tensor(meta) -> bool:
+    return meta is not None and not isinstance(meta, tuple)
+
+
+def _placeholder_specs(node, mesh) -> list[ShardingSpec]:
+    if not _is_tensor(node.meta):
+        return [None]
+    if node.role == Role.INPUT:
+        return enumerate_specs(node.meta.shape, mesh)
+    return enumerate_specs(node.meta.shape, mesh) if node.role == Role.BUFFER else [rep(node.meta.shape, mesh)]
+
+
+def produced_spec(strategy: Strategy, consumer, position: int, graph):
+    """The spec the producer hands to ``consumer``'s input ``position`` (a tuple output is
+    indexed by the consumer's getitem index)."""
+    out = strategy.output
+    if isinstance(out, tuple):
+        if consumer.target == "operator.getitem":
+            return out[consumer.args[1]]
+        return None
+    return out
+
+
+def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool) -> np.ndarray:
+    consumer = graph.nodes[cons.name]
+    mat = np.zeros((len(prod.strategies), len(cons.strategies)))
+    itemsize = _itemsize(graph.nodes[prod.name].meta)
+    factor = 2.0 if with_backward else 1.0
+    for i, ps in enumerate(prod.strategies):
+        src = produced_spec(ps, consumer, position, graph)
+        for j, cs in enumerate(cons.strategies):
+            dst = cs.inputs[position] if position < len(cs.inputs) else None
+            if src is None or dst is None:
+                continue
+            mat[i, j] = factor * reshard_cost(src, dst, mesh, itemsize)
+    return mat
+
+
+def _itemsize(meta) -> int:
+    if isinstance(meta, tuple):
+        metas = [m for m in meta if m is not None]
+        return metas[0].itemsize if metas else 4
+    return meta.itemsize if meta is not None else 4
+
+
+def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", op_table=None, choices=None) -> Built:
+    choices = choices or node_choices(graph, mesh, optimizer=optimizer, op_table=op_table)
+    grad = requires_grad(graph)
+    edges: dict[tuple[str, str], np.ndarray] = {}
+    edge_list = []
+    for node in graph.nodes.values():
+        for pos, src in enumerate(node.inputs):
+            if src not in choices:
+                continue
+            mat = edge_matrix(graph, choices[src], choices[node.name], pos, mesh, with_backward=src in grad)
+            edge_list.append((src, node.name, pos))
+            key = (src, node.name)
+            edges[key] = edges[key] + mat if key in edges else mat
+    problem = Problem(
+        costs={v: c.compute_s + c.comm_s for v, c in choices.items()},
+        memory={v: c.memory for v, c in choices.items()},
+        edges=edges,
+        budget=memory_budget,
+    )
+    return Built(problem, choices, edge_list, grad)

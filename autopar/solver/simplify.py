@@ -1,0 +1,132 @@
+"""Graph simplification so the ILP scales.
+
+1. Repeated-block reuse: layers the tracer found structurally identical are tied position by
+   position to the first layer of their group, so the ILP holds one copy of each block (a
+   restriction: every copy picks the same strategies; boundary edges between copies are kept).
+2. Exact elimination of chain nodes (variable elimination, min-sum): a node with one neighbour is
+   folded into it, c_w[k] += min_j (c_v[j] + R_vw[j, k]); a node between two neighbours becomes an
+   edge, R_uw[i, k] = min_j (R_uv[i, j] + c_v[j] + R_vw[j, k]). The optimum is unchanged. Under a
+   memory budget only nodes whose memory does not depend on their choice are eliminated.
+Eliminated choices are recovered after solving from the stored argmin tables.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from autopar.solver.ilp import Problem
+
+
+def block_ties(graph, choices) -> dict[str, str]:
+    """tie[v] = u for every node of a repeated block's later copies."""
+    by_layer: dict[str, list] = {}
+    for node in graph.nodes.values():
+        if node.layer is not None and node.op != "output":
+            by_layer.setdefault(node.layer, []).append(node)
+    tie = {}
+    for group in graph.blocks:
+        if len(group) < 2:
+            continue
+        first = by_layer.get(group[0], [])
+        for layer in group[1:]:
+            other = by_layer.get(layer, [])
+            if len(other) != len(first) or not all(_same_shape(a, b, choices) for a, b in zip(first, other)):
+                continue  # not positionally identical after all: leave this copy free
+            for a, b in zip(first, other):
+                tie[b.name] = a.name
+    return tie
+
+
+def _same_shape(a, b, choices) -> bool:
+    ca, cb = choices[a.name], choices[b.name]
+    return (
+        a.target == b.target
+        and a.meta == b.meta
+        and len(ca.strategies) == len(cb.strategies)
+        and all(x.inputs == y.inputs and x.output == y.output for x, y in zip(ca.strategies, cb.strategies))
+    )
+
+
+@dataclasses.dataclass
+class Elimination:
+    node: str
+    neighbours: tuple[str, ...]  # 0, 1 or 2 neighbours
+    argmin: np.ndarray  # index table over the neighbours' choices
+
+
+def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
+    """Fold away nodes with at most two neighbours (see the module docstring). ``problem`` must
+    have no ties (use ``problem.reduced()``)."""
+    costs = {v: c.astype(float).copy() for v, c in problem.costs.items()}
+    memory = {v: m.astype(float).copy() for v, m in problem.memory.items()}
+    edges = {k: m.astype(float).copy() for k, m in problem.edges.items()}
+    base_memory = problem.base_memory
+    adj: dict[str, set[str]] = {v: set() for v in costs}
+    for u, v in edges:
+        adj[u].add(v)
+        adj[v].add(u)
+    records: list[Elimination] = []
+
+    def mat(u, v):  # R oriented u -> v
+        return edges[(u, v)] if (u, v) in edges else edges[(v, u)].T
+
+    def drop_edge(u, v):
+        edges.pop((u, v), None)
+        edges.pop((v, u), None)
+        adj[u].discard(v)
+        adj[v].discard(u)
+
+    def add_edge(u, w, m):
+        if (u, w) in edges:
+            edges[(u, w)] = edges[(u, w)] + m
+        elif (w, u) in edges:
+            edges[(w, u)] = edges[(w, u)] + m.T
+        else:
+            edges[(u, w)] = m
+            adj[u].add(w)
+            adj[w].add(u)
+
+    def removable(v) -> bool:
+        if len(adj[v]) > 2 or len(costs) <= 2:
+            return False
+        return problem.budget is None or np.ptp(memory[v]) == 0
+
+    changed = True
+    while changed:
+        changed = False
+        for v in list(costs):
+            if v not in costs or not removable(v):
+                continue
+            nbrs = tuple(sorted(adj[v]))
+            cv = costs[v]
+            if len(nbrs) == 0:
+                table = np.array(int(np.argmin(cv)))
+            elif len(nbrs) == 1:
+                (w,) = nbrs
+                total = cv[:, None] + mat(v, w)  # (j, k)
+                table = np.argmin(total, axis=0)
+                costs[w] = costs[w] + np.min(total, axis=0)
+                drop_edge(v, w)
+            else:
+                u, w = nbrs
+                total = mat(u, v)[:, :, None] + cv[None, :, None] + mat(v, w)[None, :, :]  # (i, j, k)
+                table = np.argmin(total, axis=1)
+                new = np.min(total, axis=1)
+                drop_edge(u, v)
+                drop_edge(v, w)
+                add_edge(u, w, new)
+            base_memory += float(memory[v][0]) if problem.budget is not None else 0.0
+            records.append(Elimination(v, nbrs, table))
+            del costs[v], memory[v], adj[v]
+            changed = True
+    return Problem(costs, memory, edges, {}, problem.budget, base_memory), records
+
+
+def recover(choice: dict[str, int], records: list[Elimination]) -> dict[str, int]:
+    """Choices of eliminated nodes, from the survivors' choices (last eliminated first)."""
+    choice = dict(choice)
+    for rec in reversed(records):
+        idx = tuple(choice[n] for n in rec.neighbours)
+        choice[rec.node] = int(rec.argmin[idx]) if idx else int(rec.argmin)
+    return choice
