@@ -17,10 +17,14 @@ share its variables, so the ILP has one copy of each repeated block.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
+import os
+import sys
 import time
+import warnings
 
 import numpy as np
 import pulp
@@ -109,10 +113,11 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
         if not idx:
             raise PlanError(f"node {v} has no strategy with a finite cost")
     lp = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
-    s = {v: {i: pulp.LpVariable(f"s_{n}_{i}", cat="Binary") for i in idx} for n, (v, idx) in enumerate(alive.items())}
+    var = _variable_factory(lp)
+    s = {v: {i: var(f"s_{n}_{i}", cat="Binary") for i in idx} for n, (v, idx) in enumerate(alive.items())}
     objective = []
-    for v, vars_ in s.items():
-        lp += pulp.lpSum(vars_.values()) == 1, f"one_strategy_{len(lp.constraints)}"
+    for n, (v, vars_) in enumerate(s.items()):
+        lp += pulp.lpSum(vars_.values()) == 1, f"one_strategy_{n}"
         objective += [_round(red.costs[v][i]) * x for i, x in vars_.items() if _round(red.costs[v][i])]
     for n, ((u, v), mat) in enumerate(red.edges.items()):
         su, sv = s[u], s[v]
@@ -132,7 +137,7 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
                 c = _round(mat[i, j])
                 if math.isinf(c):
                     continue  # no variable: the pair cannot be chosen together
-                e[i, j] = pulp.LpVariable(f"e_{n}_{i}_{j}", lowBound=0, upBound=1)
+                e[i, j] = var(f"e_{n}_{i}_{j}", lowBound=0, upBound=1)
                 if c:
                     objective.append(c * e[i, j])
         for i, xi in su.items():
@@ -146,7 +151,8 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
             "memory_budget",
         )
     lp += pulp.lpSum(objective)
-    status = lp.solve(_solver(solver, time_limit_s, msg))
+    with _quiet(not msg):
+        status = lp.solve(_solver(solver, time_limit_s, msg))
     status_name = pulp.LpStatus[status]
     if status_name not in ("Optimal",) and not _has_solution(s):
         if problem.budget is not None:
@@ -166,6 +172,30 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
             f"{_fmt_bytes(need)} per device. Raise the budget, use more devices, or a smaller model/batch."
         )
     return Solution(full, obj, mem, status_name, time.perf_counter() - t0, lp.numVariables(), lp.numConstraints())
+
+
+@contextlib.contextmanager
+def _quiet(enabled: bool):
+    """Silence what native solvers print straight to file descriptor 1 (HiGHS' banner)."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _variable_factory(lp):
+    """pulp >= 3.3 attaches variables to the problem; older releases construct them directly."""
+    if hasattr(lp, "add_variable"):
+        return lambda name, **kw: lp.add_variable(name, **kw)
+    return lambda name, **kw: pulp.LpVariable(name, **kw)
 
 
 def min_memory(problem: Problem) -> float:
@@ -193,7 +223,9 @@ def _solver(name: str | None, time_limit_s: float, msg: bool):
         except ImportError:
             if name == "highs":
                 raise PlanError("solver 'highs' needs the highspy package: pip install 'autopar[highs]'") from None
-    return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # pulp 3.3 nudges towards pulp[cbc]
+        return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s)
 
 
 def brute_force(problem: Problem) -> tuple[dict[str, int], float]:

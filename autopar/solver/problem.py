@@ -21,7 +21,7 @@ from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.ir.graph import Role
-from autopar.sharding_spec.reshard import reshard_cost
+from autopar.sharding_spec.reshard import local_bytes, reshard_cost
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import OpContext, Strategy, active_axes, enumerate_specs, rep, strategies_for
 from autopar.solver.ilp import Problem
@@ -76,7 +76,7 @@ def _param_choices(node, mesh, optimizer: str) -> tuple[list[Strategy], list, li
     strategies, costs, mems, syncs = [], [], [], []
     for spec in enumerate_specs(meta.shape, mesh):
         repl = tuple(a for a in act if a not in spec.used_axes)
-        local = memory_model.local_bytes(spec, mesh, itemsize)
+        local = local_bytes(spec, mesh.shape, itemsize)
         family = "replicated" if spec.is_replicated else "sharded"
         if repl:
             grad_spec = ShardingSpec(spec.shape, spec.dim_axes, repl, mesh.ndim)
@@ -110,7 +110,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None) -> dic
             strategies = [Strategy((), spec, "input" if node.role == Role.INPUT else "buffer", 1.0) for spec in _placeholder_specs(node, mesh)]
             comp = [0.0] * len(strategies)
             comm = [0.0] * len(strategies)
-            mem = [memory_model.local_bytes(s.output, mesh, node.meta.itemsize) for s in strategies]
+            mem = [local_bytes(s.output, mesh.shape, node.meta.itemsize) if s.output is not None else 0 for s in strategies]
         elif node.op == "output":
             ins = tuple(rep(graph.nodes[i].meta.shape, mesh) if _is_tensor(graph.nodes[i].meta) else None for i in node.inputs)
             strategies = [Strategy(ins, None, "output", 1.0)]
@@ -120,7 +120,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None) -> dic
             strategies = strategies_for(ctx)
             comp = [sum(compute_model.node_time(node, s, graph, mesh, op_table)) for s in strategies]
             comm = [0.0] * len(strategies)
-            mem = [memory_model.node_activation_bytes(node, s.output, mesh) if node.name in saved else 0.0 for s in strategies]
+            mem = [memory_model.node_activation_bytes(node, s.output, mesh, saved) for s in strategies]
         n = len(strategies)
         out[node.name] = NodeChoices(
             node.name, strategies, np.asarray(comp, float), np.asarray(comm, float), np.asarray(mem, float),

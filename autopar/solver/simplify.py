@@ -41,7 +41,8 @@ def block_ties(graph, choices) -> dict[str, str]:
 def _same_shape(a, b, choices) -> bool:
     ca, cb = choices[a.name], choices[b.name]
     return (
-        a.target == b.target
+        a.op == b.op
+        and (a.op == "placeholder" or a.target == b.target)  # placeholders are named after their parameter
         and a.meta == b.meta
         and len(ca.strategies) == len(cb.strategies)
         and all(x.inputs == y.inputs and x.output == y.output for x, y in zip(ca.strategies, cb.strategies))

@@ -1,0 +1,91 @@
+"""The ILP against brute force, and the exactness of chain elimination."""
+import numpy as np
+import pytest
+
+from autopar.errors import PlanError
+from autopar.solver.ilp import Problem, brute_force, evaluate, min_memory, solve
+from autopar.solver.simplify import eliminate, recover
+
+
+def random_problem(seed: int, n_max: int = 8, budget: bool = False, infinite: bool = True) -> Problem:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, n_max + 1))
+    names = [f"v{i}" for i in range(n)]
+    k = {v: int(rng.integers(1, 4)) for v in names}
+    costs = {v: rng.random(k[v]) for v in names}
+    memory = {v: rng.integers(0, 10, k[v]).astype(float) for v in names}
+    edges = {}
+    for i in range(1, n):
+        for _ in range(int(rng.integers(1, 3))):
+            u, v = names[int(rng.integers(0, i))], names[i]
+            m = rng.random((k[u], k[v]))
+            if infinite and rng.random() < 0.2:
+                m[0, -1] = np.inf
+            edges[(u, v)] = edges.get((u, v), 0) + m
+    return Problem(costs, memory, edges, budget=float(rng.integers(n, 6 * n)) if budget else None)
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("budget", [False, True])
+def test_ilp_equals_brute_force(seed, budget):
+    p = random_problem(seed, budget=budget)
+    try:
+        _, best = brute_force(p)
+    except PlanError:
+        with pytest.raises(PlanError):
+            solve(p)
+        return
+    sol = solve(p)
+    assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+    if p.budget is not None:
+        assert sol.memory <= p.budget
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_elimination_keeps_the_optimum(seed):
+    p = random_problem(seed, infinite=False)
+    _, best = brute_force(p)
+    small, records = eliminate(p)
+    assert len(small.costs) <= len(p.costs)
+    choice = recover(solve(small).choice, records)
+    assert evaluate(p, choice)[0] == pytest.approx(best, rel=1e-9)
+
+
+def test_elimination_under_budget_keeps_memory_varying_nodes():
+    p = random_problem(3, budget=True, infinite=False)
+    small, _ = eliminate(p)
+    for v in p.costs:
+        if np.ptp(p.memory[v]) > 0:
+            assert v in small.costs
+
+
+def test_ties_share_one_choice():
+    costs = {"a": np.array([1.0, 0.0]), "b": np.array([0.0, 5.0]), "c": np.array([0.0, 0.0])}
+    memory = {v: np.zeros(2) for v in costs}
+    edges = {("a", "c"): np.zeros((2, 2)), ("b", "c"): np.zeros((2, 2))}
+    free = solve(Problem(costs, memory, edges))
+    assert free.choice["a"] == 1 and free.choice["b"] == 0
+    tied = solve(Problem(costs, memory, edges, tie={"b": "a"}))
+    assert tied.choice["a"] == tied.choice["b"] == 0  # 1 + 0 beats 0 + 5
+    assert tied.objective == pytest.approx(1.0)
+
+
+def test_infeasible_budget_names_the_smallest_memory():
+    costs = {"a": np.array([0.0, 1.0]), "b": np.array([0.0, 1.0])}
+    memory = {"a": np.array([8.0, 3.0]), "b": np.array([8.0, 2.0])}
+    p = Problem(costs, memory, {("a", "b"): np.zeros((2, 2))}, budget=4.0)
+    assert min_memory(p) == 5.0
+    with pytest.raises(PlanError, match=r"smallest plan needs 5 B per device"):
+        solve(p)
+
+
+def test_budget_forces_the_small_choice():
+    costs = {"a": np.array([0.0, 1.0])}
+    memory = {"a": np.array([10.0, 1.0])}
+    assert solve(Problem(costs, memory, {})).choice["a"] == 0
+    assert solve(Problem(costs, memory, {}, budget=5.0)).choice["a"] == 1
+
+
+def test_cbc_and_highs_agree():
+    p = random_problem(7, infinite=False)
+    assert solve(p, solver="cbc").objective == pytest.approx(solve(p, solver="highs").objective, rel=1e-9)

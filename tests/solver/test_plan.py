@@ -1,0 +1,67 @@
+"""Plan: JSON round trip, summary, model check, explain."""
+import json
+import warnings
+
+import pytest
+
+import autopar
+from autopar import ir, models
+from autopar.errors import PlanError
+
+
+@pytest.fixture(scope="module")
+def gpt_plan():
+    warnings.simplefilter("ignore")
+    model, inputs = models.build("gpt", layers=2)
+    return autopar.plan(model, autopar.Mesh((2, 2)), inputs)
+
+
+def test_json_round_trip_is_exact(gpt_plan, tmp_path):
+    path = tmp_path / "plan.json"
+    gpt_plan.save(path)
+    loaded = autopar.Plan.load(path)
+    assert loaded == gpt_plan
+    assert loaded.to_json() == gpt_plan.to_json()
+    assert json.loads(path.read_text())["schema_version"] == 1
+    loaded.save(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_text() == path.read_text()
+
+
+def test_summary_has_the_contract_keys(gpt_plan):
+    s = gpt_plan.summary()
+    for key in ("step_time_s", "compute_s", "comm_s", "memory_bytes_per_device", "families", "collectives"):
+        assert key in s
+    assert s["step_time_s"] == pytest.approx(s["compute_s"] + s["comm_s"])
+    assert s["step_time_s"] == pytest.approx(gpt_plan.solver["objective_s"])
+    for kind, axes, nbytes in s["collectives"]:
+        assert kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+        assert all(0 <= a < 2 for a in axes) and nbytes > 0
+
+
+def test_plan_for_another_model_is_rejected(gpt_plan):
+    other, inputs = models.build("gpt", layers=3)
+    graph = ir.trace(other, inputs)
+    with pytest.raises(PlanError, match="made for model 'GPT'.*Make a new plan"):
+        gpt_plan.check_model(graph.fingerprint(), "GPT with 3 layers")
+    same, inputs = models.build("gpt", layers=2)
+    gpt_plan.check_model(ir.trace(same, inputs).fingerprint())
+
+
+def test_bad_plan_files(tmp_path):
+    with pytest.raises(PlanError, match="does not exist"):
+        autopar.Plan.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        autopar.Plan.load(tmp_path / "bad.json")
+    (tmp_path / "old.json").write_text(json.dumps({"schema_version": 0}))
+    with pytest.raises(PlanError, match="schema version 0"):
+        autopar.Plan.load(tmp_path / "old.json")
+    (tmp_path / "other.json").write_text(json.dumps({"schema_version": 1, "nodes": []}))
+    with pytest.raises(PlanError, match="not an autopar plan"):
+        autopar.Plan.load(tmp_path / "other.json")
+
+
+def test_explain_names_layers_ops_and_totals(gpt_plan):
+    text = gpt_plan.explain()
+    assert "transformer.h.0" in text
+    assert "linear" in text and "predicted step time" in text and "memory per device" in text
