@@ -1,0 +1,272 @@
+"""``trace``: torch.export (non-strict, training IR) -> Graph.
+
+The exported program is kept as is (no decompositions), so ops such as ``aten.linear``,
+``aten.scaled_dot_product_attention`` and ``aten.layer_norm`` stay whole for the sharding rules.
+The model runs in whatever mode it is in: a model in training mode keeps its dropout ops.
+"""
+from __future__ import annotations
+
+import os
+import re
+import traceback
+from typing import Any
+
+import torch
+from torch.export.graph_signature import InputKind, OutputKind
+
+from autopar.errors import TraceError
+from autopar.ir.blocks import assign_layers, find_blocks
+from autopar.ir.flops import count_flops
+from autopar.ir.graph import Graph, Meta, Node, NodeRef, Role, TensorMeta
+
+_INPUT_ROLES = {
+    InputKind.PARAMETER: Role.PARAMETER,
+    InputKind.BUFFER: Role.BUFFER,
+    InputKind.USER_INPUT: Role.INPUT,
+    InputKind.CONSTANT_TENSOR: Role.CONSTANT,
+    InputKind.CUSTOM_OBJ: Role.CONSTANT,
+    InputKind.TOKEN: Role.CONSTANT,
+}
+
+
+def trace(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    name: str | None = None,
+) -> Graph:
+    """Export ``model`` called as ``model(*example_inputs, **example_kwargs)`` into a Graph.
+
+    Raises TraceError (with torch's error as ``__cause__``) when torch.export cannot trace it.
+    """
+    if isinstance(example_inputs, list):
+        example_inputs = tuple(example_inputs)
+    elif not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    try:
+        exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
+    except Exception as exc:  # torch raises many types; all mean "could not trace"
+        raise TraceError(explain_failure(model, exc)) from exc
+    return from_exported(model, exported, name=name)
+
+
+def from_exported(model: torch.nn.Module, exported: torch.export.ExportedProgram, *, name: str | None = None) -> Graph:
+    """Build a Graph from an ExportedProgram of ``model`` (its original, un-exported module)."""
+    sig = exported.graph_signature
+    gm = exported.graph_module
+    specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
+    user_outputs = _user_outputs(sig)
+    params, param_names, dropped = _resolve_aliases(model, gm, specs, InputKind.PARAMETER, "named_parameters")
+    buffers, buffer_names, dropped_b = _resolve_aliases(model, gm, specs, InputKind.BUFFER, "named_buffers")
+    names_of = {**param_names, **buffer_names}  # placeholder name -> canonical fqn
+    dropped |= dropped_b
+    root_type = type(model).__name__
+
+    nodes: dict[str, Node] = {}
+    for fx_node in gm.graph.nodes:
+        if fx_node.name in dropped:
+            continue
+        inputs: list[str] = []
+        args = _convert(fx_node.args, inputs)
+        kwargs = _convert(dict(fx_node.kwargs), inputs)
+        meta = _meta_of(fx_node, gm)
+        target = target_name(fx_node.target)
+        path, mtype = _module_of(fx_node, model, names_of.get(fx_node.name), root_type)
+        node = Node(
+            name=fx_node.name,
+            op=fx_node.op,
+            target=target,
+            inputs=inputs,
+            args=args,
+            kwargs=kwargs,
+            meta=meta,
+            flops=0,
+            role=_role(fx_node, specs, user_outputs),
+            module_path=path,
+            module_type=mtype,
+            param_name=names_of.get(fx_node.name),
+            users=[u.name for u in fx_node.users],
+            fx_node=fx_node,
+        )
+        if fx_node.op == "call_function":
+            ins = [m for m in (nodes[i].meta for i in inputs if i in nodes) if isinstance(m, TensorMeta)]
+            node.flops = count_flops(target, ins, meta)
+        nodes[node.name] = node
+
+    layers = assign_layers(nodes)
+    return Graph(
+        model_name=name or type(model).__name__,
+        nodes=nodes,
+        exported=exported,
+        params=params,
+        buffers=buffers,
+        param_aliases=_aliases(model, "named_parameters") | _aliases(model, "named_buffers"),
+        inputs=[n for n, s in specs.items() if s.kind == InputKind.USER_INPUT],
+        outputs=list(user_outputs),
+        layers=layers,
+        blocks=find_blocks(nodes, layers),
+    )
+
+
+# ---- node fields ------------------------------------------------------------------------------
+def target_name(target: Any) -> str:
+    """``aten.mm.default``, ``operator.getitem``, ``higher_order.cond``; strings pass through."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{target.name()}"
+    module = {"_operator": "operator", "builtins": ""}.get(target.__module__ or "", target.__module__ or "")
+    qualname = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
+    return f"{module}.{qualname}" if module else qualname
+
+
+def _convert(value: Any, refs: list[str]) -> Any:
+    """fx args -> same structure with NodeRefs; appends every referenced name to ``refs``."""
+    if isinstance(value, torch.fx.Node):
+        refs.append(value.name)
+        return NodeRef(value.name)
+    if isinstance(value, tuple):
+        return tuple(_convert(v, refs) for v in value)
+    if isinstance(value, list):
+        return [_convert(v, refs) for v in value]
+    if isinstance(value, dict):
+        return {k: _convert(v, refs) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(_convert(value.start, refs), _convert(value.stop, refs), _convert(value.step, refs))
+    return value
+
+
+def _meta_of(fx_node: torch.fx.Node, gm: torch.fx.GraphModule) -> Meta:
+    val = fx_node.meta.get("val")
+    if val is None and fx_node.op == "get_attr":
+        val = getattr(gm, fx_node.target, None)
+    if isinstance(val, torch.Tensor):
+        return TensorMeta.of(val)
+    if isinstance(val, (list, tuple)):
+        return tuple(TensorMeta.of(v) if isinstance(v, torch.Tensor) else None for v in val)
+    return None
+
+
+def _role(fx_node: torch.fx.Node, specs: dict, user_outputs: dict[str, None]) -> Role:
+    if fx_node.op == "placeholder":
+        spec = specs.get(fx_node.name)
+        return _INPUT_ROLES.get(spec.kind, Role.CONSTANT) if spec is not None else Role.INPUT
+    if fx_node.op == "get_attr":
+        return Role.CONSTANT
+    if fx_node.op == "output" or fx_node.name in user_outputs:
+        return Role.OUTPUT
+    return Role.ACTIVATION
+
+
+def _module_of(fx_node: torch.fx.Node, model: torch.nn.Module, fqn: str | None, root_type: str) -> tuple[str, str]:
+    """(innermost module path, its class name)."""
+    if fqn is not None:  # a parameter or buffer: the module that owns it
+        path = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        try:
+            return path, type(model.get_submodule(path)).__name__
+        except AttributeError:
+            return path, ""
+    stack = fx_node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "", root_type
+    path, mtype = list(stack.values())[-1]
+    path = re.sub(r"@\d+$", "", path)
+    mtype = mtype if isinstance(mtype, str) else mtype.__qualname__
+    return path, mtype.rsplit(".", 1)[-1]
+
+
+def _user_outputs(sig) -> dict[str, None]:
+    """Names of the user outputs, in order, without repeats (a dict used as an ordered set)."""
+    return {
+        s.arg.name: None for s in sig.output_specs if s.kind == OutputKind.USER_OUTPUT and hasattr(s.arg, "name")
+    }
+
+
+# ---- tied weights -----------------------------------------------------------------------------
+def _aliases(model: torch.nn.Module, method: str) -> dict[str, tuple[str, ...]]:
+    """canonical fqn -> every fqn of the same tensor, canonical (first registered) first."""
+    groups: dict[int, list[str]] = {}
+    for fqn, tensor in getattr(model, method)(remove_duplicate=False):
+        if tensor is not None:
+            groups.setdefault(id(tensor), []).append(fqn)
+    return {names[0]: tuple(names) for names in groups.values()}
+
+
+def _resolve_aliases(model, gm, specs, kind, method) -> tuple[dict[str, str], dict[str, str], set[str]]:
+    """For one kind (parameters or buffers): canonical fqn -> the placeholder that is read,
+    placeholder -> canonical fqn, and the alias placeholders nothing reads (to leave out)."""
+    canonical_of = {a: canon for canon, names in _aliases(model, method).items() for a in names}
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    candidates: dict[str, list[str]] = {}
+    for name, spec in specs.items():
+        if spec.kind == kind:
+            candidates.setdefault(canonical_of.get(spec.target, spec.target), []).append(name)
+    chosen, names_of, dropped = {}, {}, set()
+    for canon, names in candidates.items():
+        used = [n for n in names if placeholders[n].users]
+        keep = used or [next((n for n in names if specs[n].target == canon), names[0])]
+        chosen[canon] = keep[0]
+        names_of.update({n: canon for n in keep})
+        dropped.update(n for n in names if n not in keep)
+    return chosen, names_of, dropped
+
+
+# ---- failures ---------------------------------------------------------------------------------
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(__file__)
+
+
+def explain_failure(model: torch.nn.Module, exc: BaseException) -> str:
+    """TraceError message: the model class, torch's key line, where in the user's code, advice."""
+    text = str(exc)
+    headline = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
+    lines = [f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {headline[:400]}"]
+    where = _source_line(text) or _user_frame(exc)
+    if where:
+        lines.append(f"  at {where}")
+    lines.append(f"  try: {_advice(text, exc)}")
+    lines.append("  (torch's full error is chained as __cause__)")
+    return "\n".join(lines)
+
+
+def _source_line(text: str) -> str | None:
+    m = re.search(r"The following call raised this error:\s*\n\s*(File .*?)\n\s*(\S.*)", text)
+    if m:
+        return f"{m.group(1)}: {m.group(2).strip()}"
+    m = re.search(r"# File: (\S+) in (\S+), code: (.+)", text)
+    return f"{m.group(1)} in {m.group(2)}: {m.group(3).strip()}" if m else None
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """The deepest traceback frame outside torch, autopar.ir and the standard library."""
+    best = None
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for fr in traceback.extract_tb(exc.__traceback__):
+            f = fr.filename
+            if f.startswith((_TORCH_DIR, _HERE)) or f.startswith(os.path.dirname(os.__file__)) or f.startswith("<"):
+                continue
+            best = f'File "{f}", line {fr.lineno}, in {fr.name}: {(fr.line or "").strip()}'
+        exc = exc.__cause__ or exc.__context__
+    return best
+
+
+def _advice(text: str, exc: BaseException) -> str:
+    low = text.lower()
+    if "data-dependent" in low or "guardondatadependent" in type(exc).__name__.lower():
+        return (
+            "replace data-dependent Python control flow (if/while on tensor values, .item(), "
+            "int(tensor), shapes that depend on values) with torch.where / torch.cond, move it out "
+            "of forward, or pass inputs that decide the branch with plain Python values (flags, "
+            "sizes) instead of tensor contents"
+        )
+    if "numpy" in low or "tolist" in low or "tensor subclass" in low:
+        return "keep forward in torch ops: no .numpy(), .tolist() or other conversions to Python data"
+    return (
+        "check that model(*example_inputs, **example_kwargs) runs eagerly with these inputs, then "
+        "rewrite the failing line with plain torch ops that torch.export (non-strict) can trace"
+    )
