@@ -1,0 +1,271 @@
+"""Resharding steps run on real process groups, differentiable.
+
+``run_step(x, step, groups)`` applies one ``Step`` of a ``ReshardPlan`` (see
+``autopar.sharding_spec.reshard``) to this rank's local shard ``x``; ``run_reshard`` applies a whole
+plan. Forward results equal ``autopar.sharding_spec.simulator`` rank for rank, bit for bit: the
+simulator is the reference semantics. A step's ``axes`` name its group with the first axis most
+significant; torch numbers group members its own way, so every gather, scatter and exchange maps
+between the two orders explicitly (``GroupHandle.pg_of_shard``).
+
+Gradients: the dual layout convention
+-------------------------------------
+The local gradient of a tensor is laid out in the *dual* of its forward layout, per mesh axis:
+
+    forward Shard(d)   ->  gradient Shard(d)      (each rank holds the gradient of its shard)
+    forward Replicate  ->  gradient Partial       (the true gradient is the sum over the axis)
+    forward Partial    ->  gradient Replicate     (every rank holds the whole gradient)
+
+This is what a replicated parameter's gradient looks like before its data-parallel all-reduce, and
+it makes every step's backward another step (or its local mirror image):
+
+    all_gather(G, d)        S -> R    backward: reduce_scatter over G onto dim d       P -> S
+    reduce_scatter(G, d)    P -> S    backward: all_gather over G along dim d          S -> R
+    all_reduce(G)           P -> R    backward: all_reduce over G                      P -> R
+    all_to_all(G, d -> e)   S -> S    backward: all_to_all over G, e -> d              S -> S
+    slice(a, d)             R -> S    backward: local; the gradient chunk placed into zeros of
+                                      the full local shape at this rank's offset       S -> P
+    to_partial(a)           R -> P    backward: local; the gradient kept on group index 0,
+                                      zeros elsewhere                                  R -> P
+
+Each kind is a ``torch.autograd.Function`` whose backward applies the row above. Steps over a group
+of one rank are identities and skip communication.
+
+Which torch collective runs each step
+-------------------------------------
+all_gather: ``all_gather_single``; reduce_scatter: ``reduce_scatter_single``; all_to_all:
+``all_to_all_single``; all_reduce: ``all_reduce`` (torch versions before the ``*_single`` names
+use ``all_gather_into_tensor`` / ``reduce_scatter_tensor``). gloo in torch 2.13 runs all four
+natively. A backend that reports one as unsupported falls back, once and on every rank alike, to an
+emulation built from list ``all_gather`` and ``all_reduce``: all_gather via list all_gather,
+reduce_scatter via all_reduce plus taking the local chunk, all_to_all via all_gather of the whole
+local tensors plus taking the piece addressed to this rank. ``EMULATE`` forces the emulation for
+the kinds it names (tests use it).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import ShardingError
+from autopar.runtime.process_groups import GroupHandle, MeshGroups
+from autopar.sharding_spec.reshard import STEP_KINDS, ReshardPlan, Step
+
+# Kinds ("all_gather", "reduce_scatter", "all_to_all") to run through the emulation even where the
+# backend has the native collective. Backends found lacking one are added here at run time.
+EMULATE: set[str] = set()
+
+# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old names.
+_all_gather_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _unsupported(err: Exception) -> bool:
+    """Whether ``err`` says the backend lacks a collective (raised before any data moves)."""
+    if isinstance(err, NotImplementedError):
+        return True
+    text = str(err).lower()
+    return "not support" in text or "unsupported" in text or "not implemented" in text
+
+
+def _run_native(kind: str, native, emulated):
+    if kind not in EMULATE:
+        try:
+            return native()
+        except (RuntimeError, NotImplementedError, ValueError) as err:
+            if not _unsupported(err):
+                raise
+            EMULATE.add(kind)
+    return emulated()
+
+
+# ---- raw collectives on local tensors (no autograd) -------------------------------------------
+def _to_pg_order(chunks, g: GroupHandle):
+    """Chunks indexed by shard index -> the same chunks indexed by torch group rank."""
+    return [chunks[i] for i in g.shard_of_pg]
+
+
+def _to_shard_order(chunks, g: GroupHandle):
+    """Chunks indexed by torch group rank -> indexed by shard index."""
+    return [chunks[k] for k in g.pg_of_shard]
+
+
+def all_gather(x: torch.Tensor, dim: int, g: GroupHandle) -> torch.Tensor:
+    """Concatenate the group's shards along ``dim`` in shard order."""
+    n = g.size
+    xt = x.movedim(dim, 0).contiguous()  # (local_d, ...): dim d in front so chunks are contiguous
+
+    def native():
+        out = xt.new_empty((n * xt.shape[0],) + tuple(xt.shape[1:]))
+        _all_gather_native(out, xt, group=g.pg)
+        return list(out.chunk(n))
+
+    def emulated():
+        bufs = [torch.empty_like(xt) for _ in range(n)]
+        dist.all_gather(bufs, xt, group=g.pg)
+        return bufs
+
+    pieces = _to_shard_order(_run_native("all_gather", native, emulated), g)
+    return torch.cat(pieces, 0).movedim(0, dim).contiguous()
+
+
+def all_reduce(x: torch.Tensor, g: GroupHandle) -> torch.Tensor:
+    """The sum over the group, on every member."""
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=g.pg)
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, g: GroupHandle) -> torch.Tensor:
+    """The sum over the group, split along ``dim``; this rank keeps chunk ``index``."""
+    n = g.size
+    if x.shape[dim] % n:
+        raise ShardingError(f"reduce_scatter of dim {dim} of size {x.shape[dim]} over {n} ranks is uneven")
+    xt = x.movedim(dim, 0)
+
+    def native():
+        inp = torch.cat(_to_pg_order(list(xt.chunk(n)), g), 0).contiguous()
+        out = xt.new_empty((xt.shape[0] // n,) + tuple(xt.shape[1:]))
+        _reduce_scatter_native(out, inp, group=g.pg)
+        return out
+
+    def emulated():
+        total = xt.contiguous().clone()
+        dist.all_reduce(total, group=g.pg)
+        return total.chunk(n)[g.index]
+
+    return _run_native("reduce_scatter", native, emulated).movedim(0, dim).contiguous()
+
+
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, g: GroupHandle) -> torch.Tensor:
+    """Split along ``dst_dim`` into one piece per member (piece j to shard index j); concatenate
+    the pieces received along ``src_dim`` in shard order of their senders."""
+    n = g.size
+    if x.shape[dst_dim] % n:
+        raise ShardingError(f"all_to_all splitting dim {dst_dim} of size {x.shape[dst_dim]} over {n} ranks is uneven")
+    pieces = [p.contiguous() for p in x.chunk(n, dim=dst_dim)]
+    piece_shape = pieces[0].shape
+
+    def native():
+        inp = torch.cat([p.reshape(-1) for p in _to_pg_order(pieces, g)])
+        out = torch.empty_like(inp)
+        dist.all_to_all_single(out, inp, group=g.pg)
+        return [p.view(piece_shape) for p in _to_shard_order(list(out.chunk(n)), g)]
+
+    def emulated():
+        whole = [torch.empty_like(x.contiguous()) for _ in range(n)]
+        dist.all_gather(whole, x.contiguous(), group=g.pg)
+        return [w.chunk(n, dim=dst_dim)[g.index] for w in _to_shard_order(whole, g)]
+
+    received = _run_native("all_to_all", native, emulated)
+    return torch.cat(received, dim=src_dim).contiguous()
+
+
+# ---- autograd Functions, one per step kind ----------------------------------------------------
+class AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, g):
+        ctx.dim, ctx.g = dim, g
+        return all_gather(x, dim, g)
+
+    @staticmethod
+    def backward(ctx, grad):  # P -> S
+        return ReduceScatter.apply(grad, ctx.dim, ctx.g), None, None
+
+
+class ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, g):
+        ctx.dim, ctx.g = dim, g
+        return reduce_scatter(x, dim, g)
+
+    @staticmethod
+    def backward(ctx, grad):  # S -> R
+        return AllGather.apply(grad, ctx.dim, ctx.g), None, None
+
+
+class AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return all_reduce(x, g)
+
+    @staticmethod
+    def backward(ctx, grad):  # P -> R
+        return AllReduce.apply(grad, ctx.g), None
+
+
+class AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src_dim, dst_dim, g):
+        ctx.src_dim, ctx.dst_dim, ctx.g = src_dim, dst_dim, g
+        return all_to_all(x, src_dim, dst_dim, g)
+
+    @staticmethod
+    def backward(ctx, grad):  # S -> S, the other way
+        return AllToAll.apply(grad, ctx.dst_dim, ctx.src_dim, ctx.g), None, None, None
+
+
+class Slice(torch.autograd.Function):
+    """Keep chunk ``index`` of ``n`` along ``dim`` (R -> S); backward pads it back with zeros (S -> P)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, index, n):
+        if x.shape[dim] % n:
+            raise ShardingError(f"slice of dim {dim} of size {x.shape[dim]} into {n} chunks is uneven")
+        size = x.shape[dim] // n
+        ctx.dim, ctx.start, ctx.size, ctx.full = dim, index * size, size, x.shape
+        return x.narrow(dim, index * size, size).clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = grad.new_zeros(ctx.full)
+        return torch.slice_scatter(full, grad, ctx.dim, ctx.start, ctx.start + ctx.size), None, None, None
+
+
+class ToPartial(torch.autograd.Function):
+    """Group index 0 keeps the value, the others hold zeros (R -> P); backward alike (R -> P)."""
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        ctx.keep = keep
+        return x.clone() if keep else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.keep else torch.zeros_like(grad)), None
+
+
+# ---- steps and plans --------------------------------------------------------------------------
+def run_step(x: torch.Tensor, step: Step, groups: MeshGroups) -> torch.Tensor:
+    """This rank's shard after ``step``, given its shard ``x`` before it. Differentiable."""
+    mesh = groups.mesh
+    step.before.check_mesh(mesh)
+    want = step.before.local_shape(mesh)
+    if tuple(x.shape) != want:
+        raise ShardingError(
+            f"step {step} expects a local shard of shape {want} (spec {step.before} of global shape "
+            f"{step.before.shape} on {mesh}) but got {tuple(x.shape)}"
+        )
+    if step.kind not in STEP_KINDS:
+        raise ShardingError(f"unknown resharding step kind {step.kind!r}; expected one of {STEP_KINDS}")
+    g = groups.handle(step.axes)
+    if g.size == 1:
+        return x
+    if step.kind == "all_gather":
+        return AllGather.apply(x, step.src_dim, g)
+    if step.kind == "reduce_scatter":
+        return ReduceScatter.apply(x, step.dst_dim, g)
+    if step.kind == "all_reduce":
+        return AllReduce.apply(x, g)
+    if step.kind == "all_to_all":
+        return AllToAll.apply(x, step.src_dim, step.dst_dim, g)
+    if step.kind == "slice":
+        return Slice.apply(x, step.dst_dim, g.index, g.size)
+    return ToPartial.apply(x, g.index == 0)
+
+
+def run_reshard(x: torch.Tensor, plan: ReshardPlan, groups: MeshGroups) -> torch.Tensor:
+    """This rank's shard under ``plan.dst``, given its shard under ``plan.src``. Differentiable."""
+    for step in plan.steps:
+        x = run_step(x, step, groups)
+    return x

@@ -1,0 +1,150 @@
+"""Process groups for every set of mesh axes, built once per rank.
+
+A resharding step talks over the group of ranks that differ only in a few mesh axes' coordinates.
+``MeshGroups(mesh)`` creates, inside each rank after ``init_process_group``, one torch process group
+per such set of ranks, so that for any non-empty set of mesh axes this rank can look up:
+
+    groups.group(axes)    the ProcessGroup over ``axes`` that contains this rank
+    groups.ranks(axes)    its global ranks in *shard order*: the first listed axis most significant
+    groups.index(axes)    this rank's position in that order
+
+Shard order depends on the order of ``axes`` ((0, 1) and (1, 0) list the same ranks in different
+orders); the torch group does not. Torch numbers a group's members by its own "group rank" (sorted
+global ranks), so code that gathers or scatters must map between the two orders explicitly:
+``groups.handle(axes)`` carries both (``ranks`` in shard order, ``pg_ranks`` in group-rank order).
+
+Groups are made eagerly, because ``dist.new_group`` is collective over the whole world: every rank
+calls it for every group, in the same order. A size-1 mesh axis changes no group's members, so it
+is dropped before caching: one torch group per distinct set of ranks (a frozenset of the axes of
+size > 1). The set of all such axes is the whole world and reuses the default group; when the mesh
+has size-1 axes, singleton groups are made too so that ``group(axes)`` always answers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from typing import Sequence
+
+import torch.distributed as dist
+
+from autopar.errors import MeshError
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupHandle:
+    """One rank's view of its group over ``axes``.
+
+    ranks: global ranks in shard order (first axis most significant); index: this rank's position
+    in ``ranks``; pg: the torch ProcessGroup; pg_ranks: the same ranks in the group's own rank order
+    (``pg_ranks[k]`` is group rank ``k``); shard_of_pg[k]: shard index of group rank ``k``;
+    pg_of_shard[i]: group rank of shard index ``i``."""
+
+    axes: tuple[int, ...]
+    ranks: tuple[int, ...]
+    index: int
+    pg: object
+    pg_ranks: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @functools.cached_property
+    def shard_of_pg(self) -> tuple[int, ...]:
+        return tuple(self.ranks.index(r) for r in self.pg_ranks)
+
+    @functools.cached_property
+    def pg_of_shard(self) -> tuple[int, ...]:
+        return tuple(self.pg_ranks.index(r) for r in self.ranks)
+
+    @property
+    def same_order(self) -> bool:
+        """Whether shard order equals the torch group's rank order (no reordering needed)."""
+        return self.ranks == self.pg_ranks
+
+
+class MeshGroups:
+    """Torch process groups for every non-empty set of ``mesh`` axes; see the module docstring.
+
+    Call it on every rank, in the same place, after ``dist.init_process_group``. ``timeout`` (a
+    timedelta) is passed to ``dist.new_group``; None keeps torch's default for the backend."""
+
+    def __init__(self, mesh, *, timeout=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise MeshError(
+                "MeshGroups needs a default process group; call torch.distributed.init_process_group "
+                "(or run under autopar.runtime.launch.spawn / torchrun) first"
+            )
+        mesh.check_world_size(dist.get_world_size())
+        self.mesh = mesh
+        self.rank = dist.get_rank()
+        self.coordinate = mesh.coordinate(self.rank)
+        self._pgs: dict[frozenset[int], object] = {}
+        self._handles: dict[tuple[int, ...], GroupHandle] = {}
+        self._create(timeout)
+
+    # ---- construction -----------------------------------------------------------------------
+    def _create(self, timeout) -> None:
+        mesh = self.mesh
+        real = [a for a in range(mesh.ndim) if mesh.shape[a] > 1]
+        world = dist.group.WORLD
+        # Every rank walks the same subsets in the same order and calls new_group for each group.
+        for k in range(1, len(real) + 1):
+            for subset in itertools.combinations(real, k):
+                key = frozenset(subset)
+                if len(subset) == len(real):
+                    self._pgs[key] = world
+                    continue
+                for ranks in mesh.groups(subset):
+                    pg = dist.new_group(ranks=sorted(ranks), timeout=timeout)
+                    if self.rank in ranks:
+                        self._pgs[key] = pg
+        if not real:  # a one-rank world
+            self._pgs[frozenset()] = world
+        elif len(real) < mesh.ndim:
+            for r in range(mesh.size):
+                pg = dist.new_group(ranks=[r], timeout=timeout)
+                if r == self.rank:
+                    self._pgs[frozenset()] = pg
+
+    def _key(self, axes: int | str | Sequence[int | str]) -> tuple[int, ...]:
+        if isinstance(axes, (int, str)):
+            axes = (axes,)
+        axes = tuple(self.mesh.axis(a) for a in axes)
+        if not axes:
+            raise MeshError("a process group needs at least one mesh axis; got an empty axis list")
+        if len(set(axes)) != len(axes):
+            raise MeshError(f"axes {axes} repeat a mesh axis")
+        return axes
+
+    # ---- lookups ----------------------------------------------------------------------------
+    def handle(self, axes) -> GroupHandle:
+        """Everything about this rank's group over ``axes`` (indices or names, major first)."""
+        key = self._key(axes)
+        h = self._handles.get(key)
+        if h is None:
+            ranks = tuple(self.mesh.group_of(self.rank, key))
+            pg = self._pgs[frozenset(a for a in key if self.mesh.shape[a] > 1)]
+            pg_ranks = tuple(sorted(ranks, key=lambda r: dist.get_group_rank(pg, r)))
+            h = GroupHandle(key, ranks, ranks.index(self.rank), pg, pg_ranks)
+            self._handles[key] = h
+        return h
+
+    def group(self, axes):
+        """The torch ProcessGroup over ``axes`` that contains this rank."""
+        return self.handle(axes).pg
+
+    def ranks(self, axes) -> list[int]:
+        """Global ranks of this rank's group over ``axes``, in shard order."""
+        return list(self.handle(axes).ranks)
+
+    def index(self, axes) -> int:
+        """This rank's position in ``ranks(axes)``."""
+        return self.handle(axes).index
+
+    def size(self, axes) -> int:
+        return self.handle(axes).size
+
+    def __repr__(self) -> str:
+        return f"MeshGroups({self.mesh}, rank={self.rank}, coordinate={self.coordinate})"
