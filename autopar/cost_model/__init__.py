@@ -1,5 +1,32 @@
-"""Device and cluster specs, the alpha-beta communication model, compute and memory models."""
+"""Device and cluster specs, the alpha-beta communication model, compute and memory models.
+
+Profiling lives in ``profile_ops`` (op timings -> OpTable) and ``profile_comm`` (live collectives
+-> fitted ClusterSpec); import those modules directly.
+"""
 from autopar.cost_model.cluster import PRESETS, ClusterSpec, Link, resolve_cluster
 from autopar.cost_model.comm import collective_time, mesh_collective_time
+from autopar.cost_model.compute import BACKWARD_FLOP_FACTOR, forward_time, node_time
+from autopar.cost_model.memory import (
+    activation_memory,
+    node_activation_bytes,
+    param_memory,
+    saved_for_backward,
+    total_param_memory,
+)
 
-__all__ = ["PRESETS", "ClusterSpec", "Link", "collective_time", "mesh_collective_time", "resolve_cluster"]
+__all__ = [
+    "BACKWARD_FLOP_FACTOR",
+    "PRESETS",
+    "ClusterSpec",
+    "Link",
+    "activation_memory",
+    "collective_time",
+    "forward_time",
+    "mesh_collective_time",
+    "node_activation_bytes",
+    "node_time",
+    "param_memory",
+    "resolve_cluster",
+    "saved_for_backward",
+    "total_param_memory",
+]

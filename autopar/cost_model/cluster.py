@@ -48,6 +48,11 @@ class ClusterSpec:
     axis_links: optional explicit link per mesh axis (overrides the node rule); its length must
       equal the mesh's number of axes.
     source: where the numbers come from.
+    collective_factors: optional per collective kind, factors on (alpha, beta), written
+      ``{"reduce_scatter": {"alpha": 1.6, "beta": 2.7}}``: how much slower (or faster) than the
+      ring model a backend runs that kind (gloo's reduce_scatter, for one). Kinds not listed use
+      (1, 1); presets list none. Fitted by ``profile_comm``; applied by
+      ``comm.mesh_collective_time``.
     """
 
     name: str
@@ -59,11 +64,16 @@ class ClusterSpec:
     inter_node: Link
     axis_links: tuple[Link, ...] | None = None
     source: str = ""
+    collective_factors: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self):
         # Canonical order (by dtype name), as from_dict builds it, so a to_dict/from_dict round
         # trip gives an equal (and equally hashed) spec, and meshes holding it stay cache keys.
         object.__setattr__(self, "peak_flops", tuple(sorted(self.peak_flops)))
+        factors = tuple(sorted((str(k), float(a), float(b)) for k, a, b in self.collective_factors))
+        object.__setattr__(self, "collective_factors", factors)
+        if any(not (v > 0 and math.isfinite(v)) for _, a, b in factors for v in (a, b)):
+            raise ConfigError(f"cluster {self.name!r}: collective_factors need finite factors > 0, got {factors}")
         if self.devices_per_node < 1:
             raise ConfigError(f"cluster {self.name!r}: devices_per_node must be >= 1, got {self.devices_per_node}")
         if self.memory_bandwidth <= 0 or self.memory_bytes <= 0:
@@ -75,6 +85,13 @@ class ClusterSpec:
         """Peak FLOP/s for a dtype name; falls back to float32's figure for dtypes not listed."""
         table = dict(self.peak_flops)
         return table.get(dtype, table.get("float32", max(table.values())))
+
+    def collective_factor(self, kind: str) -> tuple[float, float]:
+        """(alpha factor, beta factor) of collective ``kind``; (1.0, 1.0) when not listed."""
+        for k, a, b in self.collective_factors:
+            if k == kind:
+                return a, b
+        return 1.0, 1.0
 
     def links_for(self, mesh_shape: tuple[int, ...]) -> tuple[Link, ...]:
         """The link each mesh axis uses (see the module docstring)."""
@@ -98,6 +115,7 @@ class ClusterSpec:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["peak_flops"] = dict(self.peak_flops)
+        d["collective_factors"] = {k: {"alpha": a, "beta": b} for k, a, b in self.collective_factors}
         return d
 
     @staticmethod
@@ -110,6 +128,9 @@ class ClusterSpec:
             if d.get("axis_links") is not None:
                 d["axis_links"] = tuple(Link(**x) for x in d["axis_links"])
             d["memory_bytes"] = int(d["memory_bytes"])
+            d["collective_factors"] = tuple(
+                (str(k), float(v["alpha"]), float(v["beta"])) for k, v in (d.get("collective_factors") or {}).items()
+            )
             return ClusterSpec(**d)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConfigError(

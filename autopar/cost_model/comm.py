@@ -10,6 +10,9 @@ call also pays one alpha of set-up, so one fused collective beats two that move 
 
 A group spanning several mesh axes is priced on its slowest link: the largest alpha and the
 largest beta among its axes (a ring over the group crosses every kind of link it contains).
+``mesh_collective_time`` also multiplies alpha and beta by the cluster's
+``collective_factor(kind)`` ((1, 1) unless a profiled cluster measured that the backend runs that
+kind slower or faster than the ring model).
 """
 from __future__ import annotations
 
@@ -57,4 +60,8 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
 def mesh_collective_time(kind: str, nbytes: float, mesh, axes: Sequence[int]) -> float:
     """Seconds for ``kind`` on the mesh's group over ``axes``."""
     links = mesh.links()
-    return collective_time(kind, nbytes, math.prod(mesh.shape[a] for a in axes), group_link([links[a] for a in axes]))
+    link = group_link([links[a] for a in axes])
+    fa, fb = mesh.resolved_cluster().collective_factor(kind)
+    if (fa, fb) != (1.0, 1.0):
+        link = Link(link.alpha * fa, link.beta * fb)
+    return collective_time(kind, nbytes, math.prod(mesh.shape[a] for a in axes), link)

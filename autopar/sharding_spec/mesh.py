@@ -70,8 +70,8 @@ class Mesh:
             raise MeshError(f"mesh {self} has no axis named {name_or_index!r}; its axes are {self.axis_names}")
         return self.axis_names.index(name_or_index)
 
-    def axes_size(self, axes: Iterable[int]) -> int:
-        return math.prod(self.shape[a] for a in axes)
+    def axes_size(self, axes: Iterable[int | str]) -> int:
+        return math.prod(self.shape[self.axis(a)] for a in axes)
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         if not 0 <= rank < self.size:
@@ -123,7 +123,7 @@ class Mesh:
         """The rank's position inside its group over ``axes`` (first axis most significant)."""
         coord = self.coordinate(rank)
         i = 0
-        for a in axes:
+        for a in map(self.axis, axes):
             i = i * self.shape[a] + coord[a]
         return i
 

@@ -1,0 +1,264 @@
+"""Profiled op times: run each ATen op on random tensors of its local shard shapes and time it.
+
+    table = profile_ops(graph, mesh, strategies)        # {node name: [Strategy, ...]} or [(node, s)]
+    fwd_s, bwd_s = node_time(node, strategy, graph, mesh, op_table=table)
+
+Every distinct key (ATen target, local shapes of the tensor inputs, compute dtype) is timed once:
+the forward (``torch.ops.aten.<op>``) and, separately, its backward (``torch.autograd.grad`` of
+the op's outputs with random output gradients, for the inputs that need gradients in the graph),
+each the median of ``repeats`` runs after ``warmup`` runs. Skipped: views (they cost ~0), ops
+without tensor inputs (constants), non-ATen targets, and ops that fail on the local shapes (their
+reason is kept in ``table.skipped``; the roofline prices them).
+
+Inputs: floating tensors are ``randn``; integer tensors are zeros (always valid indices and
+targets); boolean tensors are all True (attention masks that mask nothing). Non-tensor arguments
+are passed as traced, so ops whose arguments name sizes (views, ``expand``) are not profiled.
+
+The table is cached as JSON in ``cache_dir()/ops-<device>-torch<version>.json`` and extended, not
+replaced, by later runs; ``profile_ops`` only times keys the cached table lacks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+
+from autopar.cost_model.cache import cache_dir, device_name, read_json, slug, write_json
+from autopar.cost_model.compute import compute_dtype, grad_mask, local_input_shapes
+from autopar.cost_model.ops import is_floating, is_view, tensor_inputs
+from autopar.errors import AutoparError
+from autopar.ir.graph import NodeRef
+
+TABLE_VERSION = 1
+
+
+def _mask_str(mask) -> str:
+    return "".join("1" if m else "0" for m in mask)
+
+
+@dataclasses.dataclass
+class OpTiming:
+    """forward_s: median forward seconds. backward_s: median backward seconds per grad mask (one
+    character per tensor input, "1" when it needs a gradient, e.g. "110" for linear(x, w, b) with
+    a trainable x and w and a frozen bias)."""
+
+    forward_s: float
+    backward_s: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class OpTable:
+    """Profiled op times keyed by (target, local input shapes, dtype); see the module docstring."""
+
+    def __init__(self, device: str = "", torch_version: str = torch.__version__, entries=None):
+        self.device = device
+        self.torch_version = torch_version
+        self.entries: dict[str, OpTiming] = dict(entries or {})
+        self.skipped: dict[str, str] = {}  # key -> why it was not timed (not saved)
+
+    @staticmethod
+    def key(target: str, shapes, dtype: str) -> str:
+        """``aten.mm.default [[8,32],[32,64]] float32``."""
+        return f"{target} {json.dumps([list(s) for s in shapes], separators=(',', ':'))} {dtype}"
+
+    def lookup(self, target: str, shapes, dtype: str, mask=None) -> tuple[float, float | None] | None:
+        """(forward s, backward s or None) for an exact key, or None. Backward is None when it was
+        not measured with this grad ``mask``."""
+        entry = self.entries.get(self.key(target, shapes, dtype))
+        if entry is None:
+            return None
+        bwd = None if mask is None else entry.backward_s.get(_mask_str(mask))
+        return entry.forward_s, bwd
+
+    def add(self, target: str, shapes, dtype: str, forward_s: float, backward_s: float | None = None, mask=None) -> None:
+        entry = self.entries.setdefault(self.key(target, shapes, dtype), OpTiming(float(forward_s)))
+        entry.forward_s = float(forward_s)
+        if backward_s is not None:
+            entry.backward_s[_mask_str(mask)] = float(backward_s)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    # ---- JSON ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "version": TABLE_VERSION,
+            "device": self.device,
+            "torch_version": self.torch_version,
+            "entries": {k: dataclasses.asdict(v) for k, v in sorted(self.entries.items())},
+        }
+
+    @staticmethod
+    def from_dict(d: dict) -> "OpTable":
+        entries = {k: OpTiming(float(v["forward_s"]), {m: float(t) for m, t in v.get("backward_s", {}).items()})
+                   for k, v in d.get("entries", {}).items()}
+        return OpTable(d.get("device", ""), d.get("torch_version", ""), entries)
+
+    def save(self, path: str | Path | None = None) -> Path:
+        path = Path(path) if path is not None else default_table_path(self.device, self.torch_version)
+        write_json(path, self.to_dict())
+        return path
+
+    @staticmethod
+    def load(path: str | Path) -> "OpTable":
+        data = read_json(Path(path))
+        if data is None:
+            raise FileNotFoundError(f"no readable op table at {str(path)!r}")
+        return OpTable.from_dict(data)
+
+
+def default_table_path(device: str, torch_version: str = torch.__version__, directory=None) -> Path:
+    """``cache_dir()/ops-<device>-torch<version>.json``."""
+    return cache_dir(directory) / f"ops-{slug(device)}-torch{slug(torch_version)}.json"
+
+
+def load_op_table(device: str | torch.device = "cpu", directory=None) -> OpTable:
+    """The cached table for this device and torch version (empty when there is none)."""
+    name = device_name(device)
+    data = read_json(default_table_path(name, directory=directory))
+    if data is None or data.get("version") != TABLE_VERSION:
+        return OpTable(name)
+    return OpTable.from_dict(data)
+
+
+# ---- profiling --------------------------------------------------------------------------------------
+def profile_ops(
+    graph,
+    mesh,
+    strategies=None,
+    device: str | torch.device = "cpu",
+    repeats: int = 5,
+    *,
+    warmup: int = 1,
+    cache: bool = True,
+    directory=None,
+) -> OpTable:
+    """Time every distinct (target, local shapes, dtype) of ``graph`` under ``strategies``.
+
+    strategies: ``{node name: Strategy | [Strategy, ...]}``, an iterable of ``(node or name,
+    Strategy)``, or None (every node replicated). ``cache``: start from the cached table and write
+    the result back (``directory`` overrides the cache dir)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    device = torch.device(device)
+    table = load_op_table(device, directory) if cache else OpTable(device_name(device))
+    added = 0
+    for node, strategy in _pairs(graph, strategies):
+        if node.op != "call_function" or is_view(node.target) or not tensor_inputs(node, graph):
+            continue
+        try:
+            shapes = local_input_shapes(node, strategy, graph, mesh)
+        except AutoparError:  # an uneven or mismatched spec: nothing to time
+            continue
+        dtype = compute_dtype(node, graph)
+        mask = grad_mask(node, graph)
+        key = OpTable.key(node.target, shapes, dtype)
+        hit = table.lookup(node.target, shapes, dtype, mask)
+        if key in table.skipped or (hit is not None and hit[1] is not None):
+            continue
+        try:
+            fwd, bwd = _time_op(node, shapes, mask, graph, device, repeats, warmup)
+        except Exception as err:  # the op cannot run on these shapes: the roofline prices it
+            table.skipped[key] = f"{type(err).__name__}: {err}"
+            continue
+        table.add(node.target, shapes, dtype, fwd, bwd, mask)
+        added += 1
+    if cache and added:
+        table.save(default_table_path(table.device, table.torch_version, directory))
+    return table
+
+
+def _pairs(graph, strategies) -> Iterable[tuple[object, object]]:
+    if strategies is None:
+        return [(n, None) for n in graph.nodes.values()]
+    if isinstance(strategies, Mapping):
+        out = []
+        for name, s in strategies.items():
+            for one in (s if isinstance(s, (list, tuple)) else [s]):
+                out.append((graph.nodes[name], one))
+        return out
+    return [(graph.nodes[n] if isinstance(n, str) else n, s) for n, s in strategies]
+
+
+def aten_op(target: str):
+    """``"aten.linear.default"`` -> ``torch.ops.aten.linear.default``."""
+    parts = target.split(".")
+    if len(parts) != 3 or parts[0] != "aten":
+        raise ValueError(f"{target} is not an ATen op overload")
+    return getattr(getattr(torch.ops.aten, parts[1]), parts[2])
+
+
+def _time_op(node, shapes, mask, graph, device, repeats: int, warmup: int) -> tuple[float, float]:
+    op = aten_op(node.target)
+    tin = tensor_inputs(node, graph)
+    slots = {i: k for k, (i, _) in enumerate(tin)}  # position in node.inputs -> tensor-input index
+
+    def make_inputs():
+        tensors = []
+        for (_, name), shape, needs in zip(tin, shapes, mask):
+            meta = graph.nodes[name].tensor_meta
+            tensors.append(_random(shape, meta.dtype, device, needs))
+        return tensors
+
+    def call(tensors):
+        counter = iter(range(len(node.inputs)))
+
+        def fill(v):
+            if isinstance(v, NodeRef):
+                k = slots.get(next(counter))
+                if k is None:
+                    raise ValueError(f"argument {v} of {node.name} is not a single tensor")
+                return tensors[k]
+            if isinstance(v, (list, tuple)):
+                return type(v)(fill(x) for x in v)
+            return v
+
+        args = fill(tuple(node.args))
+        kwargs = {k: fill(v) for k, v in node.kwargs.items()}
+        return op(*args, **kwargs)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    forward, backward = [], []
+    for it in range(warmup + repeats):
+        tensors = make_inputs()
+        sync()
+        t0 = time.perf_counter()
+        out = call(tensors)
+        sync()
+        t1 = time.perf_counter()
+        leaves = [t for t in tensors if t.requires_grad]
+        outs = [o for o in _flat(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        bwd = 0.0
+        if leaves and outs:
+            grads = [torch.randn_like(o) for o in outs]
+            sync()
+            t2 = time.perf_counter()
+            torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+            sync()
+            bwd = time.perf_counter() - t2
+        if it >= warmup:
+            forward.append(t1 - t0)
+            backward.append(bwd)
+    return statistics.median(forward), statistics.median(backward)
+
+
+def _random(shape, dtype: str, device, requires_grad: bool) -> torch.Tensor:
+    dt = getattr(torch, dtype)
+    if is_floating(dtype):
+        return torch.randn(shape, dtype=dt, device=device).requires_grad_(requires_grad)
+    if dt is torch.bool:
+        return torch.ones(shape, dtype=dt, device=device)
+    return torch.zeros(shape, dtype=dt, device=device)
+
+
+def _flat(value) -> list:
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flat(v)]
+    return [value]

@@ -1,0 +1,135 @@
+"""Memory model: parameter/optimizer bytes, saved activations and the liveness peak."""
+import pytest
+
+import autopar.models as models
+from autopar.cost_model.memory import (
+    MASTER_COPY_BYTES,
+    activation_memory,
+    activation_timeline,
+    node_activation_bytes,
+    param_memory,
+    saved_for_backward,
+    total_param_memory,
+)
+from autopar.cost_model.ops import is_view
+from autopar.errors import ConfigError
+from autopar.ir import TensorMeta, trace
+from autopar.sharding_spec import Mesh, ShardingSpec
+
+M = 1_000_000
+FP32_1M = TensorMeta((1000, 1000), "float32", 4 * M)
+BF16_1M = TensorMeta((1000, 1000), "bfloat16", 2 * M)
+
+
+def _spec(text, mesh, shape=(1000, 1000)):
+    return ShardingSpec.parse(text, shape, mesh.ndim)
+
+
+# ---- parameters -----------------------------------------------------------------------------------
+def test_replicated_adam_is_16_bytes_per_fp32_param():
+    mesh = Mesh((4,))
+    assert param_memory(FP32_1M, None, mesh) == 16 * M  # 4 param + 4 grad + 2 x 4 Adam states
+    assert param_memory(FP32_1M, _spec("[R, R]", mesh), mesh, "adam") == 16 * M
+    assert param_memory(FP32_1M, None, mesh, "sgd") == 8 * M
+    assert param_memory(FP32_1M, None, mesh, "sgd_momentum") == 12 * M
+
+
+def test_sharded_storage_divides_everything():
+    mesh = Mesh((2, 4))
+    assert param_memory(FP32_1M, _spec("[S0, R]", mesh), mesh) == 8 * M
+    assert param_memory(FP32_1M, _spec("[S1, R]", mesh), mesh) == 4 * M
+    assert param_memory(FP32_1M, _spec("[S0, S1]", mesh), mesh) == 2 * M
+
+
+def test_zero_shards_optimizer_states_once_per_axis():
+    mesh = Mesh((2, 2))
+    # ZeRO-1 over both axes: params and grads whole, states / 4
+    assert param_memory(FP32_1M, None, mesh, opt_state_sharded_axes=(0, 1)) == (4 + 4 + 8 // 4) * M
+    # storage already split on axis 0: states are not divided by axis 0 twice
+    assert param_memory(FP32_1M, _spec("[S0, R]", mesh), mesh, opt_state_sharded_axes=(0,)) == 8 * M
+    assert param_memory(FP32_1M, _spec("[S0, R]", mesh), mesh, opt_state_sharded_axes=(0, 1)) == (4 + 2) * M
+    assert param_memory(FP32_1M, None, Mesh((2, 2), ("dp", "tp")), opt_state_sharded_axes=("dp",)) == (4 + 4 + 4) * M
+
+
+def test_bf16_params_keep_fp32_states_and_a_master_copy():
+    mesh = Mesh((2,))
+    assert MASTER_COPY_BYTES == 4
+    assert param_memory(BF16_1M, None, mesh) == (2 + 2 + 8 + 4) * M
+    assert param_memory(BF16_1M, None, mesh, "sgd") == (2 + 2 + 4) * M
+    assert param_memory(TensorMeta((1000, 1000), "float16", 2 * M), None, mesh) == 16 * M
+    assert param_memory(BF16_1M, _spec("[S0, R]", mesh), mesh) == 8 * M
+    with pytest.raises(ConfigError, match="optimizer"):
+        param_memory(FP32_1M, None, mesh, "lion")
+
+
+# ---- activations on a traced 1-hidden-layer MLP ----------------------------------------------------
+# x (8, 32) -> linear (8, 64) -> relu -> linear_1 (8, 64) -> relu_1 -> linear_2 (8, 32)
+#   -> broadcast_tensors(linear_2, targets) -> getitem, getitem_1 (views) -> mse_loss -> output
+# fp32: x, targets, linear_2 are 1024 B; linear, relu, linear_1, relu_1 2048 B; the loss 4 B.
+@pytest.fixture(scope="module")
+def mlp():
+    model, inputs = models.build("mlp", layers=1, width=32, hidden=64, batch=8)
+    return trace(model, inputs)
+
+
+def _batch_split(graph, mesh):
+    """Every activation and input split on its batch dim (dp); scalars whole."""
+    specs = {}
+    for n in graph.nodes.values():
+        meta = n.tensor_meta
+        if meta is None or str(n.role) in ("parameter", "buffer"):
+            continue
+        dims = (((0,),) + ((),) * (len(meta.shape) - 1)) if meta.shape else ()
+        specs[n.name] = ShardingSpec(meta.shape, dims, (), mesh.ndim)
+    return specs
+
+
+def test_saved_for_backward_by_hand(mlp):
+    # linear saves x (its weight needs a grad), relu saves its output, linear_1 reads relu,
+    # linear_2 reads relu_1, mse_loss saves both operands: views of linear_2 and targets.
+    assert saved_for_backward(mlp) == {"x", "relu", "relu_1", "linear_2", "targets"}
+    assert not any(is_view(mlp.nodes[n].target) for n in saved_for_backward(mlp) if mlp.nodes[n].op == "call_function")
+
+
+def test_activation_peak_by_hand(mlp):
+    mesh = Mesh((2,))
+    live = dict(activation_timeline(mlp, None, mesh))
+    assert live["linear"] == 1024 + 1024 + 2048  # x, targets, linear
+    assert live["relu"] == 2048 + 2048 + 2048  # linear is still read by relu
+    assert live["relu_1"] == 2048 + 2048 + 2048 + 2048  # x+targets, relu (saved), linear_1, relu_1
+    assert live["linear_2"] == 2048 + 2048 + 2048 + 1024  # linear_1 freed
+    assert live["getitem_1"] == live["linear_2"]  # views cost nothing
+    assert live["mse_loss"] == live["linear_2"] + 4
+    assert activation_memory(mlp, None, mesh) == 8192
+    # batch split over 2 devices halves every tensor (the 4-byte loss stays whole)
+    assert activation_memory(mlp, _batch_split(mlp, mesh), mesh) == 4096
+
+
+def test_node_activation_bytes(mlp):
+    mesh = Mesh((2,))
+    saved = saved_for_backward(mlp)
+    specs = _batch_split(mlp, mesh)
+    relu, lin = mlp.nodes["relu"], mlp.nodes["linear"]
+    assert node_activation_bytes(relu, None, mesh, saved) == 2048
+    assert node_activation_bytes(relu, specs["relu"], mesh, saved) == 1024
+    assert node_activation_bytes(lin, specs["linear"], mesh, saved) == 0  # transient, not saved
+    assert node_activation_bytes(mlp.nodes["getitem"], None, mesh, saved) == 0  # a view
+    total = sum(node_activation_bytes(n, None, mesh, saved) for n in mlp.nodes.values())
+    assert total == 1024 * 3 + 2048 * 2
+
+
+def test_total_param_memory(mlp):
+    mesh = Mesh((2,))
+    params = 32 * 64 + 64 + 64 * 64 + 64 + 64 * 32 + 32
+    assert total_param_memory(mlp, None, mesh) == 16 * params
+    assert total_param_memory(mlp, None, mesh, "sgd") == 8 * params
+
+
+def test_gpt_saved_set_holds_no_views_or_parameters():
+    model, inputs = models.build("gpt", layers=1)
+    g = trace(model, inputs)
+    saved = saved_for_backward(g)
+    assert saved and all(str(g.nodes[n].role) not in ("parameter", "buffer", "constant") for n in saved)
+    assert not any(g.nodes[n].op == "call_function" and is_view(g.nodes[n].target) for n in saved)
+    assert any(g.nodes[n].target == "aten.scaled_dot_product_attention.default" for n in saved)
+    assert activation_memory(g, None, Mesh((2,))) >= sum(node_activation_bytes(g.nodes[n], None, Mesh((2,)), saved) for n in saved)
