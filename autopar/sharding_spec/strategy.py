@@ -8,6 +8,26 @@ spec (``| P1``); whoever reads the output decides how to resolve it.
 
 Rules register with ``@register("aten.mm.default", ...)`` and live in ``rules/`` by op family. An op
 without a rule runs replicated, with one warning naming the op: never a crash.
+
+A strategy is exact when every rank runs the same ATen op on its local shards, with the size
+arguments of view-like ops and factories rewritten to local sizes (``rules._common.localize_args``);
+the families in ``LOWERED_FAMILIES`` are the exceptions, which codegen must lower as documented in
+their rule. Family labels (several parts join with "+", e.g. "dp+1d-col", "dp+heads"):
+
+    replicate                  everything whole on every device
+    dp, sp                     a batch / a later (sequence) dim of the activations split
+    1d-col, 1d-row, 2d, 2d-mk, 2d-nk, 2.5d, 3d    matmul splits (rules/matmul.py)
+    pointwise                  elementwise op on split or pending-sum operands
+    reduce, reduce-partial     reduction over whole dims / sum over a split dim (pending sum out)
+    norm                       softmax / layer norm with the non-normalized dims split
+    view                       shape op (view, transpose, slice, split, cat, getitem, ...)
+    index                      indexing / positional op (index, gather, tril, pad, diff)
+    constant                   tensor factory building its local shard
+    heads                      attention heads split (Megatron attention TP); with dp, sp
+    embedding-hidden           embedding table split by columns
+    embedding-vocab-parallel   embedding table split by rows: LOWERED (masked lookup)
+    loss-batch-split(mean)     mean loss over split samples: LOWERED (sum / global denominator)
+    loss-vocab-parallel        cross entropy over split classes: LOWERED (Megatron-style)
 """
 from __future__ import annotations
 
@@ -18,6 +38,15 @@ import warnings
 from typing import Callable, Iterable, Sequence
 
 from autopar.sharding_spec.spec import ShardingSpec
+
+# Families a codegen cannot run as the plain local op; see their rules for the lowering.
+LOWERED_FAMILIES = frozenset({"embedding-vocab-parallel", "loss-batch-split(mean)", "loss-vocab-parallel"})
+
+
+def needs_lowering(family: str) -> bool:
+    """Whether a strategy of this family needs codegen's special lowering (any "+" part does)."""
+    return any(part in LOWERED_FAMILIES for part in family.split("+"))
+
 
 # A spec per output: one spec for a single tensor, a tuple for ops returning several, None for none.
 OutSpec = ShardingSpec | tuple[ShardingSpec | None, ...] | None
@@ -162,6 +191,11 @@ def _rep_meta(meta, mesh):
 def replicate_strategy(ctx: OpContext) -> Strategy:
     """Every input whole on every device, the output too: valid for any op."""
     ins = tuple(None if m is None or isinstance(m, tuple) else rep(m.shape, ctx.mesh) for m in ctx.input_metas)
+    if ctx.node.target == "operator.getitem" and ins and isinstance(ctx.input_metas[0], tuple):
+        # getitem reads one element of its tuple input: its input spec is that element's spec.
+        i = ctx.node.args[1] if len(ctx.node.args) > 1 else None
+        elem = ctx.input_metas[0][i] if isinstance(i, int) and -len(ctx.input_metas[0]) <= i < len(ctx.input_metas[0]) else None
+        ins = (_rep_meta(elem, ctx.mesh),) + ins[1:]
     return Strategy(ins, _rep_meta(ctx.out_meta, ctx.mesh), "replicate", 1.0)
 
 

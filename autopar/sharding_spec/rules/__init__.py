@@ -1,2 +1,13 @@
 """Strategy rules by op family; importing this package registers them all."""
-from autopar.sharding_spec.rules import matmul  # noqa: F401
+from autopar.sharding_spec.rules import (  # noqa: F401
+    attention,
+    constant,
+    embedding,
+    index,
+    loss,
+    matmul,
+    norm,
+    pointwise,
+    reduction,
+    view,
+)

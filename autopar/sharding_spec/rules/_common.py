@@ -208,9 +208,16 @@ LOCAL_SIZE_ARGS: dict[str, tuple[int, str]] = {
 
 def localize_args(target: str, args: tuple, kwargs: dict, out_spec, mesh) -> tuple[tuple, dict]:
     """``args``/``kwargs`` with global size arguments replaced by local ones for ``out_spec`` (the
-    op's output spec). Only the targets in LOCAL_SIZE_ARGS and ``aten.unflatten.int`` have any; every
+    op's output spec). Only the targets in LOCAL_SIZE_ARGS, ``aten.unflatten.int`` and a whole-dim
+    ``aten.narrow.default`` (its length) have any; every
     other argument of a sharded op is the same on every rank as in the single-device graph."""
     args, kwargs = tuple(args), dict(kwargs)
+    if target == "aten.narrow.default" and len(args) > 3:
+        # A narrow that keeps a split dim whole (the rule allows no other): its length is local.
+        dim = norm_dim(int(args[1]), len(out_spec.shape))
+        if out_spec.dim_axes[dim]:
+            args = args[:3] + (out_spec.local_shape(mesh)[dim],) + args[4:]
+        return args, kwargs
     if target == "aten.unflatten.int":
         dim = norm_dim(int(args[1]), len(out_spec.shape) - len(args[2]) + 1)
         local = out_spec.local_shape(mesh)

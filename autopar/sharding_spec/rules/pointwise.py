@@ -9,7 +9,8 @@ stays whole. A pending sum passes through where the op is linear in the operands
     mul                          exactly one operand carries it (per mesh axis), the other is whole
     div                          only the numerator
     neg, clone, alias, copies    the input's pending sum is the output's
-    float -> float conversions   likewise (never to or from integers/bool: rounding is not linear)
+    float conversions            likewise, to the same or a wider float type only (rounding each
+                                 part to a narrower type is not rounding the sum)
     where(c, a, b)               a and b together (c never)
     masked_fill(x, m, 0)         x
 
@@ -55,13 +56,15 @@ COPIES = [  # pending sums pass through unchanged (x -> x or a plain copy of it)
 ]
 CONVERSIONS = [  # pending sums pass only float -> float
     "aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device",
-    "aten.to.prim_dtype", "aten.to.prim_Device", "aten._to_dtype", "aten.type_as.default",
+    "aten.to.prim_dtype", "aten.to.prim_Device", "aten.type_as.default",
 ]
 DROPOUT = ["aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default",
            "aten.alpha_dropout.default"]
 
 
 def _targets(names, overloads) -> list[str]:
+    """``aten.<name>.<overload>`` for the overloads this torch has that map tensors to one tensor
+    (not the scalar-math overloads, nor where(cond), which is nonzero)."""
     import torch
 
     out = []
@@ -69,7 +72,14 @@ def _targets(names, overloads) -> list[str]:
         packet = getattr(torch.ops.aten, n, None)
         if packet is None:
             continue
-        out += [f"aten.{n}.{o}" for o in overloads if o in packet.overloads()]
+        for o in overloads:
+            if o not in packet.overloads():
+                continue
+            schema = getattr(packet, o)._schema
+            takes = any(str(a.type) in ("Tensor", "Optional[Tensor]") for a in schema.arguments)
+            gives = [str(r.type) for r in schema.returns] == ["Tensor"]
+            if takes and gives:
+                out.append(f"aten.{n}.{o}")
     return out
 
 
@@ -126,10 +136,18 @@ def _first_if_tensor(ctx):
 
 
 def _float_to_float(ctx):
+    """A pending sum survives a conversion only to the same or a wider float type: rounding each
+    part to a narrower type is not rounding their sum (and the parts may cancel)."""
     m_in, m_out = ctx.input_metas[0] if ctx.input_metas else None, ctx.out_meta
-    if is_tensor_meta(m_in) and is_tensor_meta(m_out) and m_in.dtype in FLOAT_DTYPES and m_out.dtype in FLOAT_DTYPES:
-        return [frozenset({0})]
+    if not (is_tensor_meta(m_in) and is_tensor_meta(m_out)):
+        return []
+    if m_in.dtype in FLOAT_DTYPES and m_out.dtype in FLOAT_DTYPES:
+        if m_in.dtype == m_out.dtype or _WIDTH[m_out.dtype] > _WIDTH[m_in.dtype]:
+            return [frozenset({0})]
     return []
+
+
+_WIDTH = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
 
 
 LINEAR = {
