@@ -24,6 +24,8 @@ import heapq
 import itertools
 import math
 
+import numpy as np
+
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.errors import ReshardError
 from autopar.sharding_spec.spec import ShardingSpec
@@ -184,6 +186,51 @@ def reshard_cost(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) 
     return _search_from(src, mesh, int(itemsize))[0].get(dst, math.inf)
 
 
+def reshard_costs_from(src: ShardingSpec, dsts, mesh, itemsize: int = 4) -> list[float]:
+    """``reshard_cost`` from one source to many targets (one search, no per-target overhead)."""
+    if not src.is_even(mesh.shape):
+        return [math.inf] * len(dsts)
+    table = _all_pairs(ShardingSpec.replicate(src.shape, src.mesh_ndim), mesh, int(itemsize))
+    if table is not None:
+        index, dist = table
+        row = dist[index[src]]
+        return [float(row[index[d]]) if d in index else math.inf for d in dsts]
+    dist = _search_from(src, mesh, int(itemsize))[0]
+    return [dist.get(d, math.inf) for d in dsts]
+
+
+# Above this many states per tensor shape, Floyd-Warshall (n^3) loses to one Dijkstra per source.
+ALL_PAIRS_MAX_STATES = 600
+
+
+@functools.lru_cache(maxsize=1024)
+def _all_pairs(replicated: ShardingSpec, mesh, itemsize: int):
+    """Every even spec of one shape (all reachable from replicated) and the cost between every
+    pair, by Floyd-Warshall in numpy; None when there are too many states."""
+    index = {replicated: 0}
+    frontier = [replicated]
+    while frontier:
+        nxt = []
+        for spec in frontier:
+            for step in _neighbours_cached(spec, mesh, itemsize):
+                if step.after not in index:
+                    if len(index) >= ALL_PAIRS_MAX_STATES:
+                        return None
+                    index[step.after] = len(index)
+                    nxt.append(step.after)
+        frontier = nxt
+    n = len(index)
+    dist = np.full((n, n), math.inf)
+    np.fill_diagonal(dist, 0.0)
+    for spec, i in index.items():
+        for step in _neighbours_cached(spec, mesh, itemsize):
+            j = index[step.after]
+            dist[i, j] = min(dist[i, j], step.cost)
+    for k in range(n):
+        np.minimum(dist, dist[:, k, None] + dist[None, k, :], out=dist)
+    return index, dist
+
+
 @functools.lru_cache(maxsize=8192)
 def _search_from(src: ShardingSpec, mesh, itemsize: int):
     """Dijkstra from ``src`` over every reachable spec: (cost per spec, last step per spec)."""
@@ -197,13 +244,19 @@ def _search_from(src: ShardingSpec, mesh, itemsize: int):
         if spec in done:
             continue
         done.add(spec)
-        for step in neighbours(spec, mesh, itemsize):
+        for step in _neighbours_cached(spec, mesh, itemsize):
             c = cost + step.cost
             if c < best.get(step.after, math.inf):
                 best[step.after] = c
                 prev[step.after] = step
                 heapq.heappush(heap, (c, next(counter), step.after))
     return best, prev
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _neighbours_cached(spec: ShardingSpec, mesh, itemsize: int) -> tuple[Step, ...]:
+    # Searches from different sources expand the same states: build each state's steps once.
+    return tuple(neighbours(spec, mesh, itemsize))
 
 
 def naive_plan(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) -> ReshardPlan:

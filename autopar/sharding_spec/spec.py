@@ -75,6 +75,11 @@ class ShardingSpec:
                 f"spec {self.notation()} uses mesh axis {twice[0]} more than once; each mesh axis may split one "
                 "dim or hold one pending sum, so drop it from all but one place"
             )
+        object.__setattr__(self, "_hash", hash((self.shape, self.dim_axes, self.partial, self.mesh_ndim)))
+
+    def __hash__(self) -> int:
+        # Specs key the planner's caches and dicts by the million: hash once.
+        return self._hash
 
     # ---- construction ---------------------------------------------------------------------
     @staticmethod
