@@ -27,6 +27,8 @@ def plan(
     time_limit_s: float = 60.0,
     solver: str | None = None,
     graph=None,
+    optimizer_sharding: bool = True,
+    force: dict | None = None,
 ) -> Plan:
     """The cheapest single-stage plan of ``model`` on ``mesh`` (no processes needed).
 
@@ -34,6 +36,10 @@ def plan(
     reuse_blocks: tie structurally identical layers together (solve one block, reuse it).
     simplify: eliminate chain nodes exactly before solving.
     graph: an already traced ``autopar.ir.Graph`` (skips tracing).
+    optimizer_sharding: allow ZeRO-2 parameter choices (sharded gradients and optimizer states);
+        ``autopar.parallelize`` turns it off until the runtime supports them.
+    force: node name -> family label (e.g. ``{"linear": "1d-row", "p_fc_weight": "sharded"}``), or
+        -> a predicate on a ``Strategy``: restricts that node's candidates (hand-written plans, tests).
     """
     from autopar import ir
 
@@ -46,7 +52,8 @@ def plan(
             example_inputs = (example_inputs,)
         graph = ir.trace(model, tuple(example_inputs), example_kwargs)
     t_trace = time.perf_counter()
-    choices = node_choices(graph, mesh, optimizer=optimizer, op_table=op_table)
+    choices = node_choices(graph, mesh, optimizer=optimizer, op_table=op_table,
+                           optimizer_sharding=optimizer_sharding, force=force)
     built = build_problem(graph, mesh, memory_budget=budget, optimizer=optimizer, choices=choices)
     problem = built.problem
     if reuse_blocks:

@@ -20,8 +20,9 @@ import numpy as np
 from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import mesh_collective_time
-from autopar.ir.graph import Role
-from autopar.sharding_spec.reshard import local_bytes, reshard_cost
+from autopar.cost_model.ops import needs_grad
+from autopar.ir.graph import NodeRef, Role
+from autopar.sharding_spec.reshard import local_bytes, reshard_cost, reshard_costs_from
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import OpContext, Strategy, active_axes, enumerate_specs, rep, strategies_for
 from autopar.solver.ilp import Problem
@@ -49,27 +50,7 @@ class Built:
     requires_grad: set[str]
 
 
-def requires_grad(graph) -> set[str]:
-    """Nodes whose value carries a gradient: floating values downstream of a parameter."""
-    out = set()
-    for node in graph.nodes.values():
-        floating = _is_floating(node.meta)
-        if node.role == Role.PARAMETER:
-            out.add(node.name)
-        elif floating and any(i in out for i in node.inputs):
-            out.add(node.name)
-    return out
-
-
-def _is_floating(meta) -> bool:
-    if meta is None:
-        return False
-    if isinstance(meta, tuple):
-        return any(_is_floating(m) for m in meta)
-    return meta.dtype in ("float32", "float16", "bfloat16", "float64")
-
-
-def _param_choices(node, mesh, optimizer: str) -> tuple[list[Strategy], list, list, list]:
+def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True) -> tuple[list[Strategy], list, list, list]:
     meta = node.meta
     itemsize = meta.itemsize
     act = active_axes(mesh)
@@ -88,7 +69,7 @@ def _param_choices(node, mesh, optimizer: str) -> tuple[list[Strategy], list, li
         costs.append(cost)
         mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer))
         syncs.append(sync)
-        if repl:
+        if repl and optimizer_sharding:
             # ZeRO-2: reduce-scatter the gradient, update a shard, all-gather the new parameter.
             cost_z = mesh_collective_time("reduce_scatter", local, mesh, repl) + mesh_collective_time("all_gather", local, mesh, repl)
             strategies.append(Strategy((), spec, "zero2" if spec.is_replicated else "sharded+zero2", 1.0))
@@ -98,13 +79,22 @@ def _param_choices(node, mesh, optimizer: str) -> tuple[list[Strategy], list, li
     return strategies, costs, mems, syncs
 
 
-def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None) -> dict[str, NodeChoices]:
+def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimizer_sharding: bool = True,
+                 force=None) -> dict[str, NodeChoices]:
+    """Candidates of every node. ``optimizer_sharding=False`` drops the ZeRO-2 parameter choices.
+    ``force``: node name -> family label (or a predicate on a Strategy) restricting that node's
+    candidates (see ``restrict``)."""
     saved = memory_model.saved_for_backward(graph)
     out = {}
+    memo: dict = {}  # repeated blocks repeat nodes: enumerate and price each kind once
     for node in graph.nodes.values():
+        sig = _signature(node, graph, saved)
+        if sig is not None and sig in memo:
+            out[node.name] = dataclasses.replace(memo[sig], name=node.name)
+            continue
         syncs = None
         if node.op == "placeholder" and node.role == Role.PARAMETER:
-            strategies, comm, mem, syncs = _param_choices(node, mesh, optimizer)
+            strategies, comm, mem, syncs = _param_choices(node, mesh, optimizer, optimizer_sharding)
             comp = [0.0] * len(strategies)
         elif node.op == "placeholder":
             strategies = [Strategy((), spec, "input" if node.role == Role.INPUT else "buffer", 1.0) for spec in _placeholder_specs(node, mesh)]
@@ -126,7 +116,50 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None) -> dic
             node.name, strategies, np.asarray(comp, float), np.asarray(comm, float), np.asarray(mem, float),
             syncs if syncs is not None else [None] * n,
         )
+        if sig is not None:
+            memo[sig] = out[node.name]
+    for name, want in (force or {}).items():
+        out[name] = restrict(out, name, want)
     return out
+
+
+def _signature(node, graph, saved):
+    """What a node's candidates and their prices depend on; None where nodes must not share."""
+    if node.op == "output":
+        return None
+
+    def norm(x):
+        if isinstance(x, NodeRef):
+            return ("ref", graph.nodes[x.name].meta)
+        if isinstance(x, (list, tuple)):
+            return tuple(norm(y) for y in x)
+        if isinstance(x, dict):
+            return tuple(sorted((k, norm(v)) for k, v in x.items()))
+        return repr(x)
+
+    if node.op == "placeholder":
+        return ("placeholder", node.role, node.meta)
+    return (
+        node.op, node.target, node.meta, node.flops, node.name in saved,
+        norm(node.args), norm(node.kwargs), tuple(compute_model.grad_mask(node, graph)),
+    )
+
+
+def restrict(choices: dict[str, NodeChoices], name: str, want) -> NodeChoices:
+    """``choices[name]`` keeping only the strategies whose family is ``want`` (a string) or that
+    ``want(strategy)`` accepts (a callable). ConfigError when none is left."""
+    from autopar.errors import ConfigError
+
+    if name not in choices:
+        raise ConfigError(f"force names node {name!r}, which is not in the graph; node names are the traced fx names")
+    c = choices[name]
+    keep = [i for i, s in enumerate(c.strategies) if (want(s) if callable(want) else s.family == want)]
+    if not keep:
+        families = sorted({s.family for s in c.strategies})
+        raise ConfigError(f"force: node {name!r} has no strategy of family {want!r}; its families are {families}")
+    return NodeChoices(
+        c.name, [c.strategies[i] for i in keep], c.compute_s[keep], c.comm_s[keep], c.memory[keep], [c.grad_sync[i] for i in keep]
+    )
 
 
 def _is_tensor(meta) -> bool:
@@ -154,17 +187,25 @@ def produced_spec(strategy: Strategy, consumer, position: int, graph):
 
 def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool) -> np.ndarray:
     consumer = graph.nodes[cons.name]
-    mat = np.zeros((len(prod.strategies), len(cons.strategies)))
     itemsize = _itemsize(graph.nodes[prod.name].meta)
     factor = 2.0 if with_backward else 1.0
-    for i, ps in enumerate(prod.strategies):
-        src = produced_spec(ps, consumer, position, graph)
-        for j, cs in enumerate(cons.strategies):
-            dst = cs.inputs[position] if position < len(cs.inputs) else None
-            if src is None or dst is None:
-                continue
-            mat[i, j] = factor * reshard_cost(src, dst, mesh, itemsize)
-    return mat
+    # Many strategies share specs: price each distinct (source, target) pair once.
+    srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
+    dsts = [cs.inputs[position] if position < len(cs.inputs) else None for cs in cons.strategies]
+    src_ids, src_keys = _index(srcs)
+    dst_ids, dst_keys = _index(dsts)
+    table = np.zeros((len(src_keys), len(dst_keys)))
+    real = [b for b, d in enumerate(dst_keys) if d is not None]
+    for a, src in enumerate(src_keys):
+        if src is not None and real:
+            table[a, real] = reshard_costs_from(src, [dst_keys[b] for b in real], mesh, itemsize)
+    return factor * table[np.ix_(src_ids, dst_ids)]
+
+
+def _index(items):
+    keys: dict = {}
+    ids = [keys.setdefault(x, len(keys)) for x in items]
+    return np.asarray(ids, dtype=int), list(keys)
 
 
 def _itemsize(meta) -> int:
@@ -176,7 +217,7 @@ def _itemsize(meta) -> int:
 
 def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", op_table=None, choices=None) -> Built:
     choices = choices or node_choices(graph, mesh, optimizer=optimizer, op_table=op_table)
-    grad = requires_grad(graph)
+    grad = needs_grad(graph)
     edges: dict[tuple[str, str], np.ndarray] = {}
     edge_list = []
     for node in graph.nodes.values():
