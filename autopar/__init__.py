@@ -12,6 +12,15 @@ from autopar.errors import (
 from autopar.sharding_spec import Mesh, Partial, Replicate, Shard, ShardingSpec, plan_reshard
 from autopar.solver import Plan, plan
 
+
+def parallelize(*args, **kwargs):
+    from autopar.runtime.parallelize import parallelize as _parallelize
+
+    return _parallelize(*args, **kwargs)
+
+
+parallelize.__doc__ = "See autopar.runtime.parallelize.parallelize."
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -29,6 +38,7 @@ __all__ = [
     "ShardingError",
     "ShardingSpec",
     "TraceError",
+    "parallelize",
     "plan",
     "plan_reshard",
 ]

@@ -1,0 +1,284 @@
+"""Plan -> the per-rank program: a ``torch.fx.GraphModule`` that runs on local shards.
+
+``lower(graph, plan, mesh)`` walks the traced graph in order and emits, for each node:
+
+    parameter / buffer      a placeholder fed with this rank's storage shard (``Lowered.state``)
+    user input              a placeholder fed with the FULL input, then ``autopar_shard_input``
+                            keeps this rank's slice of it (the input node's planned spec)
+    op                      for each input, the plan's resharding steps on that edge, one call per
+                            step (``autopar_all_gather(x, axes=(0,), dim=1)``...), then the ATen op
+                            with size arguments rewritten to local sizes, or the family's lowering
+                            (``autopar.codegen.lowerings``)
+    output                  the edges' steps (outputs are planned replicated), then
+                            ``autopar_backward_seed`` on each differentiable output
+
+The program names mesh axes, never ranks, so it is the same on every rank: which shard a rank holds
+and which groups it talks to are bound at run time (``ops.bind``). Parameters are inputs of the
+graph (as in torch.export), so the module that owns them (``ParallelModule``) keeps their original
+names.
+
+A later pipeline pass cuts the graph into stages on sub-meshes: ``nodes=`` lowers a subset. Values
+the subset reads from outside become extra placeholders (``Lowered.boundary_inputs``, in their
+producer's layout) and values read outside it extra outputs (``Lowered.boundary_outputs``), after
+the user outputs when the subset holds the output node. The whole graph is the special case.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from autopar.codegen import ops
+from autopar.codegen.lowerings import lowering
+from autopar.errors import ConfigError, PlanError
+from autopar.ir.graph import NodeRef, Role
+from autopar.sharding_spec.rules._common import localize_args, norm_dim
+from autopar.sharding_spec.spec import ShardingSpec
+from autopar.sharding_spec.strategy import needs_lowering
+
+STATE_ROLES = (Role.PARAMETER, Role.BUFFER, Role.CONSTANT)
+
+
+@dataclasses.dataclass
+class Lowered:
+    """The emitted program and what its placeholders expect, in order: ``state`` (placeholder
+    names of parameters, buffers and constants, each fed its local shard), ``inputs`` (user
+    inputs, fed whole), ``boundary_inputs`` (values made outside the node subset)."""
+
+    gm: fx.GraphModule
+    state: list[str]
+    inputs: list[str]
+    boundary_inputs: list[str]
+    boundary_outputs: list[str]
+    specs: dict[str, object]  # emitted node name -> the spec of its local value (None: not a tensor)
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+
+def lower(graph, plan, mesh, *, nodes=None, device: torch.device | None = None) -> Lowered:
+    """The program of ``plan`` for ``graph`` on ``mesh``, over ``nodes`` (names; default all).
+    ``device``: where factory ops put new tensors (the traced device otherwise)."""
+    if tuple(plan.mesh["shape"]) != tuple(mesh.shape):
+        raise PlanError(f"the plan is for a mesh of shape {tuple(plan.mesh['shape'])}, not {mesh}")
+    subset = list(graph.nodes) if nodes is None else [n for n in graph.nodes if n in set(nodes)]
+    return _Emitter(graph, plan, mesh, subset, device).run()
+
+
+class _Emitter:
+    def __init__(self, graph, plan, mesh, subset, device):
+        self.graph, self.plan, self.mesh, self.device = graph, plan, mesh, device
+        self.subset = subset
+        self.inside = set(subset)
+        self.fx = fx.Graph()
+        self.env: dict[str, fx.Node] = {}
+        self.specs: dict[str, object] = {}
+        self.edges = {(e.dst, e.position): e for e in plan.edges}
+        self.state: list[str] = []
+        self.inputs: list[str] = []
+        self.boundary: list[str] = []
+
+    # ---- driver ------------------------------------------------------------------------------
+    def run(self) -> Lowered:
+        placeholders = [n for n in self.subset if self.graph.nodes[n].op == "placeholder"]
+        # State first, then user inputs in the traced (flattened call) order, then boundary values.
+        for name in placeholders:
+            if self.graph.nodes[name].role in STATE_ROLES:
+                self._state(self.graph.nodes[name])
+        for name in self.graph.inputs:
+            if name in self.inside:
+                self._input(self.graph.nodes[name])
+        for name in self.subset:
+            node = self.graph.nodes[name]
+            for src in node.inputs:
+                if src not in self.inside and src not in self.env:
+                    self._boundary(src)
+        outputs: list = []
+        boundary_out = [n for n in self.subset if any(u not in self.inside for u in self.graph.nodes[n].users)]
+        for name in self.subset:
+            node = self.graph.nodes[name]
+            if node.op == "call_function":
+                self._op(node)
+            elif node.op == "output":
+                outputs = list(self._output(node))
+            elif node.op == "get_attr":
+                raise ConfigError(f"node {name} reads module attribute {node.target!r}; autopar's codegen does not lower get_attr yet")
+        outputs += [self.env[n] for n in boundary_out]
+        self.fx.output(tuple(outputs))
+        self.fx.lint()
+        gm = fx.GraphModule(torch.nn.Module(), self.fx, class_name="AutoparRankProgram")
+        return Lowered(gm, self.state, self.inputs, self.boundary, boundary_out, self.specs)
+
+    def _plan_of(self, name):
+        if name not in self.plan.nodes:
+            raise PlanError(f"the plan has no strategy for node {name}; it was made for another graph")
+        return self.plan.nodes[name]
+
+    def _emit(self, fn, args, kwargs=None, *, name=None, spec=None) -> fx.Node:
+        node = self.fx.create_node("call_function", fn, tuple(args), dict(kwargs or {}), name=name)
+        self._note(node, spec)
+        return node
+
+    def _note(self, node: fx.Node, spec) -> None:
+        self.specs[node.name] = spec
+        node.meta["autopar_spec"] = spec
+        if isinstance(spec, ShardingSpec):
+            node.meta["autopar_local_shape"] = spec.local_shape(self.mesh)
+
+    # ---- placeholders ------------------------------------------------------------------------
+    def _state(self, node) -> None:
+        ph = self.fx.placeholder(node.name)
+        self._note(ph, self._plan_of(node.name).output)
+        self.env[node.name] = ph
+        self.state.append(node.name)
+
+    def _input(self, node) -> None:
+        ph = self.fx.placeholder(node.name)
+        spec = self._plan_of(node.name).output
+        self._note(ph, ShardingSpec.replicate(spec.shape, spec.mesh_ndim) if isinstance(spec, ShardingSpec) else None)
+        self.inputs.append(node.name)
+        if isinstance(spec, ShardingSpec) and not spec.is_replicated:
+            kw = {"shape": tuple(spec.shape), "dim_axes": tuple(tuple(a) for a in spec.dim_axes)}
+            self.env[node.name] = self._emit(ops.autopar_shard_input, (ph,), kw, name=f"{node.name}_shard", spec=spec)
+        else:
+            self.env[node.name] = ph
+
+    def _boundary(self, name) -> None:
+        ph = self.fx.placeholder(name)
+        self._note(ph, self._plan_of(name).output)
+        self.env[name] = ph
+        self.boundary.append(name)
+
+    # ---- edges -------------------------------------------------------------------------------
+    def _reshard(self, value: fx.Node, src: str, dst: str, pos: int, want) -> fx.Node:
+        """``value`` (``src``'s output as ``dst`` reads it) after the plan's steps on that edge."""
+        edge = self.edges.get((dst, pos))
+        if edge is None:
+            have = self.specs.get(value.name)
+            if isinstance(want, ShardingSpec) and isinstance(have, ShardingSpec) and have != want:
+                raise PlanError(f"{dst} reads {src} as {want} but it holds {have}, and the plan has no resharding edge")
+            return value
+        if edge.src != src:
+            raise PlanError(f"the plan's edge into {dst} input {pos} comes from {edge.src}, but the graph reads {src}")
+        have = self.specs.get(value.name)
+        if have != edge.src_spec:
+            raise PlanError(f"edge {src} -> {dst}: the plan starts from {edge.src_spec} but {src} holds {have}")
+        if want is not None and edge.dst_spec != want:
+            raise PlanError(f"edge {src} -> {dst}: the plan ends at {edge.dst_spec} but {dst} reads {want}")
+        spec = edge.src_spec
+        for step in edge.steps:
+            spec = _after(spec, step)
+            fn = ops.STEP_FUNCTIONS[step.kind]
+            value = self._emit(fn, (value,), ops.step_kwargs(step), name=f"{src}_{step.kind}", spec=spec)
+        if spec != edge.dst_spec:
+            raise PlanError(f"edge {src} -> {dst}: the plan's steps end at {spec}, not at {edge.dst_spec}")
+        return value
+
+    def _read_inputs(self, node, node_plan) -> list[fx.Node]:
+        vals = []
+        for pos, src in enumerate(node.inputs):
+            want = node_plan.inputs[pos] if pos < len(node_plan.inputs) else None
+            vals.append(self._reshard(self.env[src], src, node.name, pos, want))
+        return vals
+
+    # ---- ops -----------------------------------------------------------------------------------
+    def _op(self, node) -> None:
+        node_plan = self._plan_of(node.name)
+        fx_target = node.fx_node.target
+        if node.target == "operator.getitem" and isinstance(self.graph.nodes[node.inputs[0]].meta, tuple):
+            # Pick the element first: the edge's steps act on it, not on the tuple.
+            src = node.inputs[0]
+            item = self._emit(operator.getitem, (self.env[src], node.args[1]), name=node.name,
+                              spec=_element(self.specs.get(self.env[src].name), node.args[1]))
+            self.env[node.name] = self._reshard(item, src, node.name, 0, node_plan.inputs[0])
+            return
+        vals = self._read_inputs(node, node_plan)
+        feed = iter(vals)
+        args = _subst(tuple(node.args), feed, self.device)
+        kwargs = _subst(dict(node.kwargs), feed, self.device)
+        if needs_lowering(node_plan.family):
+            fn, extra, how = lowering(node, node_plan, self.graph)
+            if how == "packed":
+                out = self._emit(fn, (node.target, args, kwargs), extra, name=node.name, spec=node_plan.output)
+            else:
+                out = self._emit(fn, args, {**kwargs, **extra}, name=node.name, spec=node_plan.output)
+        else:
+            args, kwargs = localize(node, node_plan, args, kwargs, self.mesh)
+            out = self._emit(fx_target, args, kwargs, name=node.name, spec=node_plan.output)
+        self.env[node.name] = out
+
+    def _output(self, node):
+        node_plan = self._plan_of(node.name)
+        vals = self._read_inputs(node, node_plan)
+        seeded = [
+            self._emit(ops.autopar_backward_seed, (v,), name=f"{v.name}_out", spec=self.specs.get(v.name))
+            if _is_float_tensor(self.graph.nodes[src].meta) else v
+            for v, src in zip(vals, node.inputs)
+        ]
+        structure = node.args[0] if len(node.args) == 1 else node.args
+        flat = _subst(structure, iter(seeded), self.device)
+        return flat if isinstance(flat, (tuple, list)) else (flat,)
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+def _after(spec: ShardingSpec, step) -> ShardingSpec:
+    """The spec after a plan step (the planner's own transition, recomputed as a check)."""
+    dims = [tuple(ax) for ax in spec.dim_axes]
+    partial = list(spec.partial)
+    axes = tuple(step.axes)
+    if step.kind == "all_gather":
+        dims[step.src_dim] = dims[step.src_dim][: len(dims[step.src_dim]) - len(axes)]
+    elif step.kind == "slice":
+        dims[step.dst_dim] = dims[step.dst_dim] + axes
+    elif step.kind == "all_reduce":
+        partial = [a for a in partial if a not in axes]
+    elif step.kind == "reduce_scatter":
+        partial = [a for a in partial if a not in axes]
+        dims[step.dst_dim] = dims[step.dst_dim] + axes
+    elif step.kind == "all_to_all":
+        dims[step.src_dim] = dims[step.src_dim][: len(dims[step.src_dim]) - len(axes)]
+        dims[step.dst_dim] = dims[step.dst_dim] + axes
+    elif step.kind == "to_partial":
+        partial = partial + list(axes)
+    return ShardingSpec(spec.shape, tuple(dims), tuple(partial), spec.mesh_ndim)
+
+
+def _element(spec, i):
+    return spec[i] if isinstance(spec, tuple) and isinstance(i, int) else None
+
+
+def _is_float_tensor(meta) -> bool:
+    return meta is not None and not isinstance(meta, tuple) and meta.dtype in ("float16", "bfloat16", "float32", "float64")
+
+
+def _subst(value, feed, device):
+    """``value`` with every NodeRef replaced, in reading order, by the next item of ``feed``, and
+    every torch.device by ``device`` (when given)."""
+    if isinstance(value, NodeRef):
+        return next(feed)
+    if isinstance(value, list):
+        return [_subst(v, feed, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_subst(v, feed, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _subst(v, feed, device) for k, v in value.items()}
+    if device is not None and isinstance(value, torch.device):
+        return device
+    return value
+
+
+def localize(node, node_plan, args, kwargs, mesh):
+    """Size arguments rewritten to local sizes (see ``rules._common.LOCAL_SIZE_ARGS``), plus
+    ``narrow`` over a split dim (allowed only when it keeps the whole dim: length -> local size)."""
+    out = node_plan.output
+    if isinstance(out, ShardingSpec):
+        args, kwargs = localize_args(node.target, args, kwargs, out, mesh)
+    if node.target == "aten.narrow.default":
+        spec = node_plan.inputs[0]
+        dim = norm_dim(int(args[1]), spec.ndim)
+        if spec.dim_axes[dim]:
+            args = args[:3] + (spec.local_shape(mesh)[dim],) + tuple(args[4:])
+    return args, kwargs

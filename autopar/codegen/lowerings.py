@@ -1,0 +1,180 @@
+"""Lowerings of the strategy families the local ATen op does not compute (``LOWERED_FAMILIES`` in
+``autopar.sharding_spec.strategy``); each follows the recipe documented in its rule:
+
+    embedding-vocab-parallel   rules/embedding.py: masked lookup with the rank's row offset; the
+                               output is a pending sum over the vocabulary axes.
+    loss-batch-split(mean)     rules/loss.py: the op with reduction="sum", divided by the GLOBAL
+                               denominator; a pending sum over the batch axes.
+    loss-vocab-parallel        rules/loss.py: cross entropy over split classes (Megatron-style
+                               max / sum-exp / target-logit all-reduces); replicated over them.
+
+``lowering(node, node_plan, graph)`` says which function runs a node and with which extra keywords;
+an unknown lowered family is a ``PlanError`` at codegen time, never wrong numbers at run time. The
+functions here run on local shards inside ``ops.bind(groups)`` and are differentiable under the
+dual-layout convention (their all-reduces are ``collectives.AllReduce``: P -> R, backward P -> R).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from autopar.codegen.ops import autopar_all_reduce, handle
+from autopar.errors import PlanError
+from autopar.sharding_spec.rules import embedding as emb_rule
+from autopar.sharding_spec.rules import loss as loss_rule
+from autopar.sharding_spec.strategy import LOWERED_FAMILIES
+
+SUM = 2
+CLASS_LOSSES = {"aten.cross_entropy_loss.default", "aten.nll_loss_forward.default", "aten.nll_loss.default",
+                "aten.nll_loss_nd.default", "aten.nll_loss2d_forward.default"}
+# the positional index of ``reduction`` per loss op
+REDUCTION_POS = {t: 3 for t in CLASS_LOSSES} | dict(loss_rule.ELEMENTWISE)
+
+
+def _aten(target: str):
+    _, name, overload = target.split(".")
+    return getattr(getattr(torch.ops.aten, name), overload)
+
+
+def _arg(args, kwargs, i, name, default=None):
+    return args[i] if i < len(args) else kwargs.get(name, default)
+
+
+def _with_arg(args, kwargs, i, name, value):
+    args, kwargs = list(args), dict(kwargs)
+    if i < len(args):
+        args[i] = value
+    else:
+        kwargs[name] = value
+    return tuple(args), kwargs
+
+
+# ---- vocabulary-parallel embedding ----------------------------------------------------------------
+def autopar_vocab_parallel_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False, *,
+                                     vocab_axes):
+    """embedding over a row shard of the table: rows this rank holds are looked up, the others
+    give zeros, so the ranks of the vocabulary axes hold a pending sum of the full lookup."""
+    rows = weight.shape[0]
+    off = handle(vocab_axes).index * rows
+    local = indices - off
+    hit = (local >= 0) & (local < rows)
+    pad = padding_idx - off if padding_idx is not None and 0 <= padding_idx - off < rows else -1
+    out = torch.ops.aten.embedding.default(weight, local.masked_fill(~hit, 0), pad, scale_grad_by_freq, sparse)
+    return out.masked_fill(~hit.unsqueeze(-1), 0)
+
+
+# ---- losses --------------------------------------------------------------------------------------
+def _all_reduce_max(x: torch.Tensor, axes) -> torch.Tensor:
+    g = handle(axes)
+    if g.size == 1:
+        return x
+    x = x.detach().contiguous().clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=g.pg)
+    return x
+
+
+def _sum_over(x: torch.Tensor, axes) -> torch.Tensor:
+    """Differentiable all-reduce (sum) over ``axes``; the identity when there are none."""
+    return autopar_all_reduce(x, axes) if axes else x
+
+
+def class_denominator(target, weight, ignore_index, dtype, batch_axes):
+    """The mean denominator of a class-index loss: the sum of weight[target] (1 without a weight)
+    over the non-ignored targets of every rank of the batch axes."""
+    valid = target != ignore_index
+    if weight is None:
+        local = valid.sum().to(dtype)
+    else:
+        local = (weight[target.masked_fill(~valid, 0)] * valid).sum()
+    return _sum_over(local, batch_axes)
+
+
+def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None):
+    """A mean-reduced loss over a batch split across ``batch_axes``: ``op`` with reduction="sum",
+    divided by the global denominator (``count`` when static, else the weighted count of valid
+    targets, all-reduced). A pending sum over ``batch_axes``; further outputs (nll's total_weight)
+    are local sums, already pending sums."""
+    args, kwargs = _with_arg(args, kwargs, REDUCTION_POS[op], "reduction", SUM)
+    out = _aten(op)(*args, **kwargs)
+    loss = out[0] if isinstance(out, tuple) else out
+    if count is not None:
+        loss = loss / count
+    else:
+        target, weight = args[1], _arg(args, kwargs, 2, "weight")
+        loss = loss / class_denominator(target, weight, _arg(args, kwargs, 4, "ignore_index", -100), loss.dtype, batch_axes)
+    return (loss, *out[1:]) if isinstance(out, tuple) else loss
+
+
+def autopar_vocab_parallel_cross_entropy(x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0, *,
+                                         class_axes, batch_axes):
+    """cross_entropy with the class dim of ``x`` split over ``class_axes``: the per-sample loss
+    log(sum exp(x - m)) + m - x[target], each term all-reduced over the class axes, so it is
+    replicated there; then ``reduction`` (mean: over the global count of valid targets)."""
+    if weight is not None or label_smoothing:
+        raise PlanError("vocabulary-parallel cross entropy supports no class weight and no label smoothing")
+    cdim = 1 if x.dim() >= 2 else 0
+    classes = x.shape[cdim]
+    off = handle(class_axes).index * classes
+    m = _all_reduce_max(x.detach().amax(cdim, keepdim=True), class_axes)
+    sum_exp = _sum_over((x - m).exp().sum(cdim), class_axes)
+    local_t = target - off
+    valid = target != ignore_index
+    hit = (local_t >= 0) & (local_t < classes) & valid
+    picked = x.gather(cdim, local_t.clamp(0, classes - 1).unsqueeze(cdim)).squeeze(cdim)
+    t_logit = _sum_over(torch.where(hit, picked, torch.zeros_like(picked)), class_axes)
+    loss = sum_exp.log() + m.squeeze(cdim) - t_logit
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if reduction == 0:
+        return loss
+    if reduction == SUM:
+        return loss.sum()
+    return loss.sum() / class_denominator(target, None, ignore_index, loss.dtype, batch_axes)
+
+
+# ---- which lowering runs a node ------------------------------------------------------------------
+def lowering(node, node_plan, graph):
+    """(function, extra keyword arguments, how to pass the node's args) for a node whose strategy
+    family needs lowering. ``how`` is "direct" (``fn(*args, **kwargs, **extra)``) or "packed"
+    (``fn(op, args, kwargs, **extra)``)."""
+    parts = set(node_plan.family.split("+"))
+    lowered = parts & LOWERED_FAMILIES
+    target = node.target
+    if emb_rule.VOCAB_PARALLEL in lowered and target == "aten.embedding.default":
+        if _arg(node.args, node.kwargs, 3, "scale_grad_by_freq", False) or _arg(node.args, node.kwargs, 4, "sparse", False):
+            raise PlanError(f"node {node.name}: vocabulary-parallel embedding with scale_grad_by_freq or sparse is not supported")
+        axes = node_plan.inputs[0].dim_axes[0]
+        return autopar_vocab_parallel_embedding, {"vocab_axes": tuple(axes)}, "direct"
+    if loss_rule.VOCAB_PARALLEL in lowered and target == "aten.cross_entropy_loss.default":
+        x_spec = node_plan.inputs[0]
+        cdim = 1 if x_spec.ndim >= 2 else 0
+        class_axes = tuple(x_spec.dim_axes[cdim])
+        batch_axes = tuple(a for d, ax in enumerate(x_spec.dim_axes) if d != cdim for a in ax)
+        return autopar_vocab_parallel_cross_entropy, {"class_axes": class_axes, "batch_axes": batch_axes}, "direct"
+    if lowered == {loss_rule.MEAN_SPLIT} and target in REDUCTION_POS:
+        out = node_plan.output[0] if isinstance(node_plan.output, tuple) else node_plan.output
+        extra = {"batch_axes": tuple(out.partial)}
+        metas = [graph.nodes[i].meta for i in node.inputs]
+        if target in loss_rule.ELEMENTWISE:
+            extra["count"] = math.prod(torch.broadcast_shapes(*(tuple(m.shape) for m in metas[:2])))
+        elif tuple(metas[1].shape) == tuple(metas[0].shape) and metas[1].dtype not in ("int64", "int32"):
+            x_shape = tuple(metas[0].shape)  # probability targets: divide by the sample count
+            extra["count"] = math.prod(x_shape) // x_shape[1 if len(x_shape) >= 2 else 0]
+        return autopar_loss_global_mean, extra, "packed"
+    raise PlanError(
+        f"node {node.name} ({target}) uses strategy family {node_plan.family!r}, which needs a lowering that "
+        "autopar's codegen does not implement; re-plan with this family excluded (autopar.plan(..., force=...))"
+    )
+
+
+def _register_builtins() -> None:
+    try:
+        from torch.fx.graph import _register_custom_builtin
+    except ImportError:
+        return
+    for fn in (autopar_vocab_parallel_embedding, autopar_vocab_parallel_cross_entropy, autopar_loss_global_mean):
+        _register_custom_builtin(fn.__name__, f"from {__name__} import {fn.__name__}", fn)
+
+
+_register_builtins()

@@ -1,0 +1,213 @@
+"""``autopar.parallelize``: inside each rank, turn a model into this rank's ParallelModule.
+
+In order, on every rank (the same calls everywhere, since several are collective):
+
+1. trace the model (every rank needs the graph to lower it; a meta-device model is traced on meta
+   copies of the example inputs);
+2. plan: rank 0 runs ``autopar.plan`` (ZeRO-2 choices off: the runtime does not run them yet) and
+   broadcasts the Plan as JSON, so every rank runs the same plan; or check a given ``plan=``
+   against the graph's fingerprint;
+3. process groups for every set of mesh axes (``MeshGroups``);
+4. lower the plan to the rank's program (``autopar.codegen.lower``);
+5. build only this rank's parameter shards (``materialize``: from ``state_dict=``, the real model,
+   or a meta model plus its init);
+6. wrap them in a ``ParallelModule`` called like the original model.
+"""
+from __future__ import annotations
+
+import datetime
+import inspect
+import os
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import ConfigError, PlanError
+from autopar.sharding_spec.mesh import Mesh
+
+
+def parallelize(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    example_inputs=(),
+    *,
+    example_kwargs: dict | None = None,
+    memory_budget=None,
+    plan=None,
+    cluster=None,
+    pipeline=None,
+    state_dict: dict | None = None,
+    init_fn=None,
+    device=None,
+    force: dict | None = None,
+    groups=None,
+    plan_kwargs: dict | None = None,
+):
+    """This rank's ``ParallelModule`` of ``model`` on ``mesh``; call it on every rank.
+
+    example_inputs / example_kwargs: what the model is traced with; the module is then called with
+        inputs of the same structure and shapes, FULL on every rank (each keeps its slice).
+    memory_budget: bytes per device or a string like "40GB", for the planner.
+    plan: a Plan (or a path to a plan JSON) to run instead of planning; checked against the model.
+    cluster: cluster preset/spec to price the plan with (default: the mesh's, else cpu-gloo).
+    pipeline: only None/"auto"/False for now (one stage; pipelines are not built yet).
+    state_dict: full (unsharded) tensors to load, original keys; else the model's own values, or
+        for a meta-device model its modules' ``reset_parameters()`` then ``init_fn(module)``.
+    device: where the shards live (default: the model's device; for a meta model cuda:LOCAL_RANK
+        under NCCL, else cpu).
+    force: node name -> strategy family, passed to the planner (hand-written plans, tests).
+    groups: an existing ``MeshGroups`` for this mesh (to share it between modules).
+    plan_kwargs: more keywords for ``autopar.plan`` (e.g. ``time_limit_s``).
+    """
+    from autopar import ir
+    from autopar.codegen.lower import lower
+    from autopar.runtime.materialize import local_state
+    from autopar.runtime.module import ParallelModule
+    from autopar.runtime.process_groups import MeshGroups
+    from autopar.solver.plan import Plan
+
+    if not isinstance(mesh, Mesh):
+        raise ConfigError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
+    if pipeline not in (None, False, "auto"):
+        raise ConfigError(f"pipeline={pipeline!r}: pipeline stages are not supported by parallelize yet; use pipeline=None")
+    on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    trace_inputs, trace_kwargs = tuple(inputs), dict(example_kwargs or {})
+    if on_meta:
+        trace_inputs, trace_kwargs = _to_meta((trace_inputs, trace_kwargs))
+    graph = ir.trace(model, trace_inputs, trace_kwargs or None)
+    _check_outputs(graph)
+    if isinstance(plan, (str, os.PathLike)):
+        plan = Plan.load(plan)
+    if plan is not None:
+        check_plan(plan, graph, mesh)  # before any collective: a bad plan fails on every rank alike
+
+    device = _device(model, device, on_meta)
+    _ensure_process_group(device)
+    mesh.check_world_size(dist.get_world_size())
+    rank = dist.get_rank()
+    if plan is None:
+        plan_mesh = mesh if cluster is None else mesh.with_cluster(cluster)
+        plan = _plan_on_rank0(model, plan_mesh, graph, memory_budget, force, plan_kwargs or {}, rank)
+        check_plan(plan, graph, mesh)
+
+    groups = groups if groups is not None else MeshGroups(mesh)
+    lowered = lower(graph, plan, mesh, device=device)
+    shards = local_state(model, graph, plan, mesh, rank, state_dict=state_dict, init_fn=init_fn, device=device)
+    requires_grad = {ph: _requires_grad(model, fqn, graph) for fqn, ph in graph.params.items()}
+    constants = _constants(graph, device)
+    pm = ParallelModule(
+        graph=graph, plan=plan, lowered=lowered, groups=groups, shards=shards,
+        state_keys=list(model.state_dict(keep_vars=True).keys()), signature=_signature(model),
+        requires_grad=requires_grad, constants=constants,
+    )
+    pm._ap.device = device
+    return pm
+
+
+# ---- steps ------------------------------------------------------------------------------------------
+def check_plan(plan, graph, mesh) -> None:
+    """The plan is for this graph and mesh, and the runtime can run every choice in it."""
+    plan.check_model(graph.fingerprint(), graph.model_name)
+    if tuple(plan.mesh["shape"]) != mesh.shape:
+        raise PlanError(f"the plan is for a mesh of shape {tuple(plan.mesh['shape'])}, not {mesh}")
+    for p in plan.params.values():
+        if "zero2" in p.family:
+            raise ConfigError(
+                f"parameter {p.name} is planned with ZeRO-2 (family {p.family!r}), which the runtime does not support "
+                "yet; re-plan with autopar.plan(..., optimizer_sharding=False)"
+            )
+
+
+def _device(model, device, on_meta) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if not on_meta:
+        t = next(iter(list(model.parameters()) + list(model.buffers())), None)
+        return t.device if t is not None else torch.device("cpu")
+    if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    """Initialise the default group from the environment (torchrun) when there is none: NCCL for
+    CUDA shards, gloo for CPU ones."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ConfigError(
+            "autopar.parallelize runs inside each rank: start the ranks with torchrun or "
+            "autopar.runtime.launch.spawn, or call torch.distributed.init_process_group first"
+        )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+
+
+def _plan_on_rank0(model, mesh, graph, memory_budget, force, plan_kwargs, rank):
+    """Rank 0 plans; every rank receives the same Plan (as JSON), or rank 0's error."""
+    from autopar.solver import plan as make_plan
+    from autopar.solver.plan import Plan
+
+    box = [None]
+    if rank == 0:
+        try:
+            p = make_plan(model, mesh, graph=graph, memory_budget=memory_budget, optimizer_sharding=False,
+                          force=force, **plan_kwargs)
+            box[0] = ("ok", p.to_json())
+        except Exception as err:  # every rank must hear of it, or they wait forever
+            box[0] = ("error", f"{type(err).__name__}: {err}")
+    dist.broadcast_object_list(box, src=0)
+    status, payload = box[0]
+    if status != "ok":
+        raise PlanError(f"planning failed on rank 0: {payload}")
+    return Plan.from_json(payload)
+
+
+def _check_outputs(graph) -> None:
+    from torch.export.graph_signature import OutputKind
+
+    other = [s for s in graph.exported.graph_signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
+    if other:
+        kinds = sorted({s.kind.name for s in other})
+        raise ConfigError(
+            f"{graph.model_name}'s forward mutates state ({', '.join(kinds)}, e.g. BatchNorm running statistics); "
+            "parallelize does not support that yet: run the model in eval mode for such layers or remove the mutation"
+        )
+
+
+def _to_meta(tree):
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _requires_grad(model, fqn, graph) -> bool:
+    named = dict(model.named_parameters(remove_duplicate=False))
+    for a in graph.param_aliases.get(fqn, (fqn,)):
+        if a in named:
+            return named[a].requires_grad
+    return True
+
+
+def _constants(graph, device) -> dict:
+    """Lifted tensor constants (placeholders of role CONSTANT): their values, replicated."""
+    from torch.export.graph_signature import InputKind
+
+    out = {}
+    for s in graph.exported.graph_signature.input_specs:
+        if s.kind == InputKind.CONSTANT_TENSOR and s.arg.name in graph.nodes:
+            value = graph.exported.constants[s.target]
+            out[s.arg.name] = value.to(device) if device is not None else value
+        elif s.kind == InputKind.CUSTOM_OBJ and s.arg.name in graph.nodes:
+            raise ConfigError(f"{graph.model_name} uses a custom object ({s.target}); parallelize does not support it")
+    return out
+
+
+def _signature(model):
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,146 @@
+"""Inside a rank: run a parallelized model next to the single-process original and measure how far
+apart they are (forward output, every parameter's gradient, losses over AdamW steps, the final
+unsharded state). Every number is a relative error, max|a - b| / max|b|."""
+from __future__ import annotations
+
+import copy
+import time
+import traceback
+import warnings
+
+import torch
+
+import autopar
+from autopar import models
+from autopar.codegen.ops import gather_full
+
+TOL = 1e-5
+# After AdamW steps the parameters themselves are compared loosely: Adam divides by the root of its
+# second moment, so an entry whose gradient is zero in exact arithmetic (e.g. attention key biases)
+# but rounding noise in practice gets a step of about lr on either side; the losses stay within TOL.
+TRAINED_STATE_TOL = 1e-2
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        return float("inf")
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if b.numel() else 0.0
+
+
+def fresh_inputs(inputs, step: int):
+    """Inputs shaped like ``inputs``, different per step (integers within the original range)."""
+    g = torch.Generator().manual_seed(100 + step)
+    out = []
+    for t in inputs:
+        if t.is_floating_point():
+            out.append(torch.randn(t.shape, generator=g, dtype=t.dtype))
+        else:
+            out.append(torch.randint(0, int(t.max()) + 1, t.shape, generator=g, dtype=t.dtype))
+    return tuple(out)
+
+
+def loss_of(out):
+    return out.loss if hasattr(out, "loss") else (out[0] if isinstance(out, tuple) else out)
+
+
+def compare(model, inputs, mesh, groups, *, steps: int = 5, lr: float = 1e-2, kwargs_fn=None, **parallelize_kw) -> dict:
+    """Parallelize ``model`` and train it next to a copy for ``steps`` AdamW steps. ``kwargs_fn(inputs)``
+    turns positional inputs into the call's keyword arguments (for models called by keyword)."""
+    warnings.simplefilter("ignore")
+    ref = copy.deepcopy(model)
+    if kwargs_fn is None:
+        pm = autopar.parallelize(model, mesh, inputs, groups=groups, **parallelize_kw)
+    else:
+        pm = autopar.parallelize(model, mesh, (), example_kwargs=kwargs_fn(inputs), groups=groups, **parallelize_kw)
+    res0 = _state_err(pm, ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
+    opt_par = torch.optim.AdamW(pm.parameters(), lr=lr)
+    res = {"losses": [], "out_err": 0.0, "grad_err": {}, "code": pm.code, "plan": pm.plan,
+           "init_state_err": res0[0], "state_keys_equal": res0[1]}
+
+    def call(m, x):
+        return m(**kwargs_fn(x)) if kwargs_fn is not None else m(*x)
+
+    for step in range(steps):
+        x = inputs if step == 0 else fresh_inputs(inputs, step)
+        out_ref, out_par = call(ref, x), call(pm, x)
+        if step == 0:
+            res["type"] = (type(out_ref).__name__, type(out_par).__name__)
+            leaves_r = [t for t in torch.utils._pytree.tree_leaves(out_ref) if isinstance(t, torch.Tensor)]
+            leaves_p = [t for t in torch.utils._pytree.tree_leaves(out_par) if isinstance(t, torch.Tensor)]
+            res["out_err"] = max([rel(a, b) for a, b in zip(leaves_p, leaves_r)] + [0.0 if len(leaves_p) == len(leaves_r) else float("inf")])
+        l_ref, l_par = loss_of(out_ref), loss_of(out_par)
+        res["losses"].append((l_par.item(), l_ref.item()))
+        l_ref.backward()
+        l_par.backward()
+        if step == 0:
+            res["grad_err"] = grad_errors(pm, ref)
+        opt_ref.step()
+        opt_par.step()
+        opt_ref.zero_grad()
+        opt_par.zero_grad()
+    res["state_err"] = _state_err(pm, ref)[0]
+    res["loss_err"] = max(abs(a - b) / max(abs(b), 1e-30) for a, b in res["losses"])
+    return res
+
+
+def _state_err(pm, ref) -> tuple[float, bool]:
+    full, want = pm.full_state_dict(), ref.state_dict()
+    return max([rel(full[k], want[k]) for k in want if k in full] or [0.0]), set(full) == set(want)
+
+
+def grad_errors(pm, ref) -> dict:
+    out = {}
+    for fqn, local in pm.local_state().items():
+        if not isinstance(local, torch.nn.Parameter):
+            continue
+        want = ref.get_parameter(fqn).grad
+        if local.grad is None or want is None:
+            out[fqn] = 0.0 if local.grad is None and want is None else float("inf")
+            continue
+        out[fqn] = rel(gather_full(local.grad, pm.storage_spec(fqn), pm.groups), want)
+    return out
+
+
+def worst(res: dict) -> float:
+    """The largest error that must be within TOL (the trained state has its own tolerance)."""
+    return max([res["out_err"], res["loss_err"], res["init_state_err"], *res["grad_err"].values()])
+
+
+def summary(tag: str, res: dict) -> dict:
+    """What goes back to the test process (small and picklable)."""
+    return {
+        "tag": tag,
+        "worst": worst(res),
+        "out_err": res["out_err"],
+        "loss_err": res["loss_err"],
+        "state_err": res["state_err"],
+        "init_state_err": res["init_state_err"],
+        "state_keys_equal": res["state_keys_equal"],
+        "bad_grads": {k: v for k, v in res["grad_err"].items() if not v <= TOL},
+        "n_grads": len(res["grad_err"]),
+        "type": res.get("type"),
+        "families": res["plan"].summary()["families"],
+        "storage": {p.name: (str(p.storage), p.family) for p in res["plan"].params.values()},
+        "code": res["code"],
+    }
+
+
+def run_case(tag: str, fn, *args, **kw) -> dict:
+    """``fn(*args, **kw)`` -> summary, or the error's traceback (so one case cannot hide others)."""
+    t0 = time.perf_counter()
+    try:
+        out = fn(*args, **kw)
+    except Exception:
+        out = {"tag": tag, "error": traceback.format_exc()}
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def model_case(tag, name, mesh, groups, build_kw=None, **kw) -> dict:
+    def go():
+        model, inputs = models.build(name, **(build_kw or {}))
+        return summary(tag, compare(model, inputs, mesh, groups, **kw))
+
+    return run_case(tag, go)
