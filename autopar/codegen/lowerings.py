@@ -133,6 +133,15 @@ def autopar_vocab_parallel_cross_entropy(x, target, weight=None, reduction=1, ig
     return loss.sum() / class_denominator(target, None, ignore_index, loss.dtype, batch_axes)
 
 
+_SUM_OF_MEAN = {"aten.mean.default": "aten.sum.default", "aten.mean.dim": "aten.sum.dim_IntList"}
+
+
+def autopar_mean_as_sum(op: str, args, kwargs, *, count: int):
+    """A mean whose reduced dims are split ("reduce-partial(mean)"): the local sum divided by the
+    global number of reduced elements, so the ranks' results add up to the global mean."""
+    return _aten(_SUM_OF_MEAN[op])(*args, **kwargs) / count
+
+
 # ---- which lowering runs a node ------------------------------------------------------------------
 def lowering(node, node_plan, graph):
     """(function, extra keyword arguments, how to pass the node's args) for a node whose strategy
@@ -152,6 +161,11 @@ def lowering(node, node_plan, graph):
         class_axes = tuple(x_spec.dim_axes[cdim])
         batch_axes = tuple(a for d, ax in enumerate(x_spec.dim_axes) if d != cdim for a in ax)
         return autopar_vocab_parallel_cross_entropy, {"class_axes": class_axes, "batch_axes": batch_axes}, "direct"
+    if lowered == {"reduce-partial(mean)"} and target in _SUM_OF_MEAN:
+        shape = graph.nodes[node.inputs[0]].meta.shape
+        dim = _arg(node.args, node.kwargs, 1, "dim") if target == "aten.mean.dim" else None
+        dims = range(len(shape)) if dim is None else [d % len(shape) for d in ([dim] if isinstance(dim, int) else dim)]
+        return autopar_mean_as_sum, {"count": math.prod(shape[d] for d in dims)}, "packed"
     if lowered == {loss_rule.MEAN_SPLIT} and target in REDUCTION_POS:
         out = node_plan.output[0] if isinstance(node_plan.output, tuple) else node_plan.output
         extra = {"batch_axes": tuple(out.partial)}
@@ -173,7 +187,7 @@ def _register_builtins() -> None:
         from torch.fx.graph import _register_custom_builtin
     except ImportError:
         return
-    for fn in (autopar_vocab_parallel_embedding, autopar_vocab_parallel_cross_entropy, autopar_loss_global_mean):
+    for fn in (autopar_vocab_parallel_embedding, autopar_vocab_parallel_cross_entropy, autopar_loss_global_mean, autopar_mean_as_sum):
         _register_custom_builtin(fn.__name__, f"from {__name__} import {fn.__name__}", fn)
 
 

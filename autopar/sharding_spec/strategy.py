@@ -40,7 +40,9 @@ from typing import Callable, Iterable, Sequence
 from autopar.sharding_spec.spec import ShardingSpec
 
 # Families a codegen cannot run as the plain local op; see their rules for the lowering.
-LOWERED_FAMILIES = frozenset({"embedding-vocab-parallel", "loss-batch-split(mean)", "loss-vocab-parallel"})
+LOWERED_FAMILIES = frozenset(
+    {"embedding-vocab-parallel", "loss-batch-split(mean)", "loss-vocab-parallel", "reduce-partial(mean)"}
+)
 
 
 def needs_lowering(family: str) -> bool:

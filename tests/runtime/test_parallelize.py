@@ -78,6 +78,32 @@ def forced_case(tag, mesh, groups, family, *, params=None, build_kw=None):
     return run_case(tag, go)
 
 
+class MeanLossMLP(nn.Module):
+    """A hand-written mean-squared loss: `mean` over a batch-split tensor is the lowered family
+    "reduce-partial(mean)" (local sum / global count)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 32)
+        self.fc2 = nn.Linear(32, d)
+
+    def forward(self, x, y):
+        return ((self.fc2(torch.relu(self.fc1(x))) - y) ** 2).mean()
+
+
+def mean_loss_case(tag, mesh, groups):
+    def go():
+        torch.manual_seed(0)
+        model = MeanLossMLP()
+        g = torch.Generator().manual_seed(2)
+        inputs = (torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g))
+        force = matmul_force(model, inputs, "dp")
+        force.update({n.name: "reduce-partial(mean)" for n in ir.trace(model, inputs) if n.target == "aten.mean.default"})
+        return summary(tag, compare(model, inputs, mesh, groups, force=force))
+
+    return run_case(tag, go)
+
+
 def hf_case(tag, mesh, groups):
     def go():
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -150,6 +176,7 @@ def rank_2(rank, world_size):
                             {"embedding": "embedding-vocab-parallel", "cross_entropy_loss": "loss-vocab-parallel"}))
     out.append(tiny_lm_case("batch-split mean lm (2,)", mesh, groups,
                             {"cross_entropy_loss": "loss-batch-split(mean)"}, weighted=True, smoothing=0.1))
+    out.append(mean_loss_case("mean-partial dp (2,)", mesh, groups))
     out.append(run_case("shape-error", shape_error_case, mesh, groups))
     out.append(run_case("meta-init", meta_init_case, mesh, groups))
     return out
@@ -261,6 +288,12 @@ def test_forced_matmul_families_on_mesh_2(two_ranks, family):
     cases = two_ranks[f"forced {family} (2,)"]
     _assert_exact(cases)
     assert cases[0]["families"].get(family, 0) >= 4
+
+
+def test_mean_over_a_split_batch(two_ranks):
+    cases = two_ranks["mean-partial dp (2,)"]
+    _assert_exact(cases)
+    assert cases[0]["families"].get("reduce-partial(mean)") == 1
 
 
 def test_forced_zero3_storage(two_ranks):

@@ -4,8 +4,9 @@ vector norms) and scans (cumsum, cumprod).
 Dims that are not reduced may be split; the output keeps their split, re-indexed (a reduced dim
 vanishes, or stays as size 1 with keepdim). A reduced dim stays whole, except for sum: summing a
 split dim leaves each rank the sum of its slice, a pending sum over the splitting axes
-("reduce-partial"). Mean over a split dim would need each rank's mean rescaled by its share, which
-the local op does not do, so it stays whole. Sum, mean and cumsum are linear, so a pending sum on the
+("reduce-partial"). Mean over a split dim needs each rank's mean rescaled by its share, which the
+local op does not do: that is the lowered family "reduce-partial(mean)" (codegen multiplies the
+local mean by 1 / the number of ranks splitting the reduced dims). Sum, mean and cumsum are linear, so a pending sum on the
 input passes to the output. A scan's dim stays whole (a rank's prefix would miss the earlier ranks').
 
 Families: "reduce" (only kept dims split, or a pending sum passed through), "reduce-partial"
@@ -60,6 +61,10 @@ REDUCTIONS: dict[str, tuple[int | None, str, int | None, bool]] = {
     "aten.count_nonzero.default": (1, "dim", None, False),
 }
 SUMS = {"aten.sum.default", "aten.sum.dim_IntList"}  # a split reduced dim leaves a pending sum
+# A split reduced dim of a mean leaves a pending sum once codegen rescales each rank's local mean
+# by its share (local count / global count = 1 / ranks splitting the reduced dims): the lowered
+# family "reduce-partial(mean)".
+MEANS = {"aten.mean.default", "aten.mean.dim"}
 SCANS = {"aten.cumsum.default": True, "aten.cumprod.default": False, "aten.logcumsumexp.default": False,
          "aten.cummax.default": False, "aten.cummin.default": False}
 
@@ -85,7 +90,7 @@ def reduction_rule(ctx: OpContext) -> list[Strategy]:
         out_letters = tuple(ch for d, ch in enumerate(letters) if d not in dims)
     linear = REDUCTIONS[ctx.node.target][3] and linear_dtype(ctx.input_metas[0])
     outs = out_metas(ctx)
-    sum_split = ctx.node.target in SUMS and all(linear_dtype(m) for m in outs)
+    sum_split = ctx.node.target in SUMS | MEANS and all(linear_dtype(m) for m in outs)
     splittable = [ch for d, ch in enumerate(letters) if d not in dims or sum_split]
     out_terms = [(tuple(m.shape), out_letters) if is_tensor_meta(m) and len(m.shape) == len(out_letters) else None for m in outs]
     if any(t is None for t in out_terms):
@@ -97,6 +102,8 @@ def reduction_rule(ctx: OpContext) -> list[Strategy]:
     for c in letter_choices(ctx.mesh, ins, out_terms, splittable=splittable, partial_options=opts):
         split_reduced = any(letters[d] in c.assign for d in dims)
         fam = "reduce-partial" if split_reduced else ("reduce" if c.assign or c.partial_axes else "replicate")
+        if split_reduced and ctx.node.target in MEANS:
+            fam = "reduce-partial(mean)"
         out.append(Strategy(c.inputs, c.output(single), fam, c.split_fraction))
     return out
 
