@@ -1,8 +1,9 @@
 """Graph simplification so the ILP scales.
 
 1. Repeated-block reuse: layers the tracer found structurally identical are tied position by
-   position to the first layer of their group, so the ILP holds one copy of each block (a
-   restriction: every copy picks the same strategies; boundary edges between copies are kept).
+   position to the first layer (period 1) or the first two layers (period 2) of their group, so the
+   ILP holds one or two copies of each block (a restriction: tied copies pick the same strategies;
+   boundary edges between copies are kept).
 2. Exact elimination of chain nodes (variable elimination, min-sum): a node with one neighbour is
    folded into it, c_w[k] += min_j (c_v[j] + R_vw[j, k]); a node between two neighbours becomes an
    edge, R_uw[i, k] = min_j (R_uv[i, j] + c_v[j] + R_vw[j, k]). The optimum is unchanged. Under a
@@ -18,8 +19,9 @@ import numpy as np
 from autopar.solver.ilp import Problem
 
 
-def block_ties(graph, choices) -> dict[str, str]:
-    """tie[v] = u for every node of a repeated block's later copies."""
+def block_ties(graph, choices, period: int = 1) -> dict[str, str]:
+    """tie[v] = u for every node of a repeated block's later copies: copy i is tied to copy
+    i mod ``period`` of its group."""
     by_layer: dict[str, list] = {}
     for node in graph.nodes.values():
         if node.layer is not None and node.op != "output":
@@ -28,8 +30,8 @@ def block_ties(graph, choices) -> dict[str, str]:
     for group in graph.blocks:
         if len(group) < 2:
             continue
-        first = by_layer.get(group[0], [])
-        for layer in group[1:]:
+        for i, layer in enumerate(group[period:], start=period):
+            first = by_layer.get(group[i % period], [])
             other = by_layer.get(layer, [])
             if len(other) != len(first) or not all(_same_shape(a, b, choices) for a, b in zip(first, other)):
                 continue  # not positionally identical after all: leave this copy free
