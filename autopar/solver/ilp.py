@@ -33,6 +33,11 @@ from autopar.errors import PlanError
 
 # Costs below this are noise; rounding them keeps CBC's numerics clean.
 COST_EPS = 1e-12
+# Solvers stop at a relative optimality gap (HiGHS' default is 1e-4); plans must be optimal.
+MIP_GAP = 1e-9
+# The ILP's objective is in microseconds: in seconds, real differences of 1e-9 s fall inside the
+# solvers' absolute tolerances and the "optimum" comes back slightly off.
+OBJECTIVE_SCALE = 1e6
 
 
 @dataclasses.dataclass
@@ -210,8 +215,10 @@ def _has_solution(s) -> bool:
 
 
 def _round(c: float) -> float:
+    """Seconds -> the ILP's unit (microseconds, so MIP tolerances sit far below any real cost
+    difference), with noise below COST_EPS seconds dropped."""
     c = float(c)
-    return 0.0 if abs(c) < COST_EPS else c
+    return 0.0 if abs(c) < COST_EPS else c * OBJECTIVE_SCALE
 
 
 def _solver(name: str | None, time_limit_s: float, msg: bool):
@@ -219,13 +226,13 @@ def _solver(name: str | None, time_limit_s: float, msg: bool):
         try:
             import highspy  # noqa: F401
 
-            return pulp.HiGHS(msg=msg, timeLimit=time_limit_s)
+            return pulp.HiGHS(msg=msg, timeLimit=time_limit_s, gapRel=MIP_GAP)
         except ImportError:
             if name == "highs":
                 raise PlanError("solver 'highs' needs the highspy package: pip install 'autopar[highs]'") from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # pulp 3.3 nudges towards pulp[cbc]
-        return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s)
+        return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s, gapRel=MIP_GAP)
 
 
 def brute_force(problem: Problem) -> tuple[dict[str, int], float]:
