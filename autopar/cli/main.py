@@ -1,6 +1,6 @@
 """The `autopar` command line. Subcommands hold no logic of their own: they call the library.
 
-    autopar explain MODEL --mesh 2x4 [--cluster NAME|FILE] [--memory-budget 40GB] [--json F]
+    autopar explain MODEL --mesh 2x4 [--cluster NAME|FILE] [--memory-budget 40GB] [--json F] [--profiled]
     autopar profile [--mesh 2x2] [--ops MODEL]
     autopar demo
 
@@ -72,8 +72,18 @@ def cmd_explain(args) -> int:
     import autopar
 
     model, inputs, kwargs = load_model(args.model)
-    mesh = autopar.Mesh(args.mesh, cluster=args.cluster)
-    plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, memory_budget=args.memory_budget)
+    cluster, op_table = args.cluster, None
+    if args.profiled:
+        from autopar.cost_model.profile_comm import load_profile
+        from autopar.cost_model.profile_ops import load_op_table
+
+        prof = load_profile(args.mesh)
+        if prof is None:
+            raise ConfigError(f"no cached profile for mesh {'x'.join(map(str, args.mesh))}; run `autopar profile --mesh "
+                              f"{'x'.join(map(str, args.mesh))}` first, or drop --profiled")
+        cluster, op_table = prof.cluster, load_op_table("cpu")
+    mesh = autopar.Mesh(args.mesh, cluster=cluster)
+    plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, memory_budget=args.memory_budget, op_table=op_table)
     print(plan.explain())
     if args.json:
         plan.save(args.json)
@@ -104,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cluster", default=None, help="preset (a100-80g, h100-80g, cpu-gloo) or JSON file")
     e.add_argument("--memory-budget", default=None, help="per-device memory, e.g. 40GB")
     e.add_argument("--json", default=None, help="also write the plan to this JSON file")
+    e.add_argument("--profiled", action="store_true",
+                   help="price with this machine's cached profiles (`autopar profile --mesh ...` / `--ops ...`)")
     e.set_defaults(func=cmd_explain)
 
     pr = sub.add_parser("profile", help="profile ops on this device, or collectives on a live CPU mesh")

@@ -303,6 +303,12 @@ def fit_cluster(measurements: Sequence[CommMeasurement], mesh_shape: Sequence[in
     )
 
 
+def load_profile(mesh_shape: Sequence[int], backend: str = "gloo", directory=None) -> CommProfile | None:
+    """The cached profile of a mesh shape and backend, without processes (None if there is none)."""
+    data = _cached(profile_path(mesh_shape, backend, directory), mesh_shape)
+    return None if data is None else CommProfile.from_dict(data)
+
+
 def _cached(path: Path, mesh_shape) -> dict | None:
     """The cached profile's JSON if it is readable, current and for this mesh shape."""
     data = read_json(path)

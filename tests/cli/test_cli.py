@@ -1,0 +1,65 @@
+"""The `autopar` command line: explain prints a plan, bad arguments give one line and exit code 2."""
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.cli.main import main
+
+warnings.simplefilter("ignore")
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def run(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_explain_builtin_model_and_json(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    code, out, err = run(capsys, "explain", "mlp:layers=1", "--mesh", "2x2", "--cluster", "a100-80g", "--json", str(path))
+    assert code == 0, err
+    assert "plan for MLP on mesh 2x2" in out and "predicted step time" in out and "layers.0" in out
+    plan = autopar.Plan.load(path)
+    assert plan.mesh["shape"] == [2, 2] and plan.mesh["cluster"]["name"] == "a100-80g"
+    assert json.loads(path.read_text())["schema_version"] == 1
+
+
+def test_explain_user_factory(capsys):
+    code, out, err = run(capsys, "explain", "factory_model:build", "--mesh", "4")
+    assert code == 0, err
+    assert "plan for Sequential on mesh 4" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["explain", "mlp", "--mesh", "2xq"], "mesh must look like"),
+        (["explain", "mlp", "--mesh", "0x2"], "mesh sizes must be positive"),
+        (["explain", "nosuchmodel", "--mesh", "2"], "unknown model"),
+        (["explain", "mlp:width=", "--mesh", "2"], "width"),
+        (["explain", "factory_model:missing", "--mesh", "2"], "cannot load model factory"),
+        (["explain", "factory_model:broken", "--mesh", "2"], "must return (model, example_inputs)"),
+        (["explain", "mlp", "--mesh", "2", "--cluster", "tpu-v9"], "unknown cluster"),
+        (["explain", "mlp", "--mesh", "2", "--memory-budget", "lots"], "cannot read memory size"),
+        (["explain", "mlp", "--mesh", "2", "--memory-budget", "1KB"], "smallest plan needs"),
+        (["explain", "mlp", "--mesh", "3x5", "--profiled"], "no cached profile"),
+        (["explain", "mlp"], "--mesh"),
+        (["frobnicate"], "invalid choice"),
+        (["profile"], "give --mesh"),
+    ],
+)
+def test_bad_arguments_one_line_exit_2(capsys, monkeypatch, tmp_path, argv, message):
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("autopar: error:") and message in lines[0], lines[0]
