@@ -25,7 +25,16 @@ def report(rank, world_size, tag):
         mesh_error = None
     except MeshError as err:
         mesh_error = str(err)
+    device_mesh = Mesh((world_size,), axis_names=("dp",)).to_device_mesh()
+    try:
+        Mesh((2, 2)).to_device_mesh()
+        device_mesh_error = None
+    except MeshError as err:
+        device_mesh_error = str(err)
     return {
+        "device_mesh": (tuple(device_mesh.mesh.tolist()), device_mesh.mesh_dim_names),
+        "device_mesh_error": device_mesh_error,
+        "mesh_from_torch": Mesh.from_torch(device_mesh) == Mesh((world_size,), axis_names=("dp",)),
         "rank": rank,
         "world_size": world_size,
         "tag": tag,
@@ -69,6 +78,8 @@ def test_results_come_back_in_rank_order_and_mesh_size_is_checked():
         assert r["world_size"] == 3 and r["tag"] == "hello" and r["sum"] == 3.0
         assert r["threads"] == 1 and r["omp"] == "1" and r["env_rank"] == str(rank)
         assert r["mesh_error"] is not None and "needs 4 ranks" in r["mesh_error"] and "has 3" in r["mesh_error"]
+        assert r["device_mesh"] == ((0, 1, 2), ("dp",)) and r["mesh_from_torch"]
+        assert "needs 4 ranks" in r["device_mesh_error"]
 
 
 @pytest.mark.multirank

@@ -230,3 +230,18 @@ def test_cluster_is_part_of_the_cache_key():
     src, dst = spec("[S0]", (64,), src_mesh), spec("[R]", (64,), src_mesh)
     assert plan_reshard(src, dst, fast_mesh).cost == 0
     assert plan_reshard(src, dst, src_mesh).cost > 0
+
+
+def test_infeasible_transitions_cost_inf():
+    import math
+
+    from autopar.sharding_spec.reshard import reshard_cost, reshard_costs_from
+
+    mesh = Mesh((4,))
+    src = ShardingSpec.parse("[S0, R]", (8, 6), 1)
+    uneven = ShardingSpec.parse("[R, S0]", (8, 6), 1)  # 6 does not split over 4
+    other_shape = ShardingSpec.parse("[S0, R]", (8, 8), 1)
+    assert reshard_cost(src, uneven, mesh) == math.inf
+    assert reshard_cost(src, other_shape, mesh) == math.inf
+    assert reshard_costs_from(uneven, [src], mesh) == [math.inf]
+    assert math.isfinite(reshard_cost(src, ShardingSpec.parse("[R, R]", (8, 6), 1), mesh))
