@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/plan_time.py [--layers 2,4,8,16,24,48] [--meshes 8,2x4,4x4,8x8]
 
-The GPT is the benchmark size (width 256, ~10M parameters at 8 layers), built on the meta device;
+The GPT is the benchmark size (models.build("gpt", size="bench"): width 320, ~10M parameters at 6
+layers) with the given layer counts, built on the meta device;
 meshes are simulated with the a100-80g cluster preset. Prints one row per (layers, mesh).
 """
 from __future__ import annotations
