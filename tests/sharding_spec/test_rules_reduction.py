@@ -42,10 +42,14 @@ def _families(target, args, kwargs=None, mesh=Mesh((2,))):
     return {(tuple(s.inputs[0].dim_axes), s.family) for s in strategies_for(context(node, V, mesh))}
 
 
-def test_only_sum_splits_a_reduced_dim():
+def test_only_sum_and_mean_split_a_reduced_dim():
     fam = _families("aten.sum.dim_IntList", (R("a"), [1]))
     assert (((), (0,), ()), "reduce-partial") in fam
-    for target, args in [("aten.mean.dim", (R("a"), [1])), ("aten.amax.default", (R("a"), [1])),
+    # mean splits it only as the lowered family (codegen divides the local sum by the global count)
+    mean = _families("aten.mean.dim", (R("a"), [1]))
+    assert (((), (0,), ()), "reduce-partial(mean)") in mean
+    assert all(f == "reduce-partial(mean)" for dims, f in mean if dims[1])
+    for target, args in [("aten.amax.default", (R("a"), [1])),
                          ("aten.var.correction", (R("r"), [1])), ("aten.cumsum.default", (R("a"), 1))]:
         assert all(dims[1] == () for dims, _ in _families(target, args)), target
 
