@@ -100,8 +100,7 @@ def cmd_profile(args) -> int:
 def cmd_demo(args) -> int:
     from autopar.cli import demo
 
-    demo.run(mesh_shape=args.mesh, model=args.model)
-    return 0
+    return demo.run(mesh_shape=args.mesh, model=args.model, steps=args.steps)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job on a built-in model")
     d.add_argument("--model", default="gpt", help="built-in model name (default: gpt)")
     d.add_argument("--mesh", type=parse_mesh, default=(2, 2), help="mesh shape, e.g. 2x2 (default)")
+    d.add_argument("--steps", type=int, default=5, help="AdamW steps (default: 5)")
     d.set_defaults(func=cmd_demo)
     return p
 

@@ -4,10 +4,11 @@ In order, on every rank (the same calls everywhere, since several are collective
 
 1. trace the model (every rank needs the graph to lower it; a meta-device model is traced on meta
    copies of the example inputs);
-2. plan: rank 0 runs ``autopar.plan`` (ZeRO-2 choices off: the runtime does not run them yet) and
-   broadcasts the Plan as JSON, so every rank runs the same plan; or check a given ``plan=``
-   against the graph's fingerprint;
-3. process groups for every set of mesh axes (``MeshGroups``);
+2. process groups for every set of mesh axes (``MeshGroups``), with the collective timeout;
+3. plan: price the mesh with its cluster, else with a profile of these live groups (``live_cluster``:
+   every rank takes part; cached per mesh shape and backend), else cpu-gloo; rank 0 runs
+   ``autopar.plan`` (ZeRO-2 choices off: the runtime does not run them yet) and broadcasts the Plan
+   as JSON, so every rank runs the same plan; or check a given ``plan=`` against the graph;
 4. lower the plan to the rank's program (``autopar.codegen.lower``);
 5. build only this rank's parameter shards (``materialize``: from ``state_dict=``, the real model,
    or a meta model plus its init);
@@ -24,6 +25,14 @@ import torch.distributed as dist
 
 from autopar.errors import ConfigError, PlanError
 from autopar.sharding_spec.mesh import Mesh
+
+# The short communication profile parallelize takes when the mesh has no cluster: 3 sizes, 5
+# timed calls each, every collective kind on every mesh axis (~1-2 s on 4 CPU gloo ranks). A full
+# profile (``autopar profile --mesh``, cached in the same directory) is used instead when present.
+PROFILE_SIZES = (4 << 10, 64 << 10, 1 << 20)
+PROFILE_REPEATS = 5
+PROFILE_SUBDIR = "parallelize"
+DEFAULT_TIMEOUT_S = 600.0
 
 
 def parallelize(
@@ -42,6 +51,8 @@ def parallelize(
     force: dict | None = None,
     groups=None,
     plan_kwargs: dict | None = None,
+    profile: bool = True,
+    timeout=None,
 ):
     """This rank's ``ParallelModule`` of ``model`` on ``mesh``; call it on every rank.
 
@@ -49,7 +60,8 @@ def parallelize(
         inputs of the same structure and shapes, FULL on every rank (each keeps its slice).
     memory_budget: bytes per device or a string like "40GB", for the planner.
     plan: a Plan (or a path to a plan JSON) to run instead of planning; checked against the model.
-    cluster: cluster preset/spec to price the plan with (default: the mesh's, else cpu-gloo).
+    cluster: cluster preset/spec to price the plan with (default: the mesh's, else a profile of
+        the live groups, see ``live_cluster``, else cpu-gloo).
     pipeline: only None/"auto"/False for now (one stage; pipelines are not built yet).
     state_dict: full (unsharded) tensors to load, original keys; else the model's own values, or
         for a meta-device model its modules' ``reset_parameters()`` then ``init_fn(module)``.
@@ -58,6 +70,12 @@ def parallelize(
     force: node name -> strategy family, passed to the planner (hand-written plans, tests).
     groups: an existing ``MeshGroups`` for this mesh (to share it between modules).
     plan_kwargs: more keywords for ``autopar.plan`` (e.g. ``time_limit_s``).
+    profile: when neither ``cluster`` nor ``mesh.cluster`` is given, profile the live groups'
+        collectives (True, cached) or price with the cpu-gloo preset (False).
+    timeout: seconds (or a timedelta) after which a collective whose peer is dead or stuck raises
+        instead of hanging; default: the default process group's timeout. It applies to the groups
+        parallelize makes (not to a given ``groups=``), and to the default group when parallelize
+        has to create it (from torchrun's environment; then 600 s by default).
     """
     from autopar import ir
     from autopar.codegen.lower import lower
@@ -83,15 +101,15 @@ def parallelize(
         check_plan(plan, graph, mesh)  # before any collective: a bad plan fails on every rank alike
 
     device = _device(model, device, on_meta)
-    _ensure_process_group(device)
+    _ensure_process_group(device, timeout)
     mesh.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
+    groups = groups if groups is not None else MeshGroups(mesh, timeout=timeout)
     if plan is None:
-        plan_mesh = mesh if cluster is None else mesh.with_cluster(cluster)
+        plan_mesh = _pricing_mesh(mesh, cluster, groups, profile)
         plan = _plan_on_rank0(model, plan_mesh, graph, memory_budget, force, plan_kwargs or {}, rank)
         check_plan(plan, graph, mesh)
 
-    groups = groups if groups is not None else MeshGroups(mesh)
     lowered = lower(graph, plan, mesh, device=device)
     shards = local_state(model, graph, plan, mesh, rank, state_dict=state_dict, init_fn=init_fn, device=device)
     requires_grad = {ph: _requires_grad(model, fqn, graph) for fqn, ph in graph.params.items()}
@@ -130,9 +148,9 @@ def _device(model, device, on_meta) -> torch.device:
     return torch.device("cpu")
 
 
-def _ensure_process_group(device: torch.device) -> None:
+def _ensure_process_group(device: torch.device, timeout=None) -> None:
     """Initialise the default group from the environment (torchrun) when there is none: NCCL for
-    CUDA shards, gloo for CPU ones."""
+    CUDA shards, gloo for CPU ones; ``timeout`` (default ``DEFAULT_TIMEOUT_S``) for its collectives."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -143,7 +161,53 @@ def _ensure_process_group(device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT_S
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    dist.init_process_group(backend, timeout=timeout)
+
+
+def _pricing_mesh(mesh: Mesh, cluster, groups, profile: bool) -> Mesh:
+    """The mesh the planner prices: with ``cluster``, else the mesh's own, else (``profile`` and
+    more than one rank) the live groups' profile, else the cpu-gloo preset (the planner's default)."""
+    if cluster is not None:
+        return mesh.with_cluster(cluster)
+    if mesh.cluster is not None or not profile or mesh.size == 1:
+        return mesh
+    return mesh.with_cluster(live_cluster(mesh, groups))
+
+
+def live_cluster(mesh: Mesh, groups, *, directory=None):
+    """A ClusterSpec with one alpha-beta link per mesh axis fitted to collectives timed on the live
+    ``groups`` (``autopar.cost_model.profile_comm``); a collective: call it on every rank.
+
+    A full profile cached for this mesh shape and backend (``autopar profile --mesh``) is read if
+    rank 0 has one; else a short profile (``PROFILE_SIZES`` x ``PROFILE_REPEATS``) is taken, or
+    read back from ``cache_dir()/parallelize/`` where the first call left it. ``directory``
+    overrides the cache directory."""
+    from autopar.cost_model import profile_comm
+    from autopar.cost_model.cache import cache_dir
+
+    backend = str(dist.get_backend())
+    base = _base_cluster(backend)
+    root = cache_dir(directory)
+    box = [None]
+    if dist.get_rank() == 0:
+        box[0] = profile_comm.load_profile(mesh.shape, backend, root) is not None
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:  # a full profile: read, never re-measured here
+        return profile_comm.profile_mesh(mesh, groups, base_cluster=base, directory=root)
+    return profile_comm.profile_mesh(mesh, groups, PROFILE_SIZES, PROFILE_REPEATS, base_cluster=base,
+                                     directory=root / PROFILE_SUBDIR)
+
+
+def _base_cluster(backend: str) -> str:
+    """The preset whose non-link fields (FLOP/s, memory) a profiled cluster keeps."""
+    if backend != "nccl":
+        return "cpu-gloo"
+    name = torch.cuda.get_device_name().upper()
+    return "h100-80g" if any(k in name for k in ("H100", "H200", "H800")) else "a100-80g"
 
 
 def _plan_on_rank0(model, mesh, graph, memory_budget, force, plan_kwargs, rank):

@@ -22,6 +22,7 @@ has size-1 axes, singleton groups are made too so that ``group(axes)`` always an
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import itertools
 from typing import Sequence
@@ -64,11 +65,31 @@ class GroupHandle:
         return self.ranks == self.pg_ranks
 
 
+def default_group_timeout() -> datetime.timedelta | None:
+    """The timeout of the default process group (what ``init_process_group`` was given), or None
+    when the backend does not expose it."""
+    import torch
+
+    pg = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
 class MeshGroups:
     """Torch process groups for every non-empty set of ``mesh`` axes; see the module docstring.
 
-    Call it on every rank, in the same place, after ``dist.init_process_group``. ``timeout`` (a
-    timedelta) is passed to ``dist.new_group``; None keeps torch's default for the backend."""
+    Call it on every rank, in the same place, after ``dist.init_process_group``.
+
+    ``timeout`` (a timedelta, or seconds) bounds every collective on these groups: a collective
+    whose peer is dead or stuck raises after it instead of hanging. None: the default group's
+    timeout (``init_process_group(timeout=...)``, ``spawn(timeout_s=...)``), which torch's
+    ``new_group`` would otherwise replace by its own backend default (30 minutes for gloo). The
+    whole-mesh group is the default group itself, unless ``timeout`` differs from its timeout; then
+    a group of every rank is made with ``timeout``. ``.timeout`` is the timeout the groups got."""
 
     def __init__(self, mesh, *, timeout=None):
         if not dist.is_available() or not dist.is_initialized():
@@ -82,13 +103,17 @@ class MeshGroups:
         self.coordinate = mesh.coordinate(self.rank)
         self._pgs: dict[frozenset[int], object] = {}
         self._handles: dict[tuple[int, ...], GroupHandle] = {}
-        self._create(timeout)
+        world_timeout = default_group_timeout()
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            timeout = datetime.timedelta(seconds=float(timeout))
+        self.timeout = timeout if timeout is not None else world_timeout
+        self._create(self.timeout, own_world=timeout is not None and timeout != world_timeout)
 
     # ---- construction -----------------------------------------------------------------------
-    def _create(self, timeout) -> None:
+    def _create(self, timeout, own_world: bool) -> None:
         mesh = self.mesh
         real = [a for a in range(mesh.ndim) if mesh.shape[a] > 1]
-        world = dist.group.WORLD
+        world = dist.new_group(ranks=list(range(mesh.size)), timeout=timeout) if own_world else dist.group.WORLD
         # Every rank walks the same subsets in the same order and calls new_group for each group.
         for k in range(1, len(real) + 1):
             for subset in itertools.combinations(real, k):

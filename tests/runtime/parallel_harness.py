@@ -122,6 +122,7 @@ def summary(tag: str, res: dict) -> dict:
         "n_grads": len(res["grad_err"]),
         "type": res.get("type"),
         "families": res["plan"].summary()["families"],
+        "plan_cluster": (res["plan"].mesh.get("cluster") or {}).get("name"),
         "storage": {p.name: (str(p.storage), p.family) for p in res["plan"].params.values()},
         "code": res["code"],
     }

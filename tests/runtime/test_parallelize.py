@@ -1,12 +1,16 @@
-"""autopar.parallelize on real gloo groups: the built-in models (and a transformers model) on meshes
-(2,), (4,), (2, 2) and (2, 2, 2) compute what the single-process model computes: forward output,
-loss, every parameter's gradient (gathered to full through the plan's storage specs) within 1e-5
-relative, five AdamW steps tracking the single-process losses, and the same final state.
+"""autopar.parallelize on real gloo groups: the built-in models and transformers' GPT2LMHeadModel
+and LlamaForCausalLM (tied and untied embeddings) on meshes (2,), (4,), (2, 2) and (2, 2, 2) compute
+what the single-process model computes: forward output, loss, every parameter's gradient (gathered
+to full through the plan's storage specs) within 1e-5 relative, five AdamW steps tracking the
+single-process losses, and the same final state.
 
 Hand-forced plans cover each matmul family (1D column, 1D row, 2D, 2.5D, 3D), data parallel and
-ZeRO-3 storage. One spawn per world size runs every case inside it."""
+ZeRO-3 storage. One spawn per world size runs every case inside it; the meshes carry the cpu-gloo
+cluster so plans do not depend on timings, except in the case that checks live profiling. Two more
+spawns check that a rank failing or stuck mid-step makes every rank stop with an error."""
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -16,7 +20,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar import ir, models
-from autopar.errors import AutoparError, ConfigError
+from autopar.errors import AutoparError, ConfigError, RankError
 from autopar.runtime.launch import spawn
 from autopar.runtime.process_groups import MeshGroups
 from parallel_harness import TOL, TRAINED_STATE_TOL, compare, model_case, run_case, summary
@@ -104,19 +108,64 @@ def mean_loss_case(tag, mesh, groups):
     return run_case(tag, go)
 
 
-def hf_case(tag, mesh, groups):
-    def go():
-        from transformers import GPT2Config, GPT2LMHeadModel
+HF_VOCAB = 64
 
-        torch.manual_seed(0)
-        cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
-                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-        model = GPT2LMHeadModel(cfg)
-        ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
-        res = compare(model, (ids,), mesh, groups, kwargs_fn=lambda x: {"input_ids": x[0], "labels": x[0], "use_cache": False})
-        return summary(tag, res)
+
+def hf_model(arch: str):
+    """A small transformers causal LM: "gpt2" (tied embeddings), "llama" or "llama-tied"."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=HF_VOCAB, bos_token_id=0, eos_token_id=0, use_cache=False)
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, max_position_embeddings=16,
+                                   tie_word_embeddings=arch == "llama-tied", **common)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def hf_case(tag, mesh, groups, arch="gpt2"):
+    def go():
+        model = hf_model(arch)
+        g = torch.Generator().manual_seed(0)
+        ids, labels = (torch.randint(0, HF_VOCAB, (4, 16), generator=g) for _ in range(2))
+        res = compare(model, (ids, labels), mesh, groups,
+                      kwargs_fn=lambda x: {"input_ids": x[0], "labels": x[1], "use_cache": False})
+        out = summary(tag, res)
+        out["tied"] = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        out["n_params"] = len(list(model.parameters()))  # a tied weight once
+        return out
 
     return run_case(tag, go)
+
+
+HF_ARCHS = ("gpt2", "llama", "llama-tied")
+
+
+def profile_case(groups):
+    """A mesh without a cluster: parallelize prices the plan with a short profile of the live
+    groups, cached (in the test's AUTOPAR_CACHE_DIR), and runs it exactly; ``profile=False`` prices
+    with cpu-gloo."""
+    from autopar.runtime.parallelize import live_cluster
+
+    mesh = autopar.Mesh(groups.mesh.shape)
+    t0 = time.perf_counter()
+    cluster = live_cluster(mesh, groups)
+    first_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    again = live_cluster(mesh, groups)
+    cached_s = time.perf_counter() - t0
+    model, inputs = models.build("mlp")
+    res = summary("profiled", compare(model, inputs, mesh, groups))
+    model, inputs = models.build("mlp")
+    preset = autopar.parallelize(model, mesh, inputs, groups=groups, profile=False).plan
+    return {"tag": "profile", "first_s": first_s, "cached_s": cached_s, "same": cluster == again,
+            "name": cluster.name, "links": len(cluster.axis_links or ()),
+            "plan_cluster": res["plan_cluster"], "preset_cluster": (preset.mesh.get("cluster") or {}).get("name"),
+            "train": res}
 
 
 def shape_error_case(mesh, groups):
@@ -163,12 +212,12 @@ def meta_init_case(mesh, groups):
 # ---- rank functions ---------------------------------------------------------------------------------
 def rank_2(rank, world_size):
     warnings.simplefilter("ignore")
-    mesh = autopar.Mesh((2,))
+    mesh = autopar.Mesh((2,), cluster="cpu-gloo")
     groups = MeshGroups(mesh)
     out = [model_case(f"{name} (2,)", name, mesh, groups, kw) for name, kw in SMALL.items()]
     out.append(model_case("mlp batch 3 (2,)", "mlp", mesh, groups, {"batch": 3}))
     out.append(model_case("gpt batch 3 (2,)", "gpt", mesh, groups, {"layers": 1, "batch": 3}))
-    out.append(hf_case("transformers gpt2 (2,)", mesh, groups))
+    out += [hf_case(f"transformers {arch} (2,)", mesh, groups, arch) for arch in HF_ARCHS]
     for family in ("1d-col", "1d-row", "dp"):
         out.append(forced_case(f"forced {family} (2,)", mesh, groups, family))
     out.append(forced_case("forced zero3 (2,)", mesh, groups, "dp", params="sharded"))
@@ -186,19 +235,50 @@ def rank_4(rank, world_size):
     warnings.simplefilter("ignore")
     out = []
     for shape in ((4,), (2, 2)):
-        mesh = autopar.Mesh(shape)
+        mesh = autopar.Mesh(shape, cluster="cpu-gloo")
         groups = MeshGroups(mesh)
         out += [model_case(f"{name} {shape}", name, mesh, groups, kw) for name, kw in SMALL.items()]
-    mesh = autopar.Mesh((2, 2))
+        out += [hf_case(f"transformers {arch} {shape}", mesh, groups, arch) for arch in HF_ARCHS]
     out.append(forced_case("forced 2d (2, 2)", mesh, groups, "2d"))
+    out.append(run_case("profile", profile_case, groups))
+    out.append({"tag": "timeouts", "groups": groups.timeout.total_seconds(),
+                "axes": [_pg_timeout(groups.group(axes)) for axes in ((0,), (1,), (0, 1))]})
     return out
+
+
+def _pg_timeout(pg) -> float:
+    return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
 
 def rank_8(rank, world_size):
     warnings.simplefilter("ignore")
-    mesh = autopar.Mesh((2, 2, 2))
+    mesh = autopar.Mesh((2, 2, 2), cluster="cpu-gloo")
     groups = MeshGroups(mesh)
     return [forced_case(f"forced {fam} (2, 2, 2)", mesh, groups, fam) for fam in ("2.5d", "3d")]
+
+
+MID_STEP_TIMEOUT_S = 8.0
+
+
+def fail_mid_step(rank, world_size, mode):
+    """Every rank trains one step; in the second, rank 1 raises (or, ``mode="hang"``, sleeps)
+    after forward, while the others enter backward's collectives with it."""
+    warnings.simplefilter("ignore")
+    mesh = autopar.Mesh((2, 2) if world_size == 4 else (world_size,), cluster="cpu-gloo")
+    model, inputs = models.build("mlp")
+    pm = autopar.parallelize(model, mesh, inputs, timeout=MID_STEP_TIMEOUT_S)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    pm(*inputs).backward()
+    opt.step()
+    opt.zero_grad()
+    loss = pm(*inputs)
+    if rank == 1:
+        if mode == "raise":
+            raise RuntimeError("rank 1 fails after forward, before backward")
+        time.sleep(3600)  # alive and stuck outside any collective
+    loss.backward()  # gradient all-reduces need rank 1
+    opt.step()
+    return "finished"
 
 
 # ---- checks in the test process -----------------------------------------------------------------------
@@ -222,14 +302,26 @@ def _assert_exact(cases: list[dict]) -> None:
         assert c["n_grads"] > 0
 
 
+FOUR_RANK_TIMEOUT_S = 600.0
+
+
 @pytest.fixture(scope="module")
-def two_ranks():
+def cache_dir(tmp_path_factory):
+    """A fresh AUTOPAR_CACHE_DIR for the spawned ranks (they inherit the environment)."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("autopar-cache")
+        mp.setenv("AUTOPAR_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def two_ranks(cache_dir):
     return _by_tag(spawn(rank_2, 2, timeout_s=400))
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    return _by_tag(spawn(rank_4, 4, timeout_s=500))
+def four_ranks(cache_dir):
+    return _by_tag(spawn(rank_4, 4, timeout_s=FOUR_RANK_TIMEOUT_S))
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
@@ -283,6 +375,35 @@ def test_transformers_model_output(two_ranks):
     assert cases[0]["type"] == ("CausalLMOutputWithCrossAttentions",) * 2
 
 
+@pytest.mark.parametrize("arch", HF_ARCHS)
+@pytest.mark.parametrize("shape", ["(2,)", "(4,)", "(2, 2)"])
+def test_transformers_causal_lms(two_ranks, four_ranks, arch, shape):
+    """GPT2LMHeadModel (tied), LlamaForCausalLM untied and tied: output, loss, every gradient and
+    five AdamW steps exact on every mesh."""
+    cases = (two_ranks if shape == "(2,)" else four_ranks)[f"transformers {arch} {shape}"]
+    _assert_exact(cases)
+    assert cases[0]["tied"] == (arch != "llama")
+    assert cases[0]["type"][0] == cases[0]["type"][1] and cases[0]["type"][0].startswith("CausalLMOutput")
+    assert cases[0]["n_grads"] == cases[0]["n_params"]  # every parameter's gradient was compared
+
+
+def test_mesh_groups_inherit_the_default_groups_timeout(four_ranks):
+    """new_group's own default (30 min for gloo) would let a stuck collective hang for half an
+    hour; MeshGroups gives every group the timeout spawn (init_process_group) set."""
+    for c in four_ranks["timeouts"]:
+        assert c["groups"] == FOUR_RANK_TIMEOUT_S and c["axes"] == [FOUR_RANK_TIMEOUT_S] * 3
+
+
+def test_mesh_without_cluster_is_profiled_once(four_ranks, cache_dir):
+    for c in four_ranks["profile"]:
+        assert "error" not in c, c.get("error")
+        assert c["name"] == "cpu-gloo+profiled" and c["links"] == 2 and c["same"]
+        assert c["first_s"] < 30 and c["cached_s"] < c["first_s"]
+        assert c["plan_cluster"] == "cpu-gloo+profiled" and c["preset_cluster"] in (None, "cpu-gloo")
+        _assert_exact([c["train"]])
+    assert (cache_dir / "parallelize" / "comm-gloo-2x2.json").is_file()
+
+
 @pytest.mark.parametrize("family", ["1d-col", "1d-row", "dp"])
 def test_forced_matmul_families_on_mesh_2(two_ranks, family):
     cases = two_ranks[f"forced {family} (2,)"]
@@ -329,3 +450,28 @@ def test_parallelize_outside_ranks_is_a_config_error(monkeypatch):
     model, inputs = models.build("mlp")
     with pytest.raises(ConfigError, match="inside each rank"):
         autopar.parallelize(model, autopar.Mesh((2,)), inputs)
+
+
+def test_a_rank_raising_mid_step_stops_every_rank():
+    """Rank 1 raises between forward and backward: its peers' collectives fail (the dead peer
+    closes its connections) and every rank exits with an error by itself, long before any
+    timeout; spawn names rank 1."""
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        spawn(fail_mid_step, 4, args=("raise",), timeout_s=300, grace_s=120)
+    err = info.value
+    assert err.rank == 1 and "rank 1 fails after forward, before backward" in str(err)
+    assert sorted(err.failures) == [0, 1, 2, 3] and not err.stuck, str(err)
+    assert time.monotonic() - t0 < 120
+
+
+def test_a_stuck_rank_makes_the_others_time_out():
+    """Rank 1 stays alive but never joins backward: the others' collectives on parallelize's
+    groups raise after ``timeout`` (not torch's 30-minute default), and spawn reports them."""
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        spawn(fail_mid_step, 2, args=("hang",), timeout_s=300, grace_s=2)
+    err = info.value
+    assert err.rank == 0 and err.stuck == [1], str(err)
+    assert f"Timed out waiting {int(MID_STEP_TIMEOUT_S * 1000)}ms" in err.failures[0]
+    assert time.monotonic() - t0 < 120
