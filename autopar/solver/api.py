@@ -10,7 +10,7 @@ from autopar.sharding_spec.reshard import plan_reshard
 from autopar.solver import ilp
 from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
 from autopar.solver.problem import build_problem, node_choices, produced_spec
-from autopar.solver.simplify import block_ties, eliminate, recover
+from autopar.solver.simplify import block_ties, eliminate, prune, recover
 
 
 def plan(
@@ -77,6 +77,7 @@ def plan(
         "ilp_nodes_full": len(problem.costs),
         "ilp_nodes_after_block_reuse": len(reduced.costs),
         "block_period": period,
+        "pruned": solution.pruned,
         "ilp_nodes_solved": len(small.costs),
         "ilp_variables": solution.n_variables,
         "ilp_constraints": solution.n_constraints,
@@ -91,8 +92,11 @@ def _solve(problem, simplify: bool, time_limit_s: float, solver):
     """(choice per node, solution, objective, memory, reduced problem, solved problem)."""
     reduced = problem.reduced()
     small, records = eliminate(reduced) if simplify else (reduced, [])
-    solution = ilp.solve(small, time_limit_s=time_limit_s, solver=solver)
-    picked = recover(solution.choice, records)
+    pruned, keep = prune(small) if simplify else (small, {v: None for v in small.costs})
+    solution = ilp.solve(pruned, time_limit_s=time_limit_s, solver=solver)
+    choice = {v: (i if keep[v] is None else int(keep[v][i])) for v, i in solution.choice.items()}
+    solution.pruned = any(k is not None and len(k) < len(small.costs[v]) for v, k in keep.items())
+    picked = recover(choice, records)
     full = {v: picked[problem.rep(v)] for v in problem.costs}
     objective, memory = ilp.evaluate(problem, full)
     return full, solution, objective, memory, reduced, small

@@ -93,6 +93,7 @@ class Solution:
     solve_seconds: float
     n_variables: int
     n_constraints: int
+    pruned: bool = False  # whether simplify.prune cut candidates before solving
 
 
 def evaluate(problem: Problem, choice: dict[str, int]) -> tuple[float, float]:

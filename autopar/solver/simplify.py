@@ -133,3 +133,44 @@ def recover(choice: dict[str, int], records: list[Elimination]) -> dict[str, int
         idx = tuple(choice[n] for n in rec.neighbours)
         choice[rec.node] = int(rec.argmin[idx]) if idx else int(rec.argmin)
     return choice
+
+
+# Above this many edge pairs (sum of k_u * k_v) the ILP gets too big for a quick solve.
+MAX_EDGE_PAIRS = 40_000
+
+
+def prune(problem: Problem, max_edge_pairs: int = MAX_EDGE_PAIRS) -> tuple[Problem, dict[str, np.ndarray]]:
+    """Shrink the candidate lists of the widest nodes until the edge matrices hold at most
+    ``max_edge_pairs`` pairs. This is a heuristic (the only one in the solver, and used only when
+    the exact problem is too big): a candidate is scored by its own cost plus, on every edge, the
+    cheapest way to reach or leave it, and the best-scored ones are kept, together with the
+    smallest-memory candidate when a budget is set. Returns the smaller problem and, per node, the
+    original indices it kept (identity where nothing was pruned)."""
+    keep = {v: np.arange(len(c)) for v, c in problem.costs.items()}
+
+    def pairs():
+        return sum(len(keep[u]) * len(keep[v]) for u, v in problem.edges)
+
+    while pairs() > max_edge_pairs:
+        widest = max(keep, key=lambda v: len(keep[v]))
+        k = len(keep[widest])
+        if k <= 4:
+            break
+        score = problem.costs[widest][keep[widest]].astype(float)
+        for (u, v), m in problem.edges.items():
+            if v == widest:
+                score = score + np.min(m[np.ix_(keep[u], keep[v])], axis=0)
+            elif u == widest:
+                score = score + np.min(m[np.ix_(keep[u], keep[v])], axis=1)
+        order = np.argsort(score, kind="stable")[: max(4, k // 2)]
+        chosen = set(keep[widest][order].tolist())
+        if problem.budget is not None:
+            chosen.add(int(keep[widest][np.argmin(problem.memory[widest][keep[widest]])]))
+        keep[widest] = np.array(sorted(chosen))
+    sub = Problem(
+        {v: c[keep[v]] for v, c in problem.costs.items()},
+        {v: m[keep[v]] for v, m in problem.memory.items()},
+        {(u, v): m[np.ix_(keep[u], keep[v])] for (u, v), m in problem.edges.items()},
+        {}, problem.budget, problem.base_memory,
+    )
+    return sub, keep

@@ -89,3 +89,22 @@ def test_budget_forces_the_small_choice():
 def test_cbc_and_highs_agree():
     p = random_problem(7, infinite=False)
     assert solve(p, solver="cbc").objective == pytest.approx(solve(p, solver="highs").objective, rel=1e-9)
+
+
+def test_prune_only_when_too_big_and_keeps_valid_indices():
+    from autopar.solver.simplify import prune
+
+    p = random_problem(11, infinite=False)
+    same, keep = prune(p, max_edge_pairs=10**9)
+    assert all((k == np.arange(len(p.costs[v]))).all() for v, k in keep.items())
+    rng = np.random.default_rng(0)
+    names = [f"v{i}" for i in range(4)]
+    big = Problem({v: rng.random(40) for v in names}, {v: rng.random(40) for v in names},
+                  {(names[i], names[i + 1]): rng.random((40, 40)) for i in range(3)}, budget=100.0)
+    small, keep = prune(big, max_edge_pairs=1000)
+    assert sum(m.size for m in small.edges.values()) <= 1000
+    for v, k in keep.items():
+        assert len(k) == len(small.costs[v]) and (np.diff(k) > 0).all()
+        assert int(np.argmin(big.memory[v])) in k  # the smallest-memory candidate survives a budget
+    choice = {v: int(keep[v][i]) for v, i in solve(small).choice.items()}
+    assert evaluate(big, choice)[0] == pytest.approx(evaluate(small, solve(small).choice)[0])
