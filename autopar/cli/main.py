@@ -1,6 +1,6 @@
 """The `autopar` command line. Subcommands hold no logic of their own: they call the library.
 
-    autopar explain MODEL --mesh 2x4 [--cluster NAME|FILE] [--memory-budget 40GB] [--json F] [--profiled]
+    autopar explain MODEL --mesh 2x4 [--cluster NAME|FILE] [--memory-budget 40GB] [--json F] [--profiled] [--code]
     autopar profile [--mesh 2x2] [--ops MODEL]
     autopar demo
 
@@ -70,6 +70,7 @@ def _literal(v: str):
 
 def cmd_explain(args) -> int:
     import autopar
+    from autopar import ir
 
     model, inputs, kwargs = load_model(args.model)
     cluster, op_table = args.cluster, None
@@ -83,8 +84,15 @@ def cmd_explain(args) -> int:
                               f"{'x'.join(map(str, args.mesh))}` first, or drop --profiled")
         cluster, op_table = prof.cluster, load_op_table("cpu")
     mesh = autopar.Mesh(args.mesh, cluster=cluster)
-    plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, memory_budget=args.memory_budget, op_table=op_table)
+    graph = ir.trace(model, inputs, kwargs)
+    plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, memory_budget=args.memory_budget,
+                        op_table=op_table, graph=graph)
     print(plan.explain())
+    if args.code:
+        from autopar.codegen.lower import lower
+
+        print("\n# the program every rank runs (its shard and groups are bound at run time)")
+        print(lower(graph, plan, mesh).code)
     if args.json:
         plan.save(args.json)
         print(f"\nplan written to {args.json}")
@@ -113,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cluster", default=None, help="preset (a100-80g, h100-80g, cpu-gloo) or JSON file")
     e.add_argument("--memory-budget", default=None, help="per-device memory, e.g. 40GB")
     e.add_argument("--json", default=None, help="also write the plan to this JSON file")
+    e.add_argument("--code", action="store_true", help="also print the rewritten program a rank runs")
     e.add_argument("--profiled", action="store_true",
                    help="price with this machine's cached profiles (`autopar profile --mesh ...` / `--ops ...`)")
     e.set_defaults(func=cmd_explain)

@@ -63,3 +63,11 @@ def test_bad_arguments_one_line_exit_2(capsys, monkeypatch, tmp_path, argv, mess
     lines = [l for l in err.splitlines() if l.strip()]
     assert len(lines) == 1, err
     assert lines[0].startswith("autopar: error:") and message in lines[0], lines[0]
+
+
+def test_explain_code_prints_the_rank_program(capsys):
+    code, out, err = run(capsys, "explain", "mlp:layers=1", "--mesh", "2", "--code")
+    assert code == 0, err
+    program = out.split("# the program every rank runs")[1]
+    assert "def forward(" in program and "torch.ops.aten.linear.default" in program
+    assert "autopar_backward_seed" in program
