@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from autopar.errors import AutoparError, ConfigError
@@ -72,6 +73,8 @@ def cmd_explain(args) -> int:
     import autopar
     from autopar import ir
 
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ConfigError(f"cannot write the plan to {args.json!r}: its folder does not exist")
     model, inputs, kwargs = load_model(args.model)
     cluster, op_table = args.cluster, None
     if args.profiled:
@@ -94,7 +97,10 @@ def cmd_explain(args) -> int:
         print("\n# the program every rank runs (its shard and groups are bound at run time)")
         print(lower(graph, plan, mesh).code)
     if args.json:
-        plan.save(args.json)
+        try:
+            plan.save(args.json)
+        except OSError as e:
+            raise ConfigError(f"cannot write the plan to {args.json!r}: {e.strerror or e}") from None
         print(f"\nplan written to {args.json}")
     return 0
 

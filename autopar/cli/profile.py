@@ -72,6 +72,9 @@ def _size(shape) -> int:
 def run(args) -> int:
     if args.ops:
         print(profile_model_ops(args.ops, args.mesh or (1,)))
+        if args.mesh and _size(args.mesh) >= 2:
+            print()
+            print(profile_comm(args.mesh))
         return 0
     if not args.mesh:
         raise ConfigError("give --mesh (e.g. --mesh 2x2) to profile collectives, and/or --ops MODEL to profile ops")

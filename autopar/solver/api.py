@@ -1,6 +1,7 @@
 """`autopar.plan()`: trace, enumerate strategies, price them, solve, and package a Plan."""
 from __future__ import annotations
 
+import math
 import time
 
 from autopar.errors import ConfigError
@@ -9,7 +10,7 @@ from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import plan_reshard
 from autopar.solver import ilp
 from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
-from autopar.solver.problem import build_problem, node_choices, produced_spec
+from autopar.solver.problem import build_problem, edge_itemsize, node_choices, produced_spec
 from autopar.solver.simplify import block_ties, eliminate, prune, recover
 
 
@@ -119,9 +120,7 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
         d_spec = d_strat.inputs[pos] if pos < len(d_strat.inputs) else None
         if s_spec is None or d_spec is None:
             continue
-        meta = graph.nodes[src].meta
-        itemsize = meta.itemsize if hasattr(meta, "itemsize") else 4
-        rp = plan_reshard(s_spec, d_spec, mesh, itemsize)
+        rp = plan_reshard(s_spec, d_spec, mesh, edge_itemsize(graph.nodes[src].meta, graph.nodes[dst]))
         steps = [StepPlan(st.kind, tuple(st.axes), int(st.nbytes), float(st.cost), st.src_dim, st.dst_dim) for st in rp.steps]
         edges.append(EdgePlan(src, dst, pos, s_spec, d_spec, steps, src in built.requires_grad))
     params = {}
@@ -154,9 +153,11 @@ _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**
 
 def parse_bytes(value) -> float:
     """Bytes from a number or a string like "40GB", "512 MiB", "1.5e9"."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"memory budget must be a number of bytes or a string like 40GB, got {value!r}")
     if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ConfigError(f"memory budget must be positive, got {value}")
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"memory budget must be a positive, finite number of bytes, got {value}")
         return float(value)
     import re
 
@@ -167,6 +168,6 @@ def parse_bytes(value) -> float:
         n = float(m.group(1)) * _UNITS[m.group(2).upper()]
     except ValueError:
         raise ConfigError(f"cannot read memory size {value!r}; write it like 40GB, 512MiB or 1.5e9") from None
-    if n <= 0:
-        raise ConfigError(f"memory budget must be positive, got {value!r}")
+    if not (math.isfinite(n) and n > 0):
+        raise ConfigError(f"memory budget must be positive and finite, got {value!r}")
     return n

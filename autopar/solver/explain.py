@@ -44,7 +44,7 @@ def _rows(plan: Plan, incoming):
             comm += p.grad_sync_s
             colls.append(f"grad {p.grad_sync[0]}[{''.join(map(str, p.grad_sync[1]))}] {_fmt_b(p.grad_sync[2])}")
         ins = ", ".join(spec_str(s) for s in node.inputs) if node.inputs else ""
-        op = node.name if node.target == "placeholder" else _short_target(node.target)
+        op = (p.name if p is not None else node.name) if node.target == "placeholder" else _short_target(node.target)
         rows.append((node.layer or "", op, node.family, ins, spec_str(node.output), "; ".join(colls), node.compute_s + comm))
     return rows
 
@@ -70,7 +70,8 @@ def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repea
     seen: dict[tuple, str] = {}
     shown, notes = [], []
     for layer, lr in by_layer.items():
-        key = tuple(r[1:] for r in lr)
+        # a parameter's row names it; compare layers by the name relative to the layer
+        key = tuple((r[1].removeprefix(layer + "."), *r[2:]) for r in lr)
         if collapse_repeats and layer and key in seen:
             notes.append((seen[key], layer))
             continue

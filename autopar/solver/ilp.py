@@ -29,7 +29,7 @@ import warnings
 import numpy as np
 import pulp
 
-from autopar.errors import PlanError
+from autopar.errors import ConfigError, PlanError
 
 # Costs below this are noise; rounding them keeps CBC's numerics clean.
 COST_EPS = 1e-12
@@ -118,6 +118,8 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
     for v, idx in alive.items():
         if not idx:
             raise PlanError(f"node {v} has no strategy with a finite cost")
+    if problem.budget is not None and min_memory(problem) > problem.budget:
+        raise _budget_error(problem)
     lp = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
     var = _variable_factory(lp)
     s = {v: {i: var(f"s_{n}_{i}", cat="Binary") for i in idx} for n, (v, idx) in enumerate(alive.items())}
@@ -160,23 +162,18 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
     with _quiet(not msg):
         status = lp.solve(_solver(solver, time_limit_s, msg))
     status_name = pulp.LpStatus[status]
-    if status_name not in ("Optimal",) and not _has_solution(s):
-        if problem.budget is not None:
-            need = min_memory(problem)
-            raise PlanError(
-                f"no plan fits the memory budget of {_fmt_bytes(problem.budget)} per device; the smallest plan needs "
-                f"{_fmt_bytes(need)} per device. Raise the budget, use more devices, or a smaller model/batch."
-            )
-        raise PlanError(f"the ILP solver ended with status {status_name} and no plan")
+    if status_name != "Optimal" and not _has_solution(s):
+        if status_name == "Infeasible" and problem.budget is not None:
+            raise _budget_error(problem)
+        raise PlanError(
+            f"the ILP solver stopped with status {status_name!r} before it found a plan (time limit "
+            f"{time_limit_s:g} s); raise time_limit_s, or plan on a smaller mesh or model"
+        )
     choice = {v: max(vars_, key=lambda i: vars_[i].value() or 0.0) for v, vars_ in s.items()}
     full = {v: choice[problem.rep(v)] for v in problem.costs}
     obj, mem = evaluate(problem, full)
     if problem.budget is not None and mem > problem.budget * (1 + 1e-9):
-        need = min_memory(problem)
-        raise PlanError(
-            f"no plan fits the memory budget of {_fmt_bytes(problem.budget)} per device; the smallest plan needs "
-            f"{_fmt_bytes(need)} per device. Raise the budget, use more devices, or a smaller model/batch."
-        )
+        raise _budget_error(problem)
     return Solution(full, obj, mem, status_name, time.perf_counter() - t0, lp.numVariables(), lp.numConstraints())
 
 
@@ -204,6 +201,13 @@ def _variable_factory(lp):
     return lambda name, **kw: pulp.LpVariable(name, **kw)
 
 
+def _budget_error(problem: Problem) -> PlanError:
+    return PlanError(
+        f"no plan fits the memory budget of {_fmt_bytes(problem.budget)} per device; the smallest plan needs "
+        f"{_fmt_bytes(min_memory(problem))} per device. Raise the budget, use more devices, or a smaller model/batch."
+    )
+
+
 def min_memory(problem: Problem) -> float:
     """The smallest memory any assignment needs (memory is a sum of per-node terms, and infinite
     cost pairs do not forbid memory), used in the infeasibility message."""
@@ -222,7 +226,12 @@ def _round(c: float) -> float:
     return 0.0 if abs(c) < COST_EPS else c * OBJECTIVE_SCALE
 
 
+SOLVERS = (None, "highs", "cbc")
+
+
 def _solver(name: str | None, time_limit_s: float, msg: bool):
+    if name not in SOLVERS:
+        raise ConfigError(f"unknown ILP solver {name!r}; use 'highs' (needs highspy), 'cbc', or None for the best available")
     if name in (None, "highs"):
         try:
             import highspy  # noqa: F401

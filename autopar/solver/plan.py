@@ -9,7 +9,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from autopar.errors import PlanError
+from autopar.errors import AutoparError, PlanError
 from autopar.sharding_spec.spec import ShardingSpec
 
 SCHEMA_VERSION = 1
@@ -228,11 +228,17 @@ class Plan:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise PlanError(f"plan file {str(path)!r} does not exist") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise PlanError(f"plan file {str(path)!r} is not valid JSON ({e})") from None
+        except OSError as e:
+            raise PlanError(f"cannot read plan file {str(path)!r}: {e}") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"plan file {str(path)!r} is not an autopar plan (a JSON object was expected)")
         try:
             return Plan.from_json(data)
-        except (KeyError, TypeError) as e:
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, AutoparError) as e:
             raise PlanError(f"plan file {str(path)!r} is not an autopar plan ({e!r})") from None
 
     def __eq__(self, other) -> bool:

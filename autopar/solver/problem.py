@@ -187,7 +187,7 @@ def produced_spec(strategy: Strategy, consumer, position: int, graph):
 
 def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool) -> np.ndarray:
     consumer = graph.nodes[cons.name]
-    itemsize = _itemsize(graph.nodes[prod.name].meta)
+    itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
     factor = 2.0 if with_backward else 1.0
     # Many strategies share specs: price each distinct (source, target) pair once.
     srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
@@ -208,8 +208,13 @@ def _index(items):
     return np.asarray(ids, dtype=int), list(keys)
 
 
-def _itemsize(meta) -> int:
+def edge_itemsize(producer_meta, consumer) -> int:
+    """Bytes per element of the value ``consumer`` reads from a producer (a getitem reads one
+    element of a tuple output)."""
+    meta = producer_meta
     if isinstance(meta, tuple):
+        if consumer.target == "operator.getitem" and meta[consumer.args[1]] is not None:
+            return meta[consumer.args[1]].itemsize
         metas = [m for m in meta if m is not None]
         return metas[0].itemsize if metas else 4
     return meta.itemsize if meta is not None else 4

@@ -51,6 +51,7 @@ def test_explain_user_factory(capsys):
         (["explain", "mlp", "--mesh", "2", "--memory-budget", "lots"], "cannot read memory size"),
         (["explain", "mlp", "--mesh", "2", "--memory-budget", "1KB"], "smallest plan needs"),
         (["explain", "mlp", "--mesh", "3x5", "--profiled"], "no cached profile"),
+        (["explain", "mlp", "--mesh", "2", "--json", "/nonexistent/dir/plan.json"], "cannot write the plan"),
         (["explain", "mlp"], "--mesh"),
         (["frobnicate"], "invalid choice"),
         (["profile"], "give --mesh"),

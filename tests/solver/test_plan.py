@@ -65,3 +65,36 @@ def test_explain_names_layers_ops_and_totals(gpt_plan):
     text = gpt_plan.explain()
     assert "transformer.h.0" in text
     assert "linear" in text and "predicted step time" in text and "memory per device" in text
+
+
+def test_more_bad_plan_files(tmp_path):
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(PlanError, match="JSON object was expected"):
+        autopar.Plan.load(tmp_path / "list.json")
+    with pytest.raises(PlanError, match="cannot read plan file"):
+        autopar.Plan.load(tmp_path)
+    (tmp_path / "nodes.json").write_text(json.dumps({"schema_version": 1, "nodes": "x", "edges": [], "params": []}))
+    with pytest.raises(PlanError, match="not an autopar plan"):
+        autopar.Plan.load(tmp_path / "nodes.json")
+
+
+def test_explain_collapses_identical_layers():
+    model, inputs = models.build("gpt", layers=4)
+    text = autopar.plan(model, autopar.Mesh((2, 2)), inputs).explain()
+    assert "more layer(s) with the same choices as transformer.h." in text
+
+
+def test_bad_budgets_and_solvers_are_config_errors():
+    model, inputs = models.build("mlp")
+    mesh = autopar.Mesh((2,))
+    for budget in (float("inf"), float("nan"), True, "1e400", -5):
+        with pytest.raises(autopar.ConfigError, match="memory budget|memory size"):
+            autopar.plan(model, mesh, inputs, memory_budget=budget)
+    with pytest.raises(autopar.ConfigError, match="unknown ILP solver 'gurobi'"):
+        autopar.plan(model, mesh, inputs, solver="gurobi")
+
+
+def test_bf16_tuple_outputs_price_their_element_bytes():
+    model, inputs = models.build("gpt", layers=1, dtype=__import__("torch").bfloat16)
+    plan = autopar.plan(model, autopar.Mesh((4,)), inputs)
+    assert plan.predicted["step_time_s"] == pytest.approx(plan.solver["objective_s"], rel=1e-9)
