@@ -89,13 +89,20 @@ def rank_main(rank, world_size, model_name, mesh_shape, steps):
     warnings.simplefilter("ignore")
     model, inputs = models.build(model_name)
     t0 = time.perf_counter()
-    pmodel = autopar.parallelize(model, autopar.Mesh(mesh_shape), inputs)
+    # Every mesh axis in use: left free, the planner runs a model this small redundantly on every
+    # rank (all axes idle), which is right on 2 cores but shows nothing; rank 0 reports that plan too.
+    pmodel = autopar.parallelize(model, autopar.Mesh(mesh_shape), inputs, plan_kwargs={"idle_axes": ()})
     setup_s = time.perf_counter() - t0
     losses, times = train(pmodel, batches(inputs, steps), sync=dist.barrier)
     out = {"losses": losses, "times": times, "setup_s": setup_s}
     if rank == 0:
         out["explain"] = pmodel.plan.explain()
         out["predicted_s"] = pmodel.plan.summary()["step_time_s"]
+        free = autopar.plan(model, autopar.Mesh(mesh_shape, cluster=pmodel.plan.mesh_obj.cluster), inputs)
+        out["free_choice"] = (
+            f"left free to leave mesh axes idle, autopar would leave axes {free.idle_axes} idle "
+            f"(predicted {free.predicted['step_time_s'] * 1e3:.2f} ms vs {out['predicted_s'] * 1e3:.2f} ms using every axis)"
+            if free.idle_axes else "left free, autopar would still use every mesh axis")
     return out
 
 
@@ -113,6 +120,7 @@ def run(mesh_shape=(2, 2), model: str = "gpt", steps: int = 5) -> int:
     results = spawn(rank_main, world, args=(model, tuple(mesh_shape), steps), timeout_s=600)
     wall = time.perf_counter() - t0
     print(results[0]["explain"])
+    print(results[0]["free_choice"])
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like each rank: one core

@@ -214,7 +214,8 @@ class _Emitter:
         node_plan = self._plan_of(node.name)
         vals = self._read_inputs(node, node_plan)
         seeded = [
-            self._emit(ops.autopar_backward_seed, (v,), name=f"{v.name}_out", spec=self.specs.get(v.name))
+            self._emit(ops.autopar_backward_seed, (v,), {"idle_axes": tuple(self.plan.idle_axes)} if self.plan.idle_axes else None,
+                       name=f"{v.name}_out", spec=self.specs.get(v.name))
             if _is_float_tensor(self.graph.nodes[src].meta) else v
             for v, src in zip(vals, node.inputs)
         ]

@@ -134,13 +134,15 @@ class _BackwardSeed(torch.autograd.Function):
         return (grad if ctx.keep else torch.zeros_like(grad)), None
 
 
-def autopar_backward_seed(x):
+def autopar_backward_seed(x, idle_axes=()):
     """A replicated graph output. Every rank calls ``backward`` on it with the same seed, but in
     the dual layout the gradient of a replicated value is a pending sum: only the rank at
-    coordinate 0 on every mesh axis keeps its seed, the others start from zeros."""
+    coordinate 0 on every mesh axis keeps its seed, the others start from zeros. On the plan's
+    idle axes every rank computes the same thing, so there every rank keeps its seed and the
+    gradients come out identical (no gradient sync over those axes)."""
     if not isinstance(x, torch.Tensor) or not (x.requires_grad and x.is_floating_point()):
         return x
-    keep = all(c == 0 for c in current_groups().coordinate)
+    keep = all(c == 0 for a, c in enumerate(current_groups().coordinate) if a not in idle_axes)
     return _BackwardSeed.apply(x, keep)
 
 

@@ -1,13 +1,15 @@
 """`autopar.plan()`: trace, enumerate strategies, price them, solve, and package a Plan."""
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, PlanError
 from autopar.ir.graph import Role
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import plan_reshard
+from autopar.sharding_spec.strategy import active_axes
 from autopar.solver import ilp
 from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
 from autopar.solver.problem import build_problem, edge_itemsize, node_choices, produced_spec
@@ -30,6 +32,7 @@ def plan(
     graph=None,
     optimizer_sharding: bool = True,
     force: dict | None = None,
+    idle_axes="auto",
 ) -> Plan:
     """The cheapest single-stage plan of ``model`` on ``mesh`` (no processes needed).
 
@@ -39,6 +42,9 @@ def plan(
     graph: an already traced ``autopar.ir.Graph`` (skips tracing).
     optimizer_sharding: allow ZeRO-2 parameter choices (sharded gradients and optimizer states);
         ``autopar.parallelize`` turns it off until the runtime supports them.
+    idle_axes: mesh axes the plan may leave unused (every rank along them computes the same thing
+        and needs no gradient sync there): "auto" tries the candidates of ``idle_candidates`` and
+        keeps the cheapest; a tuple fixes them (``()``: use every axis).
     force: node name -> family label (e.g. ``{"linear": "1d-row", "p_fc_weight": "sharded"}``), or
         -> a predicate on a ``Strategy``: restricts that node's candidates (hand-written plans, tests).
     """
@@ -53,6 +59,51 @@ def plan(
             example_inputs = (example_inputs,)
         graph = ir.trace(model, tuple(example_inputs), example_kwargs)
     t_trace = time.perf_counter()
+    best, first_error = None, None
+    for idle in idle_candidates(mesh, idle_axes):
+        try:
+            attempt = _plan_on(graph, view_mesh(mesh, idle), budget, optimizer, op_table, optimizer_sharding,
+                               force, reuse_blocks, simplify, time_limit_s, solver)
+        except (PlanError, ConfigError) as e:
+            # the no-idle candidate comes first: its error (least memory; a bad `force`) is the one to show
+            first_error = first_error or e
+            continue
+        if best is None or attempt[3]["objective_s"] < best[1][3]["objective_s"] - 1e-15:
+            best = (idle, attempt)
+    if best is None:
+        raise first_error
+    idle, (view, built, full, stats, memory) = best
+    stats.update(trace_s=t_trace - t0, total_s=time.perf_counter() - t0, idle_axes=list(idle))
+    return make_plan(graph, view, built, full, memory, stats, real_mesh=mesh, idle_axes=idle)
+
+
+def idle_candidates(mesh: Mesh, idle_axes) -> list[tuple[int, ...]]:
+    """Sets of active mesh axes to try leaving unused: with ``"auto"``, none first, then every
+    subset (up to two active axes) or each single axis and all of them (three or more)."""
+    act = active_axes(mesh)
+    if idle_axes != "auto":
+        idle = tuple(sorted(mesh.axis(a) for a in (idle_axes or ())))
+        return [tuple(a for a in idle if a in act)]
+    if len(act) <= 2:
+        subsets = [c for k in range(len(act) + 1) for c in itertools.combinations(act, k)]
+    else:
+        subsets = [()] + [(a,) for a in act] + [tuple(act)]
+    return subsets
+
+
+def view_mesh(mesh: Mesh, idle: tuple[int, ...]) -> Mesh:
+    """The mesh as the planner sees it with ``idle`` axes unused: those axes at size 1, every axis
+    keeping its real link."""
+    if not idle:
+        return mesh
+    shape = tuple(1 if a in idle else s for a, s in enumerate(mesh.shape))
+    return Mesh(shape, mesh.axis_names, mesh.resolved_cluster().with_axis_links(mesh.links()))
+
+
+def _plan_on(graph, mesh, budget, optimizer, op_table, optimizer_sharding, force, reuse_blocks, simplify,
+             time_limit_s, solver):
+    """Solve on one (view of the) mesh: (mesh, built problem, choice per node, stats, memory)."""
+    t0 = time.perf_counter()
     choices = node_choices(graph, mesh, optimizer=optimizer, op_table=op_table,
                            optimizer_sharding=optimizer_sharding, force=force)
     built = build_problem(graph, mesh, memory_budget=budget, optimizer=optimizer, choices=choices)
@@ -70,7 +121,6 @@ def plan(
         if best is None or attempt[2] < best[4] - 1e-15:
             best = (problem.tie, period, *attempt)
     problem.tie, period, full, solution, objective, memory, reduced, small = best
-    t_solve = time.perf_counter()
     stats = {
         "status": solution.status,
         "objective_s": objective,
@@ -82,11 +132,10 @@ def plan(
         "ilp_nodes_solved": len(small.costs),
         "ilp_variables": solution.n_variables,
         "ilp_constraints": solution.n_constraints,
-        "trace_s": t_trace - t0,
-        "build_s": t_build - t_trace,
-        "solve_s": t_solve - t_build,
+        "build_s": t_build - t0,
+        "solve_s": time.perf_counter() - t_build,
     }
-    return make_plan(graph, mesh, built, full, memory, stats)
+    return mesh, built, full, stats, memory
 
 
 def _solve(problem, simplify: bool, time_limit_s: float, solver):
@@ -103,7 +152,10 @@ def _solve(problem, simplify: bool, time_limit_s: float, solver):
     return full, solution, objective, memory, reduced, small
 
 
-def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: dict) -> Plan:
+def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: dict, *, real_mesh=None,
+              idle_axes=()) -> Plan:
+    """The Plan of a solved problem. ``mesh`` is the mesh the problem was priced on (a view with
+    idle axes at size 1); the Plan records ``real_mesh`` and the idle axes."""
     choices = built.choices
     nodes = {}
     compute = 0.0
@@ -145,7 +197,9 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
         "step_time_s": compute + comm,
         "memory_bytes_per_device": memory,
     }
-    return Plan(graph.model_name, graph.fingerprint(), mesh.to_dict(), nodes, edges, params, predicted, stats)
+    real_mesh = real_mesh or mesh
+    return Plan(graph.model_name, graph.fingerprint(), real_mesh.to_dict(), nodes, edges, params, predicted, stats,
+                idle_axes=tuple(idle_axes))
 
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -113,6 +113,9 @@ class Plan:
     predicted: dict
     solver: dict
     schema_version: int = SCHEMA_VERSION
+    # Mesh axes the plan leaves unused: every rank along them computes the same thing (redundant
+    # compute), so their gradients agree and need no synchronisation.
+    idle_axes: tuple[int, ...] = ()
 
     # ---- reading ----------------------------------------------------------------------------
     @property
@@ -174,6 +177,7 @@ class Plan:
             "model_name": self.model_name,
             "model_fingerprint": self.model_fingerprint,
             "mesh": self.mesh,
+            "idle_axes": list(self.idle_axes),
             "predicted": self.predicted,
             "solver": self.solver,
             "nodes": [
@@ -217,7 +221,8 @@ class Plan:
                 kind, axes, nbytes = p["grad_sync"]
                 p["grad_sync"] = (kind, tuple(axes), nbytes)
             params[p["name"]] = ParamPlan(**p)
-        return Plan(d["model_name"], d["model_fingerprint"], d["mesh"], nodes, edges, params, d["predicted"], d["solver"], version)
+        return Plan(d["model_name"], d["model_fingerprint"], d["mesh"], nodes, edges, params, d["predicted"], d["solver"], version,
+                    tuple(d.get("idle_axes", ())))
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))

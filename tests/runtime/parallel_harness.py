@@ -49,6 +49,9 @@ def compare(model, inputs, mesh, groups, *, steps: int = 5, lr: float = 1e-2, kw
     turns positional inputs into the call's keyword arguments (for models called by keyword)."""
     warnings.simplefilter("ignore")
     ref = copy.deepcopy(model)
+    # Use every mesh axis unless a case asks otherwise: small test models would otherwise run
+    # redundantly on idle axes and exercise no collectives.
+    parallelize_kw.setdefault("plan_kwargs", {"idle_axes": ()})
     if kwargs_fn is None:
         pm = autopar.parallelize(model, mesh, inputs, groups=groups, **parallelize_kw)
     else:

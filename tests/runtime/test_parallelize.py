@@ -168,6 +168,21 @@ def profile_case(groups):
             "train": res}
 
 
+def idle_case(tag, mesh, groups, idle_axes):
+    """Idle mesh axes: every rank along them computes the same thing, seeds its own backward and
+    needs no gradient sync there; the result is still exact."""
+    def go():
+        model, inputs = models.build("mlp")
+        force = {} if idle_axes == "auto" else matmul_force(model, inputs, "1d-col")
+        res = compare(model, inputs, mesh, groups, force=force, plan_kwargs={"idle_axes": idle_axes})
+        out = summary(tag, res)
+        out["idle_axes"] = tuple(res["plan"].idle_axes)
+        out["grad_sync_axes"] = sorted({a for p in res["plan"].params.values() if p.grad_sync for a in p.grad_sync[1]})
+        return out
+
+    return run_case(tag, go)
+
+
 def shape_error_case(mesh, groups):
     """Calling with another batch size than traced is a clear autopar error, not wrong numbers; a
     keyword call binds like the original signature."""
@@ -240,6 +255,8 @@ def rank_4(rank, world_size):
         out += [model_case(f"{name} {shape}", name, mesh, groups, kw) for name, kw in SMALL.items()]
         out += [hf_case(f"transformers {arch} {shape}", mesh, groups, arch) for arch in HF_ARCHS]
     out.append(forced_case("forced 2d (2, 2)", mesh, groups, "2d"))
+    out.append(idle_case("idle axis 0 (2, 2)", mesh, groups, (0,)))
+    out.append(idle_case("idle auto (2, 2)", mesh, groups, "auto"))
     out.append(run_case("profile", profile_case, groups))
     out.append({"tag": "timeouts", "groups": groups.timeout.total_seconds(),
                 "axes": [_pg_timeout(groups.group(axes)) for axes in ((0,), (1,), (0, 1))]})
@@ -422,6 +439,15 @@ def test_forced_zero3_storage(two_ranks):
     _assert_exact(cases)
     assert all(fam == "sharded" for _, fam in cases[0]["storage"].values())
     assert "autopar_all_gather(p_proj_in_weight" in cases[0]["code"]
+
+
+def test_idle_axes_are_exact(four_ranks):
+    fixed = four_ranks["idle axis 0 (2, 2)"]
+    _assert_exact(fixed)
+    assert fixed[0]["idle_axes"] == (0,) and 0 not in fixed[0]["grad_sync_axes"]
+    auto = four_ranks["idle auto (2, 2)"]
+    _assert_exact(auto)
+    assert auto[0]["idle_axes"]  # the tiny MLP on cpu-gloo links is cheapest run redundantly somewhere
 
 
 def test_forced_2d_on_mesh_2x2(four_ranks):

@@ -47,8 +47,8 @@ def forward_collectives(plan):
 
 
 def test_megatron_mlp_on_4_devices():
-    model = MLP2(1024, 4096).to("meta")
-    plan = autopar.plan(model, autopar.Mesh((4,), cluster="a100-80g"), data(8, 1024))
+    model = MLP2(1024, 16384).to("meta")
+    plan = autopar.plan(model, autopar.Mesh((4,), cluster="a100-80g"), data(64, 1024))
     fc1, fc2 = linear_nodes(plan)
     assert (fc1.family, fc2.family) == ("1d-col", "1d-row")
     colls = forward_collectives(plan)
@@ -76,6 +76,17 @@ def test_memory_budget_forces_parameter_or_tensor_sharding():
     assert tight.predicted["memory_bytes_per_device"] <= budget
     assert any(p.family != "replicated" for p in tight.params.values())
     assert tight.predicted["step_time_s"] >= free.predicted["step_time_s"]
+
+
+def test_a_model_too_small_for_the_mesh_leaves_axes_idle():
+    """Tiny work on a 2x2 mesh: splitting costs more in latency than it saves, so the planner runs
+    the model redundantly on every device (all axes idle: no collectives, no gradient sync)."""
+    model = MLP2(64, 64).to("meta")
+    plan = autopar.plan(model, autopar.Mesh((2, 2), cluster="a100-80g"), data(8, 64))
+    assert plan.idle_axes == (0, 1)
+    assert plan.summary()["collectives"] == []
+    forced = autopar.plan(model, autopar.Mesh((2, 2), cluster="a100-80g"), data(8, 64), idle_axes=())
+    assert forced.predicted["step_time_s"] > plan.predicted["step_time_s"]
 
 
 def test_impossible_budget_names_the_smallest_plan():
