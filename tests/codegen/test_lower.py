@@ -35,7 +35,7 @@ def mlp():
 def llama():
     model, inputs = models.build("llama", layers=1)
     graph = ir.trace(model, inputs)
-    return model, inputs, graph, autopar.plan(model, autopar.Mesh((2,)), inputs, graph=graph)
+    return model, inputs, graph, autopar.plan(model, autopar.Mesh((2,)), inputs, graph=graph, idle_axes=())
 
 
 @pytest.fixture()
@@ -132,7 +132,7 @@ def test_unimplemented_lowering_is_a_plan_error(mlp):
 
 def test_plan_for_another_mesh_is_rejected(mlp):
     model, inputs, graph = mlp
-    plan = autopar.plan(model, autopar.Mesh((2,)), inputs, graph=graph)
+    plan = autopar.plan(model, autopar.Mesh((2,)), inputs, graph=graph, idle_axes=())
     with pytest.raises(PlanError, match="mesh of shape"):
         lower(graph, plan, autopar.Mesh((4,)))
 

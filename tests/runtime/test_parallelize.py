@@ -283,7 +283,7 @@ def fail_mid_step(rank, world_size, mode):
     warnings.simplefilter("ignore")
     mesh = autopar.Mesh((2, 2) if world_size == 4 else (world_size,), cluster="cpu-gloo")
     model, inputs = models.build("mlp")
-    pm = autopar.parallelize(model, mesh, inputs, timeout=MID_STEP_TIMEOUT_S)
+    pm = autopar.parallelize(model, mesh, inputs, timeout=MID_STEP_TIMEOUT_S, plan_kwargs={"idle_axes": ()})
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     pm(*inputs).backward()
     opt.step()
