@@ -60,7 +60,15 @@ def plan(
         graph = ir.trace(model, tuple(example_inputs), example_kwargs)
     t_trace = time.perf_counter()
     best, first_error = None, None
+    replicated_s = None
     for idle in idle_candidates(mesh, idle_axes):
+        if idle and best is not None:
+            # No plan on the remaining devices beats the replicated compute spread perfectly over
+            # them: skip candidates whose bound cannot win (big models never leave axes idle).
+            replicated_s = replicated_s if replicated_s is not None else _replicated_compute_s(graph, mesh, op_table)
+            used = math.prod(s for a, s in enumerate(mesh.shape) if a not in idle)
+            if replicated_s / used >= best[1][3]["objective_s"]:
+                continue
         try:
             attempt = _plan_on(graph, view_mesh(mesh, idle), budget, optimizer, op_table, optimizer_sharding,
                                force, reuse_blocks, simplify, time_limit_s, solver)
@@ -75,6 +83,13 @@ def plan(
     idle, (view, built, full, stats, memory) = best
     stats.update(trace_s=t_trace - t0, total_s=time.perf_counter() - t0, idle_axes=list(idle))
     return make_plan(graph, view, built, full, memory, stats, real_mesh=mesh, idle_axes=idle)
+
+
+def _replicated_compute_s(graph, mesh, op_table) -> float:
+    """Training compute of the whole graph run unsplit on one device (forward + backward)."""
+    from autopar.cost_model.compute import node_time
+
+    return sum(sum(node_time(n, None, graph, mesh, op_table)) for n in graph.nodes.values() if n.op == "call_function")
 
 
 def idle_candidates(mesh: Mesh, idle_axes) -> list[tuple[int, ...]]:

@@ -225,11 +225,20 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
     grad = needs_grad(graph)
     edges: dict[tuple[str, str], np.ndarray] = {}
     edge_list = []
+    # Nodes with equal signatures share one candidate list (node_choices' memo): their edges share
+    # one matrix too. Key on those lists' identities, the input position and what decides the rest.
+    memo: dict = {}
     for node in graph.nodes.values():
         for pos, src in enumerate(node.inputs):
             if src not in choices:
                 continue
-            mat = edge_matrix(graph, choices[src], choices[node.name], pos, mesh, with_backward=src in grad)
+            prod, cons = choices[src], choices[node.name]
+            key = (id(prod.strategies), id(cons.strategies), pos, src in grad,
+                   node.args[1] if node.target == "operator.getitem" else None,
+                   edge_itemsize(graph.nodes[src].meta, node))
+            if key not in memo:
+                memo[key] = edge_matrix(graph, prod, cons, pos, mesh, with_backward=src in grad)
+            mat = memo[key]
             edge_list.append((src, node.name, pos))
             key = (src, node.name)
             edges[key] = edges[key] + mat if key in edges else mat
