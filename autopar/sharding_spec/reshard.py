@@ -177,13 +177,11 @@ def _plan_cached(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int) -> R
 
 
 def reshard_cost(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) -> float:
-    """The cost of the cheapest plan (inf when the target is uneven or unreachable). One search
-    from ``src`` prices every target, so filling a cost matrix is cheap."""
+    """The cost of the cheapest plan (inf when the target is uneven, of another shape, or
+    unreachable): the same table ``reshard_costs_from`` reads, so every price agrees."""
     if src == dst:
         return 0.0
-    if src.shape != dst.shape or not src.is_even(mesh.shape) or not dst.is_even(mesh.shape):
-        return math.inf
-    return _search_from(src, mesh, int(itemsize))[0].get(dst, math.inf)
+    return reshard_costs_from(src, [dst], mesh, itemsize)[0]
 
 
 def reshard_costs_from(src: ShardingSpec, dsts, mesh, itemsize: int = 4) -> list[float]:
