@@ -10,13 +10,16 @@ so ``pmodel.parameters()`` feeds any torch.optim optimizer, and runs the lowered
       -> the flat outputs put back into the original structure (tensor, tuple, ModelOutput, ...)
 
 Gradient synchronisation: under the dual-layout convention a parameter stored replicated over an
-active mesh axis ends backward with a pending-sum gradient there; a hook on the parameter
-all-reduces each incoming gradient over those axes *before* it is accumulated into ``.grad``, so a
-plain ``loss.backward(); opt.step()`` loop, and gradient accumulation over several backwards, see
-the true gradient.
+active mesh axis ends backward with a pending-sum gradient there. The module's ``GradReducer``
+(``autopar.runtime.reducer``) sums those parts with bucketed collectives launched during backward
+and finished once at its end, so a plain ``loss.backward(); opt.step()`` loop sees true gradients;
+``no_sync()`` accumulates several backwards and synchronises once, as DDP's does. A ZeRO-2
+parameter is exposed as this rank's dim-0 chunk of its storage shard (the optimizer updates only
+that); the program reads the whole shard, which the reducer all-gathers when a chunk changed.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -24,10 +27,10 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.fx import _pytree as fx_pytree
 
-from autopar.codegen import collectives as C
 from autopar.codegen import ops
 from autopar.errors import ConfigError
 from autopar.ir.graph import Role
+from autopar.runtime.reducer import GradReducer, SyncEntry, chunk_of, unchunk
 
 
 class ParallelModule(nn.Module):
@@ -35,25 +38,41 @@ class ParallelModule(nn.Module):
     ``.mesh``, ``.groups``, ``full_state_dict()``."""
 
     def __init__(self, *, graph, plan, lowered, groups, shards: dict, state_keys: list[str],
-                 signature: inspect.Signature | None, requires_grad: dict[str, bool], constants: dict):
+                 signature: inspect.Signature | None, requires_grad: dict[str, bool], constants: dict,
+                 bucket_bytes: int | None = None, first_bucket_bytes: int | None = None):
         super().__init__()
         object.__setattr__(self, "_ap", _State(graph, plan, lowered, groups, state_keys, signature))
         fqn_of = {ph: fqn for fqn, ph in {**graph.params, **graph.buffers}.items()}
         persistent = set(state_keys)
+        first_use = _first_use(graph)
         self._ap.slots = []  # per state placeholder: (owner module, attribute name)
-        for ph in lowered.state:
+        entries = []
+        for slot, ph in enumerate(lowered.state):
             node = graph.nodes[ph]
             if node.role == Role.CONSTANT:
                 owner, attr = self._owner("_autopar_constants." + ph)
                 owner.register_buffer(attr, constants[ph], persistent=False)
             elif node.role == Role.PARAMETER:
                 owner, attr = self._owner(fqn_of[ph])
-                owner.register_parameter(attr, nn.Parameter(shards[ph], requires_grad=requires_grad.get(ph, True)))
+                trainable = requires_grad.get(ph, True)
+                sync = _grad_sync(plan.params.get(fqn_of[ph])) if trainable else None
+                shard = shards[ph]
+                if sync is not None and sync[0] == "reduce_scatter":  # ZeRO-2: the optimizer sees a chunk
+                    g = groups.handle(sync[1])
+                    param = nn.Parameter(chunk_of(shard, g.index, g.size).clone(), requires_grad=True)
+                    entries.append(SyncEntry(slot, param, "reduce_scatter", sync[1], first_use.get(ph, 0), full=shard))
+                else:
+                    param = nn.Parameter(shard, requires_grad=trainable)
+                    if sync is not None:
+                        entries.append(SyncEntry(slot, param, "all_reduce", sync[1], first_use.get(ph, 0)))
+                owner.register_parameter(attr, param)
             else:
                 owner, attr = self._owner(fqn_of[ph])
                 owner.register_buffer(attr, shards[ph], persistent=fqn_of[ph] in persistent)
             self._ap.slots.append((owner, attr))
-        self._add_grad_sync_hooks(fqn_of)
+        sizes = {k: v for k, v in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)) if v is not None}
+        self._ap.reducer = GradReducer(entries, groups, **sizes)
+        self._ap.zero2 = {e.slot: e for e in entries if e.kind == "reduce_scatter"}
 
     # ---- construction helpers ----------------------------------------------------------------
     def _owner(self, fqn: str) -> tuple[nn.Module, str]:
@@ -68,20 +87,6 @@ class ParallelModule(nn.Module):
             mod = child
         return mod, attr
 
-    def _add_grad_sync_hooks(self, fqn_of) -> None:
-        groups = self._ap.groups
-        for (owner, attr), ph in zip(self._ap.slots, self._ap.lowered.state):
-            p = owner._parameters.get(attr)
-            pp = self._ap.plan.params.get(fqn_of.get(ph, ""))
-            if p is None or pp is None or pp.grad_sync is None or not p.requires_grad:
-                continue
-            kind, axes, _ = pp.grad_sync
-            if kind != "all_reduce":
-                raise ConfigError(f"parameter {pp.name}: gradient sync {kind!r} (family {pp.family}) is not supported by the runtime yet")
-            g = groups.handle(tuple(axes))
-            if g.size > 1:
-                p.register_hook(lambda grad, g=g: C.all_reduce(grad, g))
-
     # ---- calling -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         ap = self._ap
@@ -93,6 +98,10 @@ class ParallelModule(nn.Module):
         self._check_inputs(flat)
         flat = [x.to(ap.device) if isinstance(x, torch.Tensor) and ap.device is not None else x for x in flat]
         state = [owner._parameters[a] if a in owner._parameters else owner._buffers[a] for owner, a in ap.slots]
+        if torch.is_grad_enabled():
+            state = ap.reducer.tap(state)
+        else:
+            state = ap.reducer.working_copies(state)
         with ops.bind(ap.groups):
             out = ap.lowered.gm(*state, *flat)
         return pytree.tree_unflatten(list(out), ap.out_spec)
@@ -147,7 +156,8 @@ class ParallelModule(nn.Module):
         return self._ap.groups
 
     def local_state(self) -> dict[str, torch.Tensor]:
-        """Canonical fqn -> this rank's shard, for parameters and buffers."""
+        """Canonical fqn -> the tensor this rank holds for it: the storage shard of parameters and
+        buffers, or for a ZeRO-2 parameter this rank's dim-0 chunk of it (what the optimizer sees)."""
         fqn_of = {ph: fqn for fqn, ph in {**self._ap.graph.params, **self._ap.graph.buffers}.items()}
         out = {}
         for (owner, a), ph in zip(self._ap.slots, self._ap.lowered.state):
@@ -159,17 +169,68 @@ class ParallelModule(nn.Module):
         """The storage spec of parameter or buffer ``fqn`` (canonical name)."""
         return self._ap.plan.params[fqn].storage
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards of forwards run inside this block only accumulate gradient parts; the next
+        backward outside it (or the next optimizer step) synchronises their sum once (as DDP's
+        ``no_sync``). Every rank must use it alike."""
+        with self._ap.reducer.no_sync():
+            yield
+
+    @property
+    def reducer(self) -> GradReducer:
+        return self._ap.reducer
+
+    @torch.no_grad()
+    def _storage_shards(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Canonical fqn -> this rank's storage shard (or its gradient, None where there is none).
+        Collective where ZeRO-2 chunks must be gathered."""
+        ap = self._ap
+        fqn_of = {ph: fqn for fqn, ph in {**ap.graph.params, **ap.graph.buffers}.items()}
+        out = {}
+        if not grads:
+            ap.reducer.working_copies([None] * len(ap.slots))  # refresh ZeRO-2 working copies
+        for slot, ((owner, a), ph) in enumerate(zip(ap.slots, ap.lowered.state)):
+            if ph not in fqn_of:
+                continue
+            t = owner._parameters[a] if a in owner._parameters else owner._buffers[a]
+            entry = ap.zero2.get(slot)
+            if grads:
+                g = t.grad if isinstance(t, nn.Parameter) else None
+                if entry is not None:
+                    g = unchunk(g if g is not None else torch.zeros_like(t), entry.full.shape, ap.groups.handle(entry.axes))
+                out[fqn_of[ph]] = g
+            else:
+                out[fqn_of[ph]] = entry.full if entry is not None else t
+        return out
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict with the original model's keys (tied aliases included), on
         every rank. A collective: call it on every rank."""
         ap = self._ap
-        full = {fqn: ops.gather_full(t.detach(), self.storage_spec(fqn), ap.groups) for fqn, t in self.local_state().items()}
+        full = {fqn: ops.gather_full(t.detach(), self.storage_spec(fqn), ap.groups) for fqn, t in self._storage_shards().items()}
         out = {}
         for key in ap.state_keys:
             canon = ap.canonical.get(key, key)
             if canon in full:
                 out[key] = full[canon]
+        return out
+
+    @torch.no_grad()
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Canonical parameter fqn -> its full (unsharded) gradient, on every rank (None where the
+        parameter has none on every rank). A collective: call it on every rank, after the
+        gradients are synchronised (after ``backward()`` outside ``no_sync()``)."""
+        ap = self._ap
+        ap.reducer.synchronize()
+        out = {}
+        for fqn, g in self._storage_shards(grads=True).items():
+            if fqn in ap.graph.params and ap.graph.nodes[ap.graph.params[fqn]].role == Role.PARAMETER:
+                if g is None:
+                    out[fqn] = None
+                else:
+                    out[fqn] = ops.gather_full(g, self.storage_spec(fqn), ap.groups)
         return out
 
 
@@ -187,3 +248,24 @@ class _State:
         self.kw_keys = list(self.in_spec.children_specs[1].context)
         self.device = None
         self.slots: list = []
+
+
+def _grad_sync(param_plan) -> tuple[str, tuple[int, ...]] | None:
+    """(collective, mesh axes) that synchronises a parameter's gradient under its plan, or None."""
+    if param_plan is None or param_plan.grad_sync is None:
+        return None
+    kind, axes, _ = param_plan.grad_sync
+    if kind == "all_reduce":
+        return "all_reduce", tuple(axes)
+    if kind == "reduce_scatter+all_gather":
+        return "reduce_scatter", tuple(axes)
+    raise ConfigError(f"parameter {param_plan.name}: gradient sync {kind!r} (family {param_plan.family}) is not supported by the runtime")
+
+
+def _first_use(graph) -> dict[str, int]:
+    """Placeholder name -> position of the first node that reads it."""
+    out: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes.values()):
+        for src in node.inputs:
+            out.setdefault(src, i)
+    return out

@@ -7,7 +7,7 @@ In order, on every rank (the same calls everywhere, since several are collective
 2. process groups for every set of mesh axes (``MeshGroups``), with the collective timeout;
 3. plan: price the mesh with its cluster, else with a profile of these live groups (``live_cluster``:
    every rank takes part; cached per mesh shape and backend), else cpu-gloo; rank 0 runs
-   ``autopar.plan`` (ZeRO-2 choices off: the runtime does not run them yet) and broadcasts the Plan
+   ``autopar.plan`` and broadcasts the Plan
    as JSON, so every rank runs the same plan; or check a given ``plan=`` against the graph;
 4. lower the plan to the rank's program (``autopar.codegen.lower``);
 5. build only this rank's parameter shards (``materialize``: from ``state_dict=``, the real model,
@@ -53,6 +53,7 @@ def parallelize(
     plan_kwargs: dict | None = None,
     profile: bool = True,
     timeout=None,
+    bucket_bytes: int | None = None,
 ):
     """This rank's ``ParallelModule`` of ``model`` on ``mesh``; call it on every rank.
 
@@ -76,6 +77,7 @@ def parallelize(
         instead of hanging; default: the default process group's timeout. It applies to the groups
         parallelize makes (not to a given ``groups=``), and to the default group when parallelize
         has to create it (from torchrun's environment; then 600 s by default).
+    bucket_bytes: the gradient reducer's bucket size (default 25 MiB; the first bucket is 1 MiB).
     """
     from autopar import ir
     from autopar.codegen.lower import lower
@@ -117,7 +119,7 @@ def parallelize(
     pm = ParallelModule(
         graph=graph, plan=plan, lowered=lowered, groups=groups, shards=shards,
         state_keys=list(model.state_dict(keep_vars=True).keys()), signature=_signature(model),
-        requires_grad=requires_grad, constants=constants,
+        requires_grad=requires_grad, constants=constants, bucket_bytes=bucket_bytes,
     )
     pm._ap.device = device
     return pm
@@ -130,11 +132,8 @@ def check_plan(plan, graph, mesh) -> None:
     if tuple(plan.mesh["shape"]) != mesh.shape:
         raise PlanError(f"the plan is for a mesh of shape {tuple(plan.mesh['shape'])}, not {mesh}")
     for p in plan.params.values():
-        if "zero2" in p.family:
-            raise ConfigError(
-                f"parameter {p.name} is planned with ZeRO-2 (family {p.family!r}), which the runtime does not support "
-                "yet; re-plan with autopar.plan(..., optimizer_sharding=False)"
-            )
+        if p.grad_sync is not None and p.grad_sync[0] not in ("all_reduce", "reduce_scatter+all_gather"):
+            raise ConfigError(f"parameter {p.name}: gradient sync {p.grad_sync[0]!r} is not supported by the runtime")
 
 
 def _device(model, device, on_meta) -> torch.device:
@@ -218,8 +217,7 @@ def _plan_on_rank0(model, mesh, graph, memory_budget, force, plan_kwargs, rank):
     box = [None]
     if rank == 0:
         try:
-            p = make_plan(model, mesh, graph=graph, memory_budget=memory_budget, optimizer_sharding=False,
-                          force=force, **plan_kwargs)
+            p = make_plan(model, mesh, graph=graph, memory_budget=memory_budget, force=force, **plan_kwargs)
             box[0] = ("ok", p.to_json())
         except Exception as err:  # every rank must hear of it, or they wait forever
             box[0] = ("error", f"{type(err).__name__}: {err}")

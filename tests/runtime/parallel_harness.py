@@ -12,7 +12,6 @@ import torch
 
 import autopar
 from autopar import models
-from autopar.codegen.ops import gather_full
 
 TOL = 1e-5
 # After AdamW steps the parameters themselves are compared loosely: Adam divides by the root of its
@@ -95,14 +94,14 @@ def _state_err(pm, ref) -> tuple[float, bool]:
 
 def grad_errors(pm, ref) -> dict:
     out = {}
-    for fqn, local in pm.local_state().items():
-        if not isinstance(local, torch.nn.Parameter):
+    for fqn, full in pm.full_grads().items():
+        if not ref.get_parameter(fqn).requires_grad:
             continue
         want = ref.get_parameter(fqn).grad
-        if local.grad is None or want is None:
-            out[fqn] = 0.0 if local.grad is None and want is None else float("inf")
+        if full is None or want is None:
+            out[fqn] = 0.0 if full is None and want is None else float("inf")
             continue
-        out[fqn] = rel(gather_full(local.grad, pm.storage_spec(fqn), pm.groups), want)
+        out[fqn] = rel(full, want)
     return out
 
 

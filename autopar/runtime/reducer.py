@@ -1,0 +1,376 @@
+"""The gradient reducer: bucketed, asynchronous gradient synchronisation, once per step.
+
+Under the dual-layout convention (``autopar.codegen.collectives``) a parameter stored replicated
+over some mesh axes ends backward with a *pending sum* there: each rank holds a part and the true
+gradient is their sum. The reducer turns those parts into the true gradient the way DDP's reducer
+and FSDP2 do, with few, large, overlapped collectives:
+
+    forward     the program reads each synchronised parameter through a *tap* (one autograd
+                Function per bucket, identity forward), so that backward hands the tap the
+                parameter's local gradient instead of accumulating it into ``.grad``;
+    backward    each tap adds its gradients into its bucket's flat buffer; a bucket whose every
+                parameter has reported launches its collective asynchronously at once (buckets
+                launch in bucket order, so every rank issues the same collectives in the same
+                order); a callback queued on the autograd engine launches what is left and waits
+                for everything once, at the end of backward;
+    finish      the summed (all_reduce) or summed-and-split (reduce_scatter, ZeRO-2) bucket is
+                added into each parameter's ``.grad`` (or becomes it, as views of the bucket).
+
+Buckets hold parameters of one (collective, mesh axes, dtype, device), in the reverse of the order
+the forward first reads them (the order backward finishes their gradients): a small first bucket
+(``first_bucket_bytes``) so communication starts early, then ``bucket_bytes`` each.
+
+Gradient accumulation: parts are accumulated in the buckets, not in ``.grad``. Backwards run
+inside ``no_sync()`` (decided when the forward runs, as in DDP) only accumulate; the next backward
+outside it synchronises the sum of every part once. ``.grad`` only ever holds true gradients, so
+several synchronised backwards in a row also add up exactly. Parts still pending when an optimizer
+steps are synchronised first (a global optimizer step pre-hook), so a loop that forgets to leave
+``no_sync()`` before ``step()`` is slower, never wrong. Every rank must run the same program with
+the same ``no_sync()`` usage (as with DDP): the collectives are matched by order.
+
+ZeRO-2 (``kind == "reduce_scatter"``): the optimizer's parameter is this rank's chunk of the
+storage shard along dim 0 (``ceil(d0 / n)`` rows, the last chunks shorter or empty); the program
+reads the whole storage shard, a working copy the reducer all-gathers (bucketed) before a forward
+whenever a chunk changed since the last gather (the optimizer stepped, a state dict was loaded).
+Its gradient is reduce-scattered into the chunk's ``.grad``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import ConfigError
+
+DEFAULT_BUCKET_BYTES = 25 << 20
+DEFAULT_FIRST_BUCKET_BYTES = 1 << 20
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclasses.dataclass(eq=False)
+class SyncEntry:
+    """One synchronised parameter.
+
+    slot: its index in the program's state inputs; param: the ``nn.Parameter`` the optimizer sees;
+    kind: "all_reduce" (the parameter is the storage shard) or "reduce_scatter" (ZeRO-2: the
+    parameter is a dim-0 chunk of the storage shard, ``full`` the working copy the program reads);
+    axes: the mesh axes of the collective; first_use: position of its first reader in the forward."""
+
+    slot: int
+    param: torch.nn.Parameter
+    kind: str
+    axes: tuple[int, ...]
+    first_use: int
+    full: torch.Tensor | None = None
+    # set by the bucket
+    offset: int = 0
+    numel: int = 0  # elements in the flat buffer: the gradient's (all_reduce), one chunk's (reduce_scatter)
+
+
+def chunk_rows(d0: int, n: int) -> int:
+    """Rows per ZeRO-2 chunk of a dim of size ``d0`` over ``n`` ranks (the last may be shorter)."""
+    return max(1, math.ceil(d0 / n))
+
+
+def chunk_of(full: torch.Tensor, index: int, n: int) -> torch.Tensor:
+    """Rows of chunk ``index`` of ``full`` along dim 0 (a view; empty past the end)."""
+    flat = full.reshape(1) if full.dim() == 0 else full
+    c = chunk_rows(flat.shape[0], n)
+    start = min(index * c, flat.shape[0])
+    return flat.narrow(0, start, min(c, flat.shape[0] - start))
+
+
+class _Bucket:
+    def __init__(self, index: int, kind: str, handle, entries: list[SyncEntry]):
+        self.index, self.kind, self.handle, self.entries = index, kind, handle, entries
+        self.n = handle.size
+        ref = entries[0].param
+        self.dtype, self.device = ref.dtype, ref.device
+        offset = 0
+        for e in entries:
+            shape = e.full.shape if kind == "reduce_scatter" else e.param.shape
+            if kind == "reduce_scatter":
+                d0 = shape[0] if len(shape) else 1
+                e.numel = chunk_rows(d0, self.n) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
+            else:
+                e.numel = e.param.numel()
+            e.offset = offset
+            offset += e.numel
+        self.numel = offset  # all_reduce: the buffer; reduce_scatter: one rank's chunk of it
+        # The flat buffer's rows are indexed by torch group rank; row_of_shard[i]: the row of shard index i.
+        self.row_of_shard = list(handle.pg_of_shard)
+        self.identity = self.row_of_shard == list(range(self.n))
+        self.accum: torch.Tensor | None = None  # parts summed since the last launch
+        self.fired = 0  # entries reported in the current backward
+        self.slots = {e.slot for e in entries}
+        self._versions: tuple | None = None  # ZeRO-2: chunk versions at the last gather
+
+    # ---- gradients in --------------------------------------------------------------------------
+    def add(self, grads) -> None:
+        if self.accum is None:
+            size = self.numel * (self.n if self.kind == "reduce_scatter" else 1)
+            self.accum = torch.zeros(size, dtype=self.dtype, device=self.device)
+        for e, g in zip(self.entries, grads):
+            if g is not None:
+                self._view(self.accum, e).add_(self._layout(e, g))
+
+    def _view(self, buf: torch.Tensor, e: SyncEntry) -> torch.Tensor:
+        if self.kind == "all_reduce":
+            return buf[e.offset: e.offset + e.numel].view(e.param.shape)
+        return buf.view(self.n, self.numel)[:, e.offset: e.offset + e.numel]
+
+    def _layout(self, e: SyncEntry, g: torch.Tensor) -> torch.Tensor:
+        """A gradient as its place in the buffer expects it: (n, chunk) rows by group rank for
+        reduce_scatter (padded to whole chunks), unchanged for all_reduce."""
+        if self.kind == "all_reduce":
+            return g
+        flat = g.reshape(1, -1) if g.dim() == 0 else g.reshape(g.shape[0], -1)
+        rows = chunk_rows(flat.shape[0], self.n)
+        if rows * self.n != flat.shape[0]:
+            flat = torch.nn.functional.pad(flat, (0, 0, 0, rows * self.n - flat.shape[0]))
+        pieces = flat.reshape(self.n, rows * flat.shape[1])
+        return pieces if self.identity else pieces[torch.tensor(self.row_of_shard).argsort()]
+
+    # ---- collectives ---------------------------------------------------------------------------
+    def launch(self):
+        """Start this bucket's collective on its accumulated parts; (buffer, work) to finish."""
+        buf, self.accum = self.accum, None
+        pg = self.handle.pg
+        if self.kind == "all_reduce":
+            return buf, dist.all_reduce(buf, group=pg, async_op=True)
+        out = buf.new_empty(self.numel)
+        try:
+            return out, _reduce_scatter_flat(out, buf, group=pg, async_op=True)
+        except (RuntimeError, NotImplementedError, ValueError) as err:
+            if "support" not in str(err).lower() and "implement" not in str(err).lower():
+                raise
+            # the backend lacks reduce_scatter: all-reduce the whole buffer, keep this rank's row
+            return buf, dist.all_reduce(buf, group=pg, async_op=True)
+
+    def finish(self, result: torch.Tensor) -> None:
+        """Add a finished collective's result into the parameters' ``.grad``."""
+        if self.kind == "reduce_scatter" and result.numel() != self.numel:  # emulated: the whole buffer
+            result = result.view(self.n, self.numel)[self.row_of_shard[self.handle.index]]
+        for e in self.entries:
+            if self.kind == "all_reduce":
+                g = result[e.offset: e.offset + e.numel].view(e.param.shape)
+            else:
+                g = result[e.offset: e.offset + e.numel].view(-1)[: e.param.numel()].view(e.param.shape)
+            p = e.param
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+
+    # ---- ZeRO-2 working copies --------------------------------------------------------------------
+    def gather_if_stale(self) -> None:
+        """All-gather the chunks into the working copies when any chunk changed since last time."""
+        versions = tuple(e.param._version for e in self.entries)
+        if versions == self._versions:
+            return
+        shard = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        for e in self.entries:
+            shard[e.offset: e.offset + e.param.numel()].copy_(e.param.detach().reshape(-1))
+        out = shard.new_empty(self.n * self.numel)
+        _all_gather_flat(out, shard, group=self.handle.pg)
+        rows = out.view(self.n, self.numel)
+        if not self.identity:
+            rows = rows[self.row_of_shard]
+        with torch.no_grad():
+            for e in self.entries:
+                full = e.full.reshape(1, -1) if e.full.dim() == 0 else e.full.reshape(e.full.shape[0], -1)
+                c = chunk_rows(full.shape[0], self.n)
+                whole = rows[:, e.offset: e.offset + e.numel].reshape(self.n * c, full.shape[1])
+                full.copy_(whole[: full.shape[0]])
+        self._versions = tuple(e.param._version for e in self.entries)
+
+
+class _BucketTap(torch.autograd.Function):
+    """Identity on a bucket's tensors in forward; in backward, hands their gradients to the
+    reducer and returns none (so autograd accumulates nothing into ``.grad`` itself)."""
+
+    @staticmethod
+    def forward(ctx, call, bucket, *tensors):
+        ctx.call, ctx.bucket = call, bucket
+        ctx.set_materialize_grads(False)
+        n = len(bucket.entries)
+        # ZeRO-2 taps take (working copies..., chunks...): the program reads the working copies.
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.call.reducer._on_grads(ctx.bucket, grads, ctx.call.sync)
+        return (None, None) + (None,) * (len(grads) * (2 if ctx.bucket.kind == "reduce_scatter" else 1))
+
+
+@dataclasses.dataclass
+class _Call:
+    """One forward's view of the reducer: whether its backward synchronises."""
+
+    reducer: "GradReducer"
+    sync: bool
+
+
+_LIVE: "weakref.WeakSet[GradReducer]" = weakref.WeakSet()
+_HOOK = None
+
+
+def _flush_before_step(optimizer, args, kwargs) -> None:
+    """Global optimizer step pre-hook: synchronise parts still pending for its parameters."""
+    params = None
+    for reducer in list(_LIVE):
+        if not reducer.pending():
+            continue
+        if params is None:
+            params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if any(id(e.param) in params for b in reducer.buckets for e in b.entries):
+            reducer.synchronize()
+
+
+class GradReducer:
+    """Bucketed gradient synchronisation for one ParallelModule; see the module docstring."""
+
+    def __init__(self, entries: list[SyncEntry], groups, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES):
+        if bucket_bytes <= 0 or first_bucket_bytes <= 0:
+            raise ConfigError(f"bucket sizes must be positive, got bucket_bytes={bucket_bytes}, first_bucket_bytes={first_bucket_bytes}")
+        self.groups = groups
+        self.bucket_bytes, self.first_bucket_bytes = bucket_bytes, first_bucket_bytes
+        self.buckets = self._make_buckets(entries)
+        self._by_slot = {e.slot: b for b in self.buckets for e in b.entries}
+        self._next = 0  # the next bucket to launch in this backward
+        self._ready: set[int] = set()
+        self._inflight: list = []  # (bucket, buffer, work)
+        self._callback_queued = False
+        self._sync_enabled = True
+        _LIVE.add(self)
+        global _HOOK
+        if _HOOK is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _HOOK = register_optimizer_step_pre_hook(_flush_before_step)
+
+    def _make_buckets(self, entries: list[SyncEntry]) -> list[_Bucket]:
+        order = sorted(entries, key=lambda e: -e.first_use)  # the order backward finishes them
+        open_: dict = {}
+        plans: list[tuple] = []  # (key, [entries]) in creation order
+        for e in order:
+            key = (e.kind, tuple(e.axes), e.param.dtype, e.param.device)
+            cap = self.first_bucket_bytes if not plans else self.bucket_bytes
+            nbytes = (e.full if e.kind == "reduce_scatter" else e.param).numel() * e.param.element_size()
+            cur = open_.get(key)
+            if cur is None or (cur[2] + nbytes > cur[3] and cur[1]):
+                cur = [key, [], 0, cap]
+                open_[key] = cur
+                plans.append(cur)
+            cur[1].append(e)
+            cur[2] += nbytes
+        return [_Bucket(i, key[0], self.groups.handle(key[1]), es) for i, (key, es, _, _) in enumerate(plans)]
+
+    # ---- forward ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards of forwards run inside only accumulate; the next synchronised backward (or an
+        optimizer step) synchronises the sum."""
+        old, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = old
+
+    def tap(self, state: list) -> list:
+        """The program's state inputs with every synchronised parameter read through its bucket's
+        tap (call when autograd records the forward)."""
+        call = _Call(self, self._sync_enabled)
+        state = list(state)
+        for b in self.buckets:
+            if b.kind == "reduce_scatter":
+                b.gather_if_stale()
+                ins = [e.full for e in b.entries] + [e.param for e in b.entries]
+            else:
+                ins = [state[e.slot] for e in b.entries]
+            for e, t in zip(b.entries, _BucketTap.apply(call, b, *ins)):
+                state[e.slot] = t
+        return state
+
+    def working_copies(self, state: list) -> list:
+        """The program's state inputs without taps (no-grad forwards): ZeRO-2 parameters replaced by
+        their up-to-date working copies."""
+        state = list(state)
+        for b in self.buckets:
+            if b.kind == "reduce_scatter":
+                b.gather_if_stale()
+                for e in b.entries:
+                    state[e.slot] = e.full
+        return state
+
+    # ---- backward -------------------------------------------------------------------------------------
+    def _on_grads(self, bucket: _Bucket, grads, sync: bool) -> None:
+        if sync and not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        bucket.add(grads)
+        if not sync:
+            return
+        bucket.fired += 1
+        if bucket.fired == 1 and bucket.index >= self._next:
+            self._ready.add(bucket.index)
+        while self._next in self._ready:
+            b = self.buckets[self._next]
+            self._inflight.append((b, *b.launch()))
+            self._ready.discard(self._next)
+            self._next += 1
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self.synchronize()
+
+    def pending(self) -> bool:
+        return bool(self._inflight) or any(b.accum is not None for b in self.buckets)
+
+    def synchronize(self) -> None:
+        """Launch every bucket still holding parts (in bucket order) and finish everything in
+        flight. Collective: every rank calls it at the same point (end of backward, before an
+        optimizer step)."""
+        for b in self.buckets:
+            if b.accum is not None:
+                self._inflight.append((b, *b.launch()))
+        inflight, self._inflight = self._inflight, []
+        for b, buf, work in inflight:
+            work.wait()
+        for b, buf, _ in inflight:
+            b.finish(buf)
+        for b in self.buckets:
+            b.fired = 0
+        self._next = 0
+        self._ready.clear()
+
+    # ---- introspection ----------------------------------------------------------------------------
+    def describe(self) -> list[dict]:
+        """One row per bucket: kind, mesh axes, parameters, bytes (what ``explain`` shows)."""
+        return [{"kind": b.kind, "axes": tuple(b.handle.axes), "params": len(b.entries),
+                 "bytes": b.numel * (b.n if b.kind == "reduce_scatter" else 1) * b.entries[0].param.element_size()}
+                for b in self.buckets]
+
+
+@torch.no_grad()
+def unchunk(chunk: torch.Tensor, full_shape, handle) -> torch.Tensor:
+    """The whole tensor of shape ``full_shape`` from every rank's dim-0 chunk (``chunk_of``) over
+    ``handle``'s group. Collective."""
+    n = handle.size
+    full_shape = tuple(full_shape)
+    d0 = full_shape[0] if full_shape else 1
+    rest = math.prod(full_shape[1:]) if len(full_shape) > 1 else 1
+    c = chunk_rows(d0, n)
+    piece = torch.zeros(c * rest, dtype=chunk.dtype, device=chunk.device)
+    piece[: chunk.numel()].copy_(chunk.reshape(-1))
+    out = piece.new_empty(n * c * rest)
+    _all_gather_flat(out, piece, group=handle.pg)
+    rows = out.view(n, c * rest)[list(handle.pg_of_shard)]
+    return rows.reshape(n * c, rest)[:d0].reshape(full_shape)
