@@ -1,4 +1,11 @@
-"""autopar: a compiler-style auto-parallel planner for PyTorch."""
+"""autopar: a compiler-style auto-parallel planner for PyTorch.
+
+The subpackages are attributes of the package after a plain ``import autopar`` (``autopar.models
+.build("gpt")``); each is imported on first access (PEP 562), so ``import autopar`` stays light and
+never loads the runtime (torch.distributed process groups, pipelining) or codegen until asked.
+"""
+import importlib as _importlib
+
 from autopar.errors import (
     AutoparError,
     ConfigError,
@@ -20,6 +27,24 @@ def parallelize(*args, **kwargs):
 
 
 parallelize.__doc__ = "See autopar.runtime.parallelize.parallelize."
+
+# Imported on first access as ``autopar.<name>``.
+_SUBPACKAGES = ("cli", "codegen", "cost_model", "ir", "models", "runtime", "sharding_spec", "solver")
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        module = _importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(
+        f"module {__name__!r} has no attribute {name!r}; its public names are {sorted(__all__)} "
+        f"and its subpackages {list(_SUBPACKAGES)}"
+    )
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_SUBPACKAGES))
 
 __version__ = "0.1.0"
 

@@ -97,13 +97,19 @@ def saved_for_backward(graph) -> set[str]:
     roots = alias_roots(graph)
     saved: set[str] = set()
     for node in graph.nodes.values():
-        if node.op != "call_function" or is_view(node.target):
-            continue
+        if node.op != "call_function" or is_view(node.target) or node.name not in ng:
+            continue  # a view, or no backward: nothing computed from a gradient-needing input, or
+            # an output that carries no gradient (a comparison, an integer op)
         tin = tensor_inputs(node, graph)
         grad_idx = {k for k, (_, name) in enumerate(tin) if name in ng}
         if not grad_idx:
             continue
         idx, saves_output = save_rule(node.target)(grad_idx, len(tin), node)
+        if any(not 0 <= k < len(tin) for k in idx):
+            raise IndexError(
+                f"the save rule of {node.target} names tensor inputs {sorted(idx)} of node {node.name!r}, "
+                f"which has {len(tin)} ({[name for _, name in tin]}; args {node.args})"
+            )
         for k in idx:
             saved |= roots[tin[k][1]]
         if saves_output:

@@ -7,12 +7,17 @@ stays whole. A pending sum passes through where the op is linear in the operands
 
     add/sub (both tensors)       every tensor operand carries the same pending sum
     mul                          exactly one operand carries it (per mesh axis), the other is whole
-    div                          only the numerator
+    div, true_divide             only the numerator, and only when it is a tensor
     neg, clone, alias, copies    the input's pending sum is the output's
     float conversions            likewise, to the same or a wider float type only (rounding each
                                  part to a narrower type is not rounding the sum)
-    where(c, a, b)               a and b together (c never)
+    where(c, a, b)               a and b together (c never); where(c, a, 0) a, where(c, 0, b) b
     masked_fill(x, m, 0)         x
+
+A Python number may stand in any operand's place (``x / 2.0``, ``2.0 / x`` as
+``div.Tensor(2.0, x)``, ``2 ** x``, ``where(c, x, 0.0)``). It is no entry of ``node.inputs``, so an
+operand is found by its argument position (``input_pos``), never by its place among the inputs:
+in ``div.Tensor(2.0, x)`` input 0 is the denominator.
 
 Never through dropout (each rank would drop a different part of each summand), a scalar added to a
 pending sum (it would be added once per rank) or any non-linear function. Training dropout is
@@ -24,6 +29,7 @@ from __future__ import annotations
 from autopar.sharding_spec.rules._common import (
     FLOAT_DTYPES,
     broadcast_letters,
+    input_pos,
     is_split,
     is_tensor_meta,
     letter_choices,
@@ -47,11 +53,14 @@ BINARY = [
     "floor_divide", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
     "bitwise_and", "bitwise_or", "bitwise_xor", "__and__", "__or__", "__xor__", "atan2", "hypot",
     "copysign", "xlogy", "masked_fill", "clamp", "clamp_min", "clamp_max", "lerp", "addcmul", "addcdiv",
+    "true_divide", "fmax", "fmin",
 ]
 OVERLOADS = ["default", "Tensor", "Scalar", "Tensor_Scalar", "Tensor_Tensor", "Scalar_Tensor", "self",
-             "Tensor_mode", "Scalar_mode", "ScalarOther", "ScalarSelf", "Scalar_Other"]
+             "Tensor_mode", "Scalar_mode", "ScalarOther", "ScalarSelf", "Scalar_Other", "Scalar_Self",
+             "decimals"]
 COPIES = [  # pending sums pass through unchanged (x -> x or a plain copy of it)
-    "aten.clone.default", "aten.alias.default", "aten.detach.default", "aten.contiguous.default",
+    "aten.clone.default", "aten.alias.default", "aten.detach.default", "aten.detach_.default",
+    "aten.contiguous.default",
     "aten.lift_fresh_copy.default", "aten.positive.default",
 ]
 CONVERSIONS = [  # pending sums pass only float -> float
@@ -130,9 +139,26 @@ def _each_tensor(ctx):
     return [frozenset({k}) for k in tensor_positions(ctx)]
 
 
-def _first_if_tensor(ctx):
-    t = tensor_positions(ctx)
-    return [frozenset({0})] if t and t[0] == 0 else []
+def _self_operand(ctx):
+    """The operand passed as ``self`` (argument 0), when it is a tensor: ``div.Tensor(x, 2.0)``'s
+    x, but nothing of ``div.Tensor(2.0, x)``, whose only input is the denominator."""
+    p = input_pos(ctx, 0, "self")
+    return [frozenset({p})] if p is not None else []
+
+
+def _where(ctx):
+    """where(c, a, b) is linear in (a, b) together; with a Python number for one of them, in the
+    other alone when that number is 0 (a pending sum of zeros is zero)."""
+    c, a, b = (input_pos(ctx, i, name) for i, name in enumerate(("condition", "self", "other")))
+    if c is None:
+        return []
+    if a is not None and b is not None:
+        return [frozenset({a, b})]
+    scalar = ctx.arg(2, "other") if a is not None else ctx.arg(1, "self")
+    tensor = a if a is not None else b
+    if tensor is not None and isinstance(scalar, (int, float)) and not isinstance(scalar, bool) and scalar == 0:
+        return [frozenset({tensor})]
+    return []
 
 
 def _float_to_float(ctx):
@@ -155,21 +181,24 @@ LINEAR = {
     "aten.sub.Tensor": _all_tensors,
     "aten.rsub.Tensor": _all_tensors,
     "aten.mul.Tensor": _each_tensor,
-    "aten.mul.Scalar": _first_if_tensor,
-    "aten.div.Tensor": _first_if_tensor,
-    "aten.div.Scalar": _first_if_tensor,
-    "aten.neg.default": _first_if_tensor,
+    "aten.mul.Scalar": _self_operand,
+    "aten.div.Tensor": _self_operand,
+    "aten.div.Scalar": _self_operand,
+    "aten.true_divide.Tensor": _self_operand,
+    "aten.true_divide.Scalar": _self_operand,
+    "aten.neg.default": _self_operand,
+    "aten.where.self": _where,
+    "aten.where.ScalarOther": _where,
+    "aten.where.ScalarSelf": _where,
 }
 
 
 @register(*sorted(set(_targets(UNARY, OVERLOADS)) | set(_targets(BINARY, OVERLOADS)) | set(_targets(["where"], OVERLOADS))))
 def pointwise_rule(ctx: OpContext) -> list[Strategy]:
     target = ctx.node.target
-    if target == "aten.where.self":  # where(cond, a, b): linear in (a, b) together
-        opts = [frozenset({1, 2})] if tensor_positions(ctx) == [0, 1, 2] else []
-    elif target.startswith("aten.masked_fill."):
-        value = ctx.arg(2, "value")
-        opts = [frozenset({0})] if isinstance(value, (int, float)) and value == 0 else []
+    if target.startswith("aten.masked_fill."):
+        value, x = ctx.arg(2, "value"), input_pos(ctx, 0, "self")
+        opts = [frozenset({x})] if x is not None and isinstance(value, (int, float)) and value == 0 else []
     else:
         opts = LINEAR.get(target, lambda _c: [])(ctx)
     return pointwise_strategies(ctx, opts)
@@ -177,7 +206,7 @@ def pointwise_rule(ctx: OpContext) -> list[Strategy]:
 
 @register(*COPIES)
 def copy_rule(ctx: OpContext) -> list[Strategy]:
-    return pointwise_strategies(ctx, _first_if_tensor(ctx))
+    return pointwise_strategies(ctx, _self_operand(ctx))
 
 
 @register("aten.copy.default")

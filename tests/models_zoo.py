@@ -1,0 +1,175 @@
+"""Small hand-written models for tests, each ``factory(...) -> (model, example_inputs)``, written the
+way users write them rather than the way ``autopar.models`` does.
+
+    mingpt()            Karpathy's minGPT: manual causal attention that scales by division with a
+                        Python number, masks with a buffer and -inf, NewGELU written as pointwise
+                        math, cross-entropy loss
+    scalar_op(expr)     ``expr`` (Python, in terms of ``h``) applied to a parameter-derived tensor
+                        ``h``: one op with a Python number in some operand's place
+
+A test in ``tests/<folder>/`` imports it after
+``sys.path.insert(0, str(Path(__file__).resolve().parents[1]))`` (pytest puts only the test's own
+folder on the path).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ---- minGPT ---------------------------------------------------------------------------------------
+class NewGELU(nn.Module):
+    """minGPT's GELU (the tanh approximation written out)."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, block_size: int, dropout: float = 0.0):
+        super().__init__()
+        assert n_embd % n_head == 0
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.attn_dropout = nn.Dropout(dropout)
+        self.resid_dropout = nn.Dropout(dropout)
+        mask = torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size)
+        self.register_buffer("bias", mask)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        hs = C // self.n_head
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        att = q @ k.transpose(-2, -1) / math.sqrt(hs)  # (B, nh, T, T)
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att = self.attn_dropout(att)
+        y = att @ v  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, block_size: int, dropout: float = 0.0):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, block_size, dropout)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.act = NewGELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.dropout(self.c_proj(self.act(self.c_fc(self.ln_2(x)))))
+
+
+class MinGPT(nn.Module):
+    def __init__(self, vocab: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float = 0.0):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList(Block(n_embd, n_head, block_size, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        B, T = idx.size()
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device).unsqueeze(0)  # (1, T)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def mingpt(*, vocab: int = 64, block_size: int = 16, n_layer: int = 2, n_head: int = 4, n_embd: int = 32,
+           batch: int = 4, dropout: float = 0.0, seed: int = 0):
+    """A minGPT language model and ``(idx, targets)`` of shape (batch, block_size); returns the loss."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = MinGPT(vocab, block_size, n_layer, n_head, n_embd, dropout)
+        idx = torch.randint(0, vocab, (batch, block_size))
+        targets = torch.randint(0, vocab, (batch, block_size))
+    return model, (idx, targets)
+
+
+# ---- one op with a Python number as an operand -------------------------------------------------------
+class ScalarOpModel(nn.Module):
+    """``sum(expr(h))`` with ``h = x * w`` ((4, 8), positive, needs a gradient). A non-float result
+    (a comparison, a bitwise op) is turned into a float and multiplied by ``h``, so the loss still
+    depends on the parameter."""
+
+    def __init__(self, expr: str, shape=(4, 8)):
+        super().__init__()
+        self.expr = expr
+        self.fn = eval(f"lambda h: {expr}", {"torch": torch, "math": math, "F": F})  # noqa: S307 (test-only)
+        self.w = nn.Parameter(torch.rand(shape, generator=torch.Generator().manual_seed(0)) + 0.5)
+
+    def forward(self, x):
+        h = x * self.w
+        y = self.fn(h)
+        if not y.is_floating_point():
+            y = y.to(h.dtype) * h
+        return y.sum()
+
+
+def scalar_op(expr: str, shape=(4, 8)):
+    """``ScalarOpModel(expr)`` and its input ``x`` (positive, so logs and roots are defined)."""
+    x = torch.rand(shape, generator=torch.Generator().manual_seed(1)) + 0.5
+    return ScalarOpModel(expr, shape), (x,)
+
+
+# Per op name of ``autopar.sharding_spec.rules.pointwise.BINARY`` that has a Tensor-Scalar overload:
+# expressions with a Python number in each place torch allows (``2.0 / h`` traces to reciprocal
+# and mul, ``torch.div(2.0, h)`` to ``div.Tensor(2.0, h)``, ``2 ** h`` to ``pow.Scalar``).
+SCALAR_OPS: dict[str, list[str]] = {
+    "add": ["h + 2.0", "2.0 + h", "torch.add(h, 2.0, alpha=3)", "torch.add(2.0, h)"],
+    "sub": ["h - 1", "torch.sub(h, 1.0, alpha=2)", "torch.sub(2.0, h)"],
+    "rsub": ["1 - h", "torch.rsub(h, 2.0)"],
+    "mul": ["h * 0.5", "0.5 * h", "torch.mul(2.0, h)"],
+    "div": ["h / math.sqrt(8)", "2.0 / h", "torch.div(2.0, h)", "torch.div(h, 2, rounding_mode='floor')",
+            "torch.div(2.0, h, rounding_mode='trunc')", "h.div(3.0, rounding_mode='trunc')"],
+    "true_divide": ["torch.true_divide(h, 2.0)", "torch.true_divide(2.0, h)"],
+    "pow": ["h ** 2", "2 ** h", "h ** 0.5", "torch.pow(h, 3.0)", "torch.pow(2.0, h)"],
+    "fmod": ["torch.fmod(h, 0.7)"],
+    "remainder": ["h % 0.7", "2.0 % h", "torch.remainder(2.0, h)"],
+    "floor_divide": ["h // 0.7", "2.0 // h"],
+    "eq": ["h == 1.0", "1.0 == h"],
+    "ne": ["h != 1.0", "1.0 != h"],
+    "lt": ["h < 1.0", "1.0 < h"],
+    "le": ["h <= 1.0", "1.0 <= h"],
+    "gt": ["h > 1.0", "1.0 > h"],
+    "ge": ["h >= 1.0", "1.0 >= h"],
+    "bitwise_and": ["torch.bitwise_and(h > 1, True)", "torch.bitwise_and(True, h > 1)"],
+    "bitwise_or": ["torch.bitwise_or(h > 1, False)", "torch.bitwise_or(True, h > 1)"],
+    "bitwise_xor": ["torch.bitwise_xor(h > 1, True)", "torch.bitwise_xor(True, h > 1)"],
+    "__and__": ["(h > 1) & True", "True & (h > 1)"],
+    "__or__": ["(h > 1) | False", "False | (h > 1)"],
+    "__xor__": ["(h > 1) ^ True", "True ^ (h > 1)"],
+    "copysign": ["torch.copysign(h, -1.0)"],
+    "xlogy": ["torch.xlogy(h, 2.0)", "torch.xlogy(2.0, h)"],
+    "masked_fill": ["h.masked_fill(h > 1, float('-inf')).softmax(-1)", "h.masked_fill(h > 1, 0.0)"],
+    "clamp": ["torch.clamp(h, min=0.9)", "torch.clamp(h, max=0.9)", "torch.clamp(h, 0.8, 1.2)"],
+    "clamp_min": ["h.clamp_min(0.9)"],
+    "clamp_max": ["h.clamp_max(0.9)"],
+    "lerp": ["torch.lerp(h, 2 * h, 0.5)"],
+    "addcmul": ["torch.addcmul(h, h, h, value=0.5)"],
+    "addcdiv": ["torch.addcdiv(h, h, h + 1, value=0.5)"],
+}
+# Forms of ops outside BINARY, or without a scalar overload, that users write with a number.
+SCALAR_OPS_EXTRA: dict[str, list[str]] = {
+    "where": ["torch.where(h > 1, h, 0.0)", "torch.where(h > 1, 0.0, h)", "torch.where(h > 1, h, -1.0)",
+              "torch.where(h > 1, 1.0, 0.0)"],
+    "maximum": ["torch.maximum(h, torch.tensor(1.0))", "torch.minimum(torch.tensor(1.0), h)"],
+    "unary": ["torch.rsqrt(h) * 2.0", "F.leaky_relu(h - 1.0, 0.1)", "torch.round(h, decimals=1)"],
+}

@@ -1,0 +1,78 @@
+"""The package surface: subpackages reachable after a plain ``import autopar``, imported lazily.
+
+Each check runs in a fresh interpreter, so modules this test process (or an earlier test) already
+imported cannot make a missing attribute look present.
+"""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SUBPACKAGES = ["cli", "codegen", "cost_model", "ir", "models", "runtime", "sharding_spec", "solver"]
+
+
+def run_fresh(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_models_build_after_a_plain_import():
+    out = run_fresh("""
+        import autopar
+        model, inputs = autopar.models.build("gpt")
+        print(type(model).__name__, len(inputs))
+    """)
+    assert out.split() == ["GPT", "2"]
+
+
+@pytest.mark.parametrize("name", SUBPACKAGES)
+def test_every_subpackage_is_an_attribute(name):
+    out = run_fresh(f"""
+        import autopar, importlib
+        mod = autopar.{name}
+        assert mod is importlib.import_module("autopar.{name}"), mod
+        assert "{name}" in dir(autopar)
+        print(mod.__name__)
+    """)
+    assert out.strip() == f"autopar.{name}"
+
+
+def test_import_loads_neither_runtime_nor_codegen():
+    out = run_fresh("""
+        import sys
+        import autopar
+        autopar.models.build("mlp")
+        autopar.ir, autopar.solver, autopar.cost_model, autopar.sharding_spec
+        print(sorted(m for m in sys.modules if m.startswith(("autopar.runtime", "autopar.codegen", "autopar.cli"))))
+    """)
+    assert out.strip() == "[]"
+
+
+def test_the_documented_entry_points_are_unchanged():
+    out = run_fresh("""
+        import autopar
+        from autopar import models
+        from autopar.runtime.parallelize import parallelize
+        assert models is autopar.models
+        assert callable(autopar.parallelize) and autopar.parallelize is not parallelize
+        assert autopar.Mesh((2,)).size == 2
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_an_unknown_attribute_raises_a_helpful_attribute_error():
+    out = run_fresh("""
+        import autopar
+        try:
+            autopar.modles
+        except AttributeError as e:
+            print(e)
+        print(hasattr(autopar, "nope"), getattr(autopar, "nope", 42))
+    """)
+    message, probe = out.strip().splitlines()
+    assert "'autopar' has no attribute 'modles'" in message
+    assert "models" in message and "plan" in message  # lists what does exist
+    assert probe == "False 42"
