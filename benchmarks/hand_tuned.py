@@ -368,6 +368,39 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _full_tensors(grads: list) -> list[torch.Tensor]:
+    """Full tensors of (possibly DTensor) gradients, a collective over their meshes: one
+    all-gather per (mesh, dim) for evenly Shard(dim)-ed 1-D DTensors (FSDP's shards, most
+    tensor-parallel ones), ``full_tensor()`` for the rest."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    out, groups = [None] * len(grads), {}
+    for i, g in enumerate(grads):
+        if not hasattr(g, "placements"):
+            out[i] = g
+            continue
+        mesh, (pl, *rest) = g.device_mesh, g.placements
+        if not rest and type(pl) is Replicate:
+            out[i] = g.to_local()
+        elif not rest and type(pl) is Shard and g.shape[pl.dim] % mesh.size() == 0:
+            groups.setdefault((id(mesh), pl.dim), []).append(i)
+        else:
+            out[i] = g.full_tensor()
+    for (_, dim), idxs in groups.items():
+        mesh = grads[idxs[0]].device_mesh
+        n = mesh.size()
+        locs = [grads[i].to_local() for i in idxs]
+        flat = torch.cat([t.reshape(-1) for t in locs])
+        buf = torch.empty(n * flat.numel(), dtype=flat.dtype)
+        dist.all_gather_into_tensor(buf, flat, group=mesh.get_group())
+        buf = buf.view(n, -1)
+        offset = 0
+        for i, t in zip(idxs, locs):
+            out[i] = torch.cat([buf[r, offset: offset + t.numel()].view(t.shape) for r in range(n)], dim=dim)
+            offset += t.numel()
+    return out
+
+
 class HandVariant:
     """One configuration inside one rank: ``forward_backward()`` (global mean loss, gradients
     synchronised), ``full_grads()``, ``optimizer_step()``, ``step()`` (all three but full_grads),
@@ -571,29 +604,28 @@ class HandVariant:
     def full_grads(self) -> dict[str, torch.Tensor]:
         """The full gradient of every parameter under the original model's names, on rank 0 ({}
         elsewhere). A collective: call it on every rank after ``forward_backward()``."""
+        named = [(names[n], p) for m, names in zip(self.inner, self.names) for n, p in m.named_parameters()]
+        grads = _full_tensors([torch.zeros(p.shape) if p.grad is None else p.grad for _, p in named])
         mine = {}
-        for m, names in zip(self.inner, self.names):
-            for n, p in m.named_parameters():
-                g = p.grad
-                if g is None:
-                    g = torch.zeros(p.shape)
-                elif hasattr(g, "full_tensor"):
-                    g = g.full_tensor()
-                canon = names[n]
-                if self.cfg.tp > 1 and canon.rsplit(".", 1)[0].endswith("attn.c_attn"):  # undo _permute_qkv
-                    full = torch.empty_like(g)
-                    full[_qkv_order(g.shape[0] // 3, self.cfg.tp)] = g
-                    g = full
-                mine.setdefault(canon, g.detach().clone())
-        send = mine if self.dp_rank == 0 and self.tp_rank == 0 else {}
-        parts = [None] * dist.get_world_size() if self.rank == 0 else None
-        dist.gather_object(send, parts, dst=0)
-        out = {}
+        for (canon, _), g in zip(named, grads):
+            if self.cfg.tp > 1 and canon.rsplit(".", 1)[0].endswith("attn.c_attn"):  # undo _permute_qkv
+                full = torch.empty_like(g)
+                full[_qkv_order(g.shape[0] // 3, self.cfg.tp)] = g
+                g = full
+            mine.setdefault(canon, g.detach().clone())  # the tied copies hold the same sum
+        # one rank per pipeline stage holds what the others of its (dp, tp) slice hold too
+        owners = [p * self.cfg.dp * self.cfg.tp for p in range(self.cfg.pp)]
         if self.rank == 0:
-            for part in parts:
-                for k, v in part.items():
+            out = mine
+            for src in owners[1:]:
+                box = [None]
+                dist.recv_object_list(box, src=src)
+                for k, v in box[0].items():
                     out.setdefault(k, v)
-        return out
+            return out
+        if self.rank in owners:
+            dist.send_object_list([mine], dst=0)
+        return {}
 
     def resident_bytes(self) -> int:
         """Bytes of the unique storages of parameters, buffers, gradients and optimizer states (this
@@ -626,7 +658,7 @@ TOL = 1e-5
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """max|a - b| / max|b| (inf when the shapes differ)."""
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().float(), b.detach().float()
     if a.shape != b.shape:
         return float("inf")
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if b.numel() else 0.0
