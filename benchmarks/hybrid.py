@@ -2,7 +2,8 @@
 (benchmarks/hand_tuned.py) on local CPU gloo ranks, for the built-in GPT and LLaMA at ~10M
 parameters, checked exact and timed; then the best of them next to DDP and any extra variants.
 
-    .venv/bin/python benchmarks/hybrid.py [--model gpt|llama|both] [--ranks 4] [--steps 2] [--rounds 3]
+    .venv/bin/python benchmarks/hybrid.py [--model gpt|llama|both] [--ranks 4] [--steps 1] [--rounds 3]
+                                          [--round-steps 2] [--only SUBSTR,...] [--tiny]
 
 Everything runs inside one spawn of ``--ranks`` processes (one thread each):
 
@@ -13,7 +14,10 @@ Everything runs inside one spawn of ``--ranks`` processes (one thread each):
               close. A configuration that is not exact is reported and not timed.
     phase 2   the best 3 configurations of phase 1, DDP, and the variants ``extra_variants``
               registers, all alive together, in ``--rounds`` alternating rounds (the order rotates
-              each round) of ``--steps`` steps each. Extra variants are checked exact first too.
+              each round) of ``--round-steps`` steps each. Extra variants are checked exact first.
+
+The defaults (1 timed step per configuration in phase 1, 3 x 2 in phase 2) keep both models within
+about 12 minutes on a 2-core VM: phase 1 ranks ~60 layouts per model, phase 2 measures the best.
 
 Every step is bracketed by barriers and its time is the slowest rank's; a figure is the median.
 Peak memory per rank is the method of benchmarks/step_time.py: the tensors resident before a step
@@ -189,7 +193,7 @@ def phase2(model_name, kw, rank, world, opts, ref, finalists: list[ht.HandConfig
     times = {n: [] for n in names}
     for r in range(opts["rounds"]):
         for n in names[r % len(names):] + names[: r % len(names)]:
-            times[n] += [timed_step(variants[n]) for _ in range(opts["steps"])]
+            times[n] += [timed_step(variants[n]) for _ in range(opts["round_steps"])]
     for v in variants.values():
         v.close()
     variants.clear()
@@ -334,8 +338,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["gpt", "llama", "both"], default="both")
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--steps", type=int, default=2, help="timed steps per configuration (phase 1) and per round (phase 2)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per configuration in phase 1 (after the check "
+                   "step and the warm-up step that measures memory)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds in phase 2")
+    p.add_argument("--round-steps", type=int, default=2, help="timed steps per variant per round in phase 2")
     p.add_argument("--only", default="", help="comma-separated substrings: run only the configurations whose name has one")
     p.add_argument("--tiny", action="store_true", help="the test's tiny shapes (to try the driver in seconds)")
     p.add_argument("--out", default=str(RESULTS), help="folder for hybrid.json and the plots")
@@ -345,11 +351,11 @@ def main():
 
     names = ["gpt", "llama"] if a.model == "both" else [a.model]
     shapes = TINY if a.tiny else SHAPES
-    opts = dict(models=names, shapes={n: shapes[n] for n in names}, steps=a.steps, rounds=a.rounds,
+    opts = dict(models=names, shapes={n: shapes[n] for n in names}, steps=a.steps, rounds=a.rounds, round_steps=a.round_steps,
                 only=[s for s in a.only.split(",") if s])
     print(f"hand-tuned hybrid layouts on {a.ranks} gloo ranks (1 thread each) on {platform.processor() or platform.machine()} "
           f"with {os.cpu_count()} cores; torch {torch.__version__}; phase 1: {a.steps} timed steps per configuration; "
-          f"phase 2: {a.rounds} rounds x {a.steps} steps", flush=True)
+          f"phase 2: {a.rounds} rounds x {a.round_steps} steps", flush=True)
     t0 = time.perf_counter()
     res = spawn(rank_main, a.ranks, args=(opts,), timeout_s=3600)[0]
     wall = time.perf_counter() - t0
@@ -362,7 +368,7 @@ def main():
         all_rows += rows
         if plot(n, rows, out / f"hybrid-{n}.png", a.ranks):
             print(f"wrote {out / f'hybrid-{n}.png'}")
-    meta = dict(ranks=a.ranks, steps=a.steps, rounds=a.rounds, torch=torch.__version__, cores=os.cpu_count(),
+    meta = dict(ranks=a.ranks, steps=a.steps, rounds=a.rounds, round_steps=a.round_steps, torch=torch.__version__, cores=os.cpu_count(),
                 wall_s=wall, tiny=a.tiny, only=opts["only"])
     (out / "hybrid.json").write_text(json.dumps({"meta": meta, "summary": summaries, "rows": all_rows}, indent=1, default=str))
     print(f"wrote {out / 'hybrid.json'}; {wall:.0f} s wall for the ranks")
