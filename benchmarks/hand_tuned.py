@@ -683,11 +683,13 @@ def reference(model_name: str, model_kw: dict, steps: int = 1) -> dict:
     return {"loss": losses[0], "losses": losses, "grads": grads}
 
 
-def check_exact(variant, ref: dict | None) -> dict:
+def check_exact(variant, ref: dict | None, loss: float | None = None) -> dict:
     """Run the variant's first step (forward, backward, full gradients, AdamW step) and compare the
     loss and every gradient with the single-process ``ref`` (needed on rank 0 only). Returns the
-    same verdict on every rank: {"exact", "loss", "loss_err", "grad_err", "worst", "error"}."""
-    loss = variant.forward_backward()
+    same verdict on every rank: {"exact", "loss", "loss_err", "grad_err", "worst", "error"}.
+    ``loss``: the caller already ran ``forward_backward()`` and got this loss."""
+    if loss is None:
+        loss = variant.forward_backward()
     grads = variant.full_grads()
     verdict = [None]
     if dist.get_rank() == 0:

@@ -8,10 +8,12 @@ parameters, checked exact and timed; then the best of them next to DDP and any e
 Everything runs inside one spawn of ``--ranks`` processes (one thread each):
 
     phase 1   for every valid configuration of the grid, one at a time (memory does not allow them
-              all alive at once): build it, check it exact (the first step's loss and every full
-              gradient within 1e-5 relative of the single-process model: same init, same global
-              batch), one warm-up step that also measures peak memory, ``--steps`` timed steps,
-              close. A configuration that is not exact is reported and not timed.
+              all alive at once): build it; its first step, which is also the warm-up (optimizer
+              states, pipeline buffers, DDP buckets and DTensor caches all exist after it), is
+              checked exact (the loss and every full gradient within 1e-5 relative of the
+              single-process model: same init, same global batch) and measures peak memory; then
+              ``--steps`` timed steps; close. A configuration that is not exact is reported and not
+              timed.
     phase 2   the best 3 configurations of phase 1, DDP, and the variants ``extra_variants``
               registers, all alive together, in ``--rounds`` alternating rounds (the order rotates
               each round) of ``--round-steps`` steps each. Extra variants are checked exact first.
@@ -20,9 +22,10 @@ The defaults (1 timed step per configuration in phase 1, 3 x 2 in phase 2) keep 
 about 12 minutes on a 2-core VM: phase 1 ranks ~60 layouts per model, phase 2 measures the best.
 
 Every step is bracketed by barriers and its time is the slowest rank's; a figure is the median.
-Peak memory per rank is the method of benchmarks/step_time.py: the tensors resident before a step
+Peak memory per rank follows benchmarks/step_time.py: the tensors resident between steps
 (parameters, buffers, optimizer states, DDP's gradient buckets; this rank's shards) plus the peak
-of allocations minus frees during one step (torch.profiler memory events), max over ranks.
+of allocations minus frees during forward and backward (torch.profiler memory events) of the
+first step, max over ranks.
 
 Output: a table per model, ``best-hand`` (the best phase-2 hand configuration) and
 ``median-hand`` (the median phase-1 time of the exact configurations), the skipped
@@ -116,11 +119,16 @@ def timed_step(v) -> float:
     return time.perf_counter() - t0
 
 
-def memory_step(v) -> int:
-    """One step (the warm-up) under the profiler: resident bytes before it plus its peak."""
+def first_step(v, ref) -> tuple[dict, int]:
+    """The variant's first step, which is also its warm-up: forward and backward under the
+    profiler, checked exact (ht.check_exact), AdamW step. Returns the verdict and the peak memory
+    estimate: the resident tensors after the step (parameters, buffers, optimizer states, DDP's
+    buckets) plus the allocation peak of forward and backward (which ends holding every gradient;
+    the optimizer step adds only per-parameter temporaries on top of those)."""
+    loss, peak = allocation_peak(v.forward_backward)
+    verdict = ht.check_exact(v, ref, loss=loss)
     resident = v.resident_bytes() if hasattr(v, "resident_bytes") else 0
-    _, peak = allocation_peak(v.step)
-    return resident + peak
+    return verdict, resident + peak
 
 
 def gathered(value):
@@ -153,16 +161,14 @@ def phase1(model_name, kw, rank, world, opts, ref) -> list[dict]:
         try:
             v = ht.build_variant(cfg, model_name, kw, rank, world)
             build_s = time.perf_counter() - t0
-            verdict = ht.check_exact(v, ref)
-            times, mem = [], 0
-            if verdict["exact"]:
-                mem = memory_step(v)
-                times = [timed_step(v) for _ in range(opts["steps"])]
+            verdict, mem = first_step(v, ref)
+            times = [timed_step(v) for _ in range(opts["steps"])] if verdict["exact"] else []
             v.close()
             del v
         except Exception as err:
             raise RuntimeError(f"{model_name} {cfg.name} failed on rank {rank}: {err}") from err
-        gc.collect()
+        if len(rows) % 4 == 3:  # the closed variants' reference cycles; 0.4 s a call, so not every time
+            gc.collect()
         per_rank = gathered((times, mem, build_s))
         steps = slowest([t for t, _, _ in per_rank]) if times else []
         row.update(verdict, skipped=None, step_times=steps, s_per_step=statistics.median(steps) if steps else None,
@@ -181,10 +187,9 @@ def phase2(model_name, kw, rank, world, opts, ref, finalists: list[ht.HandConfig
         variants[cfg.name].step()  # warm-up (checked exact in phase 1)
         info[cfg.name] = dict(exact=True, error=None, cfg=cfg)
     for name, v in extra_variants(model_name, kw, rank, world).items():
-        verdict = ht.check_exact(v, ref)
-        info[name] = dict(verdict, cfg=None, predicted_s=getattr(v, "predicted_s", None))
+        verdict, mem = first_step(v, ref)
+        info[name] = dict(verdict, cfg=None, predicted_s=getattr(v, "predicted_s", None), peak_bytes=max(gathered(mem)))
         if verdict["exact"]:
-            info[name]["peak_bytes"] = max(gathered(memory_step(v)))
             variants[name] = v
         else:
             _say(rank, f"  {name}: NOT EXACT, not timed: {verdict['error']}")
@@ -338,8 +343,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["gpt", "llama", "both"], default="both")
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--steps", type=int, default=1, help="timed steps per configuration in phase 1 (after the check "
-                   "step and the warm-up step that measures memory)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per configuration in phase 1 (after the first "
+                   "step, which is checked exact and measures memory)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds in phase 2")
     p.add_argument("--round-steps", type=int, default=2, help="timed steps per variant per round in phase 2")
     p.add_argument("--only", default="", help="comma-separated substrings: run only the configurations whose name has one")
