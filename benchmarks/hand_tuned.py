@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import math
 import types
 
@@ -418,7 +417,7 @@ class HandVariant:
         self.pp_rank, self.dp_rank, self.tp_rank = (mesh.get_local_rank(a) for a in ("pp", "dp", "tp"))
         self.dp_group = mesh["dp"].get_group() if cfg.dp > 1 else None
         model, (idx, targets) = models.build(model_name, **model_kw)
-        self.vocab = model.config.vocab
+        self.vocab, self.width = model.config.vocab, model.config.width
         per = idx.shape[0] // cfg.dp
         rows = slice(self.dp_rank * per, (self.dp_rank + 1) * per)
         self.x, self.y = idx[rows].contiguous(), targets[rows].contiguous()
@@ -458,7 +457,7 @@ class HandVariant:
         if cfg.pp == 1:
             self.module = wrapped[0]
         else:
-            self._build_pipeline(wrapped, model_kw)
+            self._build_pipeline(wrapped)
 
     # -- construction --
     def _parallelize(self, m: nn.Module) -> nn.Module:
@@ -485,17 +484,15 @@ class HandVariant:
         self.extra_resident += sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
         return ddp
 
-    def _build_pipeline(self, wrapped, model_kw):
+    def _build_pipeline(self, wrapped):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         cfg = self.cfg
         n_stages = cfg.pp * cfg.virtual_stages
         mb_rows = self.x.shape[0] // cfg.microbatches
         T = self.x.shape[1]
-        from autopar import models
-
-        width = models.config(self.model_name, **model_kw).width
-        act = torch.empty(mb_rows, T, width, device="meta", requires_grad=True)
+        # static stage shapes (no metadata inference): tokens in, (mb, T, C) between, logits out
+        act = torch.empty(mb_rows, T, self.width, device="meta", requires_grad=True)
         logits = torch.empty(mb_rows, T, self.vocab // cfg.tp, device="meta", requires_grad=True)
         tokens = torch.empty(mb_rows, T, dtype=torch.long, device="meta")
         group = self.mesh["pp"].get_group()

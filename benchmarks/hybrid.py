@@ -293,7 +293,7 @@ def plot(model_name, rows, path, world) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"(no plot: matplotlib is not installed; `make bench` installs it)")
+        print("(no plot: matplotlib is not installed; `make bench` installs it)")
         return False
     p1 = sorted((r for r in rows if r["phase"] == 1 and r.get("s_per_step") is not None), key=lambda r: r["s_per_step"])
     p2 = [r for r in rows if r["phase"] == 2 and r.get("s_per_step") is not None]
