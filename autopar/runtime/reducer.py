@@ -249,6 +249,7 @@ class GradReducer:
         self._inflight: list = []  # (bucket, buffer, work)
         self._callback_queued = False
         self._sync_enabled = True
+        self.launched = 0  # collectives launched so far (tests, explain)
         _LIVE.add(self)
         global _HOOK
         if _HOOK is None:
@@ -262,7 +263,7 @@ class GradReducer:
         plans: list[tuple] = []  # (key, [entries]) in creation order
         for e in order:
             key = (e.kind, tuple(e.axes), e.param.dtype, e.param.device)
-            cap = self.first_bucket_bytes if not plans else self.bucket_bytes
+            cap = min(self.first_bucket_bytes, self.bucket_bytes) if not plans else self.bucket_bytes
             nbytes = (e.full if e.kind == "reduce_scatter" else e.param).numel() * e.param.element_size()
             cur = open_.get(key)
             if cur is None or (cur[2] + nbytes > cur[3] and cur[1]):
@@ -322,10 +323,13 @@ class GradReducer:
         if bucket.fired == 1 and bucket.index >= self._next:
             self._ready.add(bucket.index)
         while self._next in self._ready:
-            b = self.buckets[self._next]
-            self._inflight.append((b, *b.launch()))
+            self._launch(self.buckets[self._next])
             self._ready.discard(self._next)
             self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        self._inflight.append((bucket, *bucket.launch()))
+        self.launched += 1
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -340,7 +344,7 @@ class GradReducer:
         optimizer step)."""
         for b in self.buckets:
             if b.accum is not None:
-                self._inflight.append((b, *b.launch()))
+                self._launch(b)
         inflight, self._inflight = self._inflight, []
         for b, buf, work in inflight:
             work.wait()
