@@ -17,7 +17,7 @@ from autopar.errors import (
     TraceError,
 )
 from autopar.sharding_spec import Mesh, Partial, Replicate, Shard, ShardingSpec, plan_reshard
-from autopar.solver import Plan, plan
+from autopar.solver import Layout, Plan, plan
 
 
 def parallelize(*args, **kwargs):
@@ -51,6 +51,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AutoparError",
     "ConfigError",
+    "Layout",
     "Mesh",
     "MeshError",
     "Partial",

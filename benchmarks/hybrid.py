@@ -30,7 +30,7 @@ first step, max over ranks.
 Output: a table per model, ``best-hand`` (the best phase-2 hand configuration) and
 ``median-hand`` (the median phase-1 time of the exact configurations), the skipped
 configurations with their reasons, benchmarks/results/hybrid.json (one row per configuration and
-phase, with ``predicted_s`` from ``predict_hand``) and benchmarks/results/hybrid-<model>.png
+phase, with ``predicted_s``: autopar's price of the same layout, ``predict_hands``) and benchmarks/results/hybrid-<model>.png
 (measured bars; measured vs predicted where predictions exist; needs matplotlib: ``make bench``).
 """
 from __future__ import annotations
@@ -40,6 +40,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -66,18 +67,55 @@ TINY = {  # --tiny: the shapes of tests/benchmarks/test_hand_tuned.py, for tryin
 FINALISTS = 3
 
 
-# ---- hooks for autopar's plans ---------------------------------------------------------------
+# ---- autopar's plans ----------------------------------------------------------------------------
+# (name, mesh shape, Layout fields or None for the default plan)
+AUTOPAR_VARIANTS = [
+    ("autopar 4 default", (4,), None),
+    ("autopar 2x2 default", (2, 2), None),
+    ("autopar 4 data-parallel", (4,), dict(dp=4)),
+]
+
+
 def extra_variants(model_name: str, model_kw: dict, rank: int, world: int) -> dict:
-    """Variants to measure in phase 2 beside the hand configurations, built inside each rank:
-    name -> object with ``forward_backward() -> float``, ``full_grads()``, ``optimizer_step()``,
-    ``step() -> float``, ``close()`` (see hand_tuned.HandVariant), and optionally
-    ``resident_bytes()`` and ``predicted_s``. None yet."""
-    return {}
+    """autopar's plans, built inside each rank: name -> AutoparVariant (HandVariant's interface,
+    with ``predicted_s``): the default plan on a (world,) and a 2-D mesh, and a plan forced to pure
+    data parallelism."""
+    from autopar import Layout, Mesh
+    from autopar_variant import AutoparVariant
+
+    out = {}
+    for name, shape, fields in AUTOPAR_VARIANTS:
+        if math.prod(shape) == world:
+            out[name] = AutoparVariant(model_name, model_kw, Mesh(shape), layout=Layout(**fields) if fields else None)
+    return out
 
 
-def predict_hand(cfg: ht.HandConfig, model_name: str, model_kw: dict) -> float | None:
-    """autopar's predicted step time (s) for a hand configuration. Not yet implemented."""
-    return None
+def predict_hands(model_name: str, model_kw: dict, configs, meshes: dict) -> dict[str, float]:
+    """autopar's predicted step time of every hand configuration it can express (pp == 1; ZeRO-1
+    priced as ZeRO-2), with the live cluster and op table its own plans were priced with
+    (``meshes``: mesh shape -> the mesh dict of an autopar plan of this run). Run on rank 0 inside
+    the ranks (the op table is cached per ranks on the host); no collectives."""
+    import torch
+
+    from autopar import Layout, Mesh, ir, models, plan
+    from autopar.runtime.parallelize import cached_live_op_table
+
+    model, example = models.build(model_name, device="meta", **model_kw)
+    graph = ir.trace(model, example)
+    table = cached_live_op_table(torch.device("cpu"))
+    out = {}
+    for cfg in configs:
+        shape = tuple(d for d in (cfg.dp, cfg.tp) if d > 1) or (1,)
+        if cfg.pp > 1 or shape not in meshes:
+            continue
+        layout = Layout(dp=cfg.dp, tp=cfg.tp, zero=cfg.zero)
+        try:
+            p = plan(model, Mesh.from_dict(meshes[shape]), graph=graph, force=layout, op_table=table)
+        except Exception as err:  # a layout autopar cannot form on this model: no prediction
+            _say(0, f"  no prediction for {cfg.name}: {type(err).__name__}: {str(err)[:120]}")
+            continue
+        out[cfg.name] = p.predicted["step_time_s"]
+    return out
 
 
 # ---- measuring, inside each rank -------------------------------------------------------------
@@ -188,12 +226,21 @@ def phase2(model_name, kw, rank, world, opts, ref, finalists: list[ht.HandConfig
         info[cfg.name] = dict(exact=True, error=None, cfg=cfg)
     for name, v in extra_variants(model_name, kw, rank, world).items():
         verdict, mem = first_step(v, ref)
-        info[name] = dict(verdict, cfg=None, predicted_s=getattr(v, "predicted_s", None), peak_bytes=max(gathered(mem)))
+        info[name] = dict(verdict, cfg=None, predicted_s=getattr(v, "predicted_s", None), peak_bytes=max(gathered(mem)),
+                          mesh=v.plan.mesh if hasattr(v, "plan") else None)
         if verdict["exact"]:
             variants[name] = v
         else:
             _say(rank, f"  {name}: NOT EXACT, not timed: {verdict['error']}")
             v.close()
+    alternate(variants, info, opts)
+    return info
+
+
+def alternate(variants: dict, info: dict, opts) -> None:
+    """Time every variant in ``opts["rounds"]`` alternating rounds of ``opts["round_steps"]``
+    steps (the order rotating each round), close them all, and put each one's slowest-rank step
+    times and their median into ``info[name]``."""
     names = list(variants)
     times = {n: [] for n in names}
     for r in range(opts["rounds"]):
@@ -207,7 +254,6 @@ def phase2(model_name, kw, rank, world, opts, ref, finalists: list[ht.HandConfig
     for n in names:
         info[n]["step_times"] = slowest([t[n] for t in per_rank])
         info[n]["s_per_step"] = statistics.median(info[n]["step_times"])
-    return info
 
 
 def rank_main(rank, world, opts):
@@ -228,7 +274,13 @@ def rank_main(rank, world, opts):
             chosen.append(ddp)
         _say(rank, f"{model_name}: phase 2, {opts['rounds']} rounds of {', '.join(c.name for c in chosen)} + extras")
         info = phase2(model_name, kw, rank, world, opts, ref, chosen)
-        out[model_name] = {"phase1": rows, "phase2": info}
+        predicted = {}
+        if rank == 0:
+            meshes = {tuple(i["mesh"]["shape"]): i["mesh"] for i in info.values() if i.get("mesh")}
+            configs = [ht.HandConfig(**{k: r[k] for k in ht.HandConfig().fields()}) for r in rows]
+            predicted = predict_hands(model_name, kw, configs, meshes)
+        dist.barrier()
+        out[model_name] = {"phase1": rows, "phase2": info, "predicted": predicted}
     return out if rank == 0 else None
 
 
@@ -237,14 +289,14 @@ def report(model_name, kw, res, n_params, world) -> tuple[list[dict], dict]:
     rows = []
     for r in res["phase1"]:
         cfg = ht.HandConfig(**{k: r[k] for k in ht.HandConfig().fields()})
-        rows.append(dict(r, predicted_s=predict_hand(cfg, model_name, kw)))
+        rows.append(dict(r, predicted_s=res["predicted"].get(cfg.name)))
     for name, i in res["phase2"].items():
         cfg = i.pop("cfg")
         row = dict(model=model_name, config=name, phase=2, hand=cfg is not None, **(cfg.fields() if cfg else {}))
         if cfg is not None:
             p1 = next(r for r in rows if r["config"] == name)
             row.update(peak_bytes=p1["peak_bytes"], loss=p1["loss"], grad_err=p1["grad_err"],
-                       predicted_s=predict_hand(cfg, model_name, kw))
+                       predicted_s=res["predicted"].get(name))
         rows.append(dict(row, **i))
     p1 = [r for r in rows if r["phase"] == 1 and r.get("s_per_step") is not None]
     p2 = {r["config"]: r for r in rows if r["phase"] == 2 and r.get("s_per_step") is not None}
@@ -283,6 +335,17 @@ def report(model_name, kw, res, n_params, world) -> tuple[list[dict], dict]:
               + (f" ({hand2[0]['s_per_step'] / ddp2:.2f} x DDP)" if ddp2 else ""))
     if summary["median_hand_s"] is not None:
         print(f"median-hand {model_name}: {summary['median_hand_s']:.3f} s/step (phase 1, {len(p1)} exact configurations)")
+    summary["autopar"] = {}
+    for name, r in p2.items():
+        if r.get("hand"):
+            continue
+        ratios = {"s_per_step": r["s_per_step"], "predicted_s": r.get("predicted_s"),
+                  "vs_ddp": r["s_per_step"] / ddp2 if ddp2 else None,
+                  "vs_best_hand": r["s_per_step"] / hand2[0]["s_per_step"] if hand2 else None,
+                  "vs_median_hand": r["s_per_step"] / summary["median_hand_s"] if summary["median_hand_s"] else None}
+        summary["autopar"][name] = ratios
+        print(f"{name} {model_name}: {r['s_per_step']:.3f} s/step = " + ", ".join(
+            f"{v:.2f} x {k[3:].replace('_', '-')}" for k, v in ratios.items() if k.startswith("vs_") and v is not None))
     return rows, summary
 
 

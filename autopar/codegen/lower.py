@@ -39,6 +39,12 @@ from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import needs_lowering
 
 STATE_ROLES = (Role.PARAMETER, Role.BUFFER, Role.CONSTANT)
+# A view traced on a tensor whose strides happened to allow it (CPU SDPA returns its output laid out
+# as (B, T, H, D), so the model's `.transpose(1, 2).contiguous()` traces as a bare transpose + view)
+# may meet a fresh contiguous tensor from a collective here: reshape is that view whenever one exists,
+# and a copy otherwise.
+_VIEW_AS_RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+                    torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
 
 
 @dataclasses.dataclass
@@ -187,7 +193,7 @@ class _Emitter:
     # ---- ops -----------------------------------------------------------------------------------
     def _op(self, node) -> None:
         node_plan = self._plan_of(node.name)
-        fx_target = node.fx_node.target
+        fx_target = _VIEW_AS_RESHAPE.get(node.fx_node.target, node.fx_node.target)
         if node.target == "operator.getitem" and isinstance(self.graph.nodes[node.inputs[0]].meta, tuple):
             # Pick the element first: the edge's steps act on it, not on the tuple.
             src = node.inputs[0]

@@ -6,7 +6,9 @@
 Every distinct key (ATen target, local shapes of the tensor inputs, compute dtype) is timed once:
 the forward (``torch.ops.aten.<op>``) and, separately, its backward (``torch.autograd.grad`` of
 the op's outputs with random output gradients, for the inputs that need gradients in the graph),
-each the median of ``repeats`` runs after ``warmup`` runs. Skipped: views (they cost ~0), ops
+each the median of ``repeats`` runs after ``warmup`` runs, less what the same timing measures
+for a trivial op (calling one op, and one ``autograd.grad`` call, cost more alone than inside a
+model's forward and backward; the step model adds a per-op overhead instead). Skipped: views (they cost ~0), ops
 without tensor inputs (constants), non-ATen targets, and ops that fail on the local shapes (their
 reason is kept in ``table.skipped``; the roofline prices them).
 
@@ -34,7 +36,7 @@ from autopar.cost_model.ops import is_floating, is_view, tensor_inputs
 from autopar.errors import AutoparError
 from autopar.ir.graph import NodeRef
 
-TABLE_VERSION = 1
+TABLE_VERSION = 2  # 2: the call overheads of timing one op alone are subtracted
 
 
 def _mask_str(mask) -> str:
@@ -119,9 +121,10 @@ def default_table_path(device: str, torch_version: str = torch.__version__, dire
     return cache_dir(directory) / f"ops-{slug(device)}-torch{slug(torch_version)}.json"
 
 
-def load_op_table(device: str | torch.device = "cpu", directory=None) -> OpTable:
-    """The cached table for this device and torch version (empty when there is none)."""
-    name = device_name(device)
+def load_op_table(device: str | torch.device = "cpu", directory=None, label: str | None = None) -> OpTable:
+    """The cached table for this device and torch version (empty when there is none). ``label``
+    names the device instead (e.g. with the number of ranks sharing it)."""
+    name = label or device_name(device)
     data = read_json(default_table_path(name, directory=directory))
     if data is None or data.get("version") != TABLE_VERSION:
         return OpTable(name)
@@ -139,17 +142,22 @@ def profile_ops(
     warmup: int = 1,
     cache: bool = True,
     directory=None,
+    select=None,
+    label: str | None = None,
 ) -> OpTable:
     """Time every distinct (target, local shapes, dtype) of ``graph`` under ``strategies``.
 
     strategies: ``{node name: Strategy | [Strategy, ...]}``, an iterable of ``(node or name,
     Strategy)``, or None (every node replicated). ``cache``: start from the cached table and write
-    the result back (``directory`` overrides the cache dir)."""
+    the result back (``directory`` overrides the cache dir). ``select(key)``: time only the keys
+    it accepts (ranks sharing the work). ``label``: the table's device name (default
+    ``device_name(device)``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     device = torch.device(device)
-    table = load_op_table(device, directory) if cache else OpTable(device_name(device))
+    table = load_op_table(device, directory, label) if cache else OpTable(label or device_name(device))
     added = 0
+    base = None
     for node, strategy in _pairs(graph, strategies):
         if node.op != "call_function" or is_view(node.target) or not tensor_inputs(node, graph):
             continue
@@ -161,10 +169,12 @@ def profile_ops(
         mask = grad_mask(node, graph)
         key = OpTable.key(node.target, shapes, dtype)
         hit = table.lookup(node.target, shapes, dtype, mask)
-        if key in table.skipped or (hit is not None and hit[1] is not None):
+        if key in table.skipped or (hit is not None and hit[1] is not None) or (select is not None and not select(key)):
             continue
+        base = base or call_overheads(device, repeats)
         try:
             fwd, bwd = _time_op(node, shapes, mask, graph, device, repeats, warmup)
+            fwd, bwd = max(fwd - base[0], 0.0), max(bwd - base[1], 0.0)
         except Exception as err:  # the op cannot run on these shapes: the roofline prices it
             table.skipped[key] = f"{type(err).__name__}: {err}"
             continue
@@ -247,6 +257,26 @@ def _time_op(node, shapes, mask, graph, device, repeats: int, warmup: int) -> tu
             forward.append(t1 - t0)
             backward.append(bwd)
     return statistics.median(forward), statistics.median(backward)
+
+
+def call_overheads(device, repeats: int = 5) -> tuple[float, float]:
+    """(forward, backward) seconds that ``_time_op`` measures for a one-element multiply: the
+    fixed cost of timing an op alone (Python call, dispatch, ``autograd.grad`` set-up)."""
+    x = torch.ones(1, device=device, requires_grad=True)
+    s = torch.ones(1, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fwd, bwd = [], []
+    for _ in range(max(repeats, 5) + 2):
+        sync()
+        t0 = time.perf_counter()
+        y = torch.ops.aten.mul.Tensor(x, s)
+        sync()
+        t1 = time.perf_counter()
+        torch.autograd.grad([y], [x], [s])
+        sync()
+        fwd.append(t1 - t0)
+        bwd.append(time.perf_counter() - t1)
+    return statistics.median(fwd[2:]), statistics.median(bwd[2:])
 
 
 def _random(shape, dtype: str, device, requires_grad: bool) -> torch.Tensor:

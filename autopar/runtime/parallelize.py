@@ -16,6 +16,7 @@ In order, on every rank (the same calls everywhere, since several are collective
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import inspect
 import os
@@ -29,7 +30,7 @@ from autopar.sharding_spec.mesh import Mesh
 # The short communication profile parallelize takes when the mesh has no cluster: 3 sizes, 5
 # timed calls each, every collective kind on every mesh axis (~1-2 s on 4 CPU gloo ranks). A full
 # profile (``autopar profile --mesh``, cached in the same directory) is used instead when present.
-PROFILE_SIZES = (4 << 10, 64 << 10, 1 << 20)
+PROFILE_SIZES = (4 << 10, 256 << 10, 8 << 20)
 PROFILE_REPEATS = 5
 PROFILE_SUBDIR = "parallelize"
 DEFAULT_TIMEOUT_S = 600.0
@@ -108,8 +109,13 @@ def parallelize(
     rank = dist.get_rank()
     groups = groups if groups is not None else MeshGroups(mesh, timeout=timeout)
     if plan is None:
-        plan_mesh = _pricing_mesh(mesh, cluster, groups, profile)
-        plan = _plan_on_rank0(model, plan_mesh, graph, memory_budget, force, plan_kwargs or {}, rank)
+        plan_mesh = _pricing_mesh(mesh, cluster, groups, profile, device)
+        plan_kwargs = dict(plan_kwargs or {})
+        if bucket_bytes is not None:
+            plan_kwargs.setdefault("bucket_bytes", bucket_bytes)
+        if plan_mesh.cluster is not None and _is_live(plan_mesh) and "op_table" not in plan_kwargs:
+            plan_kwargs["op_table"] = live_op_table(graph, plan_mesh, device, force)
+        plan = _plan_on_rank0(model, plan_mesh, graph, memory_budget, force, plan_kwargs, rank)
         check_plan(plan, graph, mesh)
 
     lowered = lower(graph, plan, mesh, device=device)
@@ -167,17 +173,115 @@ def _ensure_process_group(device: torch.device, timeout=None) -> None:
     dist.init_process_group(backend, timeout=timeout)
 
 
-def _pricing_mesh(mesh: Mesh, cluster, groups, profile: bool) -> Mesh:
+def _pricing_mesh(mesh: Mesh, cluster, groups, profile: bool, device=None) -> Mesh:
     """The mesh the planner prices: with ``cluster``, else the mesh's own, else (``profile`` and
     more than one rank) the live groups' profile, else the cpu-gloo preset (the planner's default)."""
     if cluster is not None:
         return mesh.with_cluster(cluster)
     if mesh.cluster is not None or not profile or mesh.size == 1:
         return mesh
-    return mesh.with_cluster(live_cluster(mesh, groups))
+    return mesh.with_cluster(live_cluster(mesh, groups, device=device))
 
 
-def live_cluster(mesh: Mesh, groups, *, directory=None):
+def _is_live(mesh: Mesh) -> bool:
+    return mesh.resolved_cluster().name.endswith(LIVE_SUFFIX)
+
+
+def live_op_table(graph, mesh: Mesh, device, force=None, *, directory=None):
+    """The op table the planner prices compute with: every (op, local shapes) its candidates can
+    run (on every view of the mesh it may try), timed here with every rank busy at once (ranks that
+    share cores slow each other; that is the speed the plan will see), each rank timing its share
+    of the keys not cached yet; cached per device and number of ranks on it. A collective."""
+    import zlib
+
+    from autopar.cost_model.profile_ops import OpTable, profile_ops
+    from autopar.solver.api import idle_candidates, view_mesh
+    from autopar.solver.layout import Layout
+    from autopar.solver.problem import node_choices
+
+    device = torch.device(device)
+    cached = cached_live_op_table(device, directory=directory)
+    label = cached.device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    views = [mesh] if isinstance(force, Layout) else [view_mesh(mesh, idle) for idle in idle_candidates(mesh, "auto")]
+    pairs = []
+    for view in views:
+        choices = node_choices(graph, view, force=None if isinstance(force, Layout) else force)
+        pairs += [(graph.nodes[n], view, s) for n, c in choices.items() if graph.nodes[n].op == "call_function"
+                  for s in c.strategies]
+    mine = OpTable(label)
+    for view in views:  # each view's local shapes differ: profile per view
+        part = profile_ops(graph, view, [(node, s) for node, v, s in pairs if v is view], device, repeats=3,
+                           cache=False, label=label,
+                           select=lambda key: key not in cached and key not in mine and zlib.crc32(key.encode()) % world == rank)
+        mine.entries.update(part.entries)
+    parts = [None] * world
+    dist.all_gather_object(parts, mine.to_dict())
+    added = 0
+    for part in parts:
+        for key, entry in OpTable.from_dict(part).entries.items():
+            if key not in cached.entries:
+                cached.entries[key] = entry
+                added += 1
+    if added and rank == 0:
+        cached.save(_op_table_path(cached, directory))
+    return cached
+
+
+def cached_live_op_table(device, *, directory=None):
+    """What ``live_op_table`` has cached for this device and this many ranks on the host."""
+    from autopar.cost_model.cache import device_name
+    from autopar.cost_model.profile_ops import load_op_table
+
+    device = torch.device(device)
+    label = device_name(device) + ("" if device.type == "cuda" else f"-{_ranks_on_host()}ranks")
+    return load_op_table(device, directory, label)
+
+
+def _op_table_path(table, directory):
+    from autopar.cost_model.profile_ops import default_table_path
+
+    return default_table_path(table.device, table.torch_version, directory)
+
+
+def _ranks_on_host() -> int:
+    """Ranks sharing this machine (torchrun sets LOCAL_WORLD_SIZE; spawned ranks are all local)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+
+def live_overheads(device, *, directory=None) -> dict:
+    """Framework overheads (``profile_runtime``) measured on every rank at once, the median over
+    ranks; cached per device and ranks on the host. And ``comm_overlap``: on CPU, whether a core
+    is left for gloo's threads (1 when the ranks' threads fill at most half the cores, 0 when
+    they fill them all, linear between); on GPU 1. A collective."""
+    from autopar.cost_model.cache import cache_dir, device_name, read_json, slug, write_json
+    from autopar.cost_model.profile_runtime import measure_overheads
+
+    device = torch.device(device)
+    ranks = _ranks_on_host()
+    label = device_name(device) + ("" if device.type == "cuda" else f"-{ranks}ranks")
+    path = cache_dir(directory) / PROFILE_SUBDIR / f"overheads-{slug(label)}-torch{slug(torch.__version__)}.json"
+    box = [read_json(path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, measure_overheads(device))
+        box[0] = {k: sorted(p[k] for p in parts)[len(parts) // 2] for k in parts[0]}
+        if dist.get_rank() == 0:
+            write_json(path, box[0])
+    out = dict(box[0])
+    if device.type == "cuda":
+        out["comm_overlap"] = 1.0
+    else:
+        busy = ranks * torch.get_num_threads() / max(len(os.sched_getaffinity(0)), 1)
+        out["comm_overlap"] = min(1.0, max(0.0, 2.0 - 2.0 * busy))
+    return out
+
+
+LIVE_SUFFIX = "+live"
+
+
+def live_cluster(mesh: Mesh, groups, *, directory=None, device="cpu"):
     """A ClusterSpec with one alpha-beta link per mesh axis fitted to collectives timed on the live
     ``groups`` (``autopar.cost_model.profile_comm``); a collective: call it on every rank.
 
@@ -196,9 +300,11 @@ def live_cluster(mesh: Mesh, groups, *, directory=None):
         box[0] = profile_comm.load_profile(mesh.shape, backend, root) is not None
     dist.broadcast_object_list(box, src=0)
     if box[0]:  # a full profile: read, never re-measured here
-        return profile_comm.profile_mesh(mesh, groups, base_cluster=base, directory=root)
-    return profile_comm.profile_mesh(mesh, groups, PROFILE_SIZES, PROFILE_REPEATS, base_cluster=base,
-                                     directory=root / PROFILE_SUBDIR)
+        cluster = profile_comm.profile_mesh(mesh, groups, base_cluster=base, directory=root)
+    else:
+        cluster = profile_comm.profile_mesh(mesh, groups, PROFILE_SIZES, PROFILE_REPEATS, base_cluster=base,
+                                            directory=root / PROFILE_SUBDIR)
+    return dataclasses.replace(cluster, name=cluster.name + LIVE_SUFFIX, **live_overheads(device, directory=directory))
 
 
 def _base_cluster(backend: str) -> str:

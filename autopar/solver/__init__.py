@@ -2,9 +2,10 @@
 
 Imports lazily so that `import autopar` stays light and torch.distributed is never needed here.
 """
+from autopar.solver.layout import Layout
 from autopar.solver.plan import Plan
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Layout", "Plan", "plan"]
 
 
 def plan(*args, **kwargs):

@@ -5,12 +5,14 @@ import itertools
 import math
 import time
 
+from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.graph import Role
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import plan_reshard
 from autopar.sharding_spec.strategy import active_axes
 from autopar.solver import ilp
+from autopar.solver.layout import Layout, layout_force
 from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
 from autopar.solver.problem import build_problem, edge_itemsize, node_choices, produced_spec
 from autopar.solver.simplify import block_ties, eliminate, prune, recover
@@ -33,6 +35,7 @@ def plan(
     optimizer_sharding: bool = True,
     force: dict | None = None,
     idle_axes="auto",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Plan:
     """The cheapest single-stage plan of ``model`` on ``mesh`` (no processes needed).
 
@@ -45,8 +48,11 @@ def plan(
     idle_axes: mesh axes the plan may leave unused (every rank along them computes the same thing
         and needs no gradient sync there): "auto" tries the candidates of ``idle_candidates`` and
         keeps the cheapest; a tuple fixes them (``()``: use every axis).
+    bucket_bytes: the runtime's gradient bucket size, for pricing the gradient sync.
     force: node name -> family label (e.g. ``{"linear": "1d-row", "p_fc_weight": "sharded"}``), or
-        -> a predicate on a ``Strategy``: restricts that node's candidates (hand-written plans, tests).
+        -> a predicate on a ``Strategy``: restricts that node's candidates (hand-written plans, tests);
+        or an ``autopar.Layout`` (e.g. ``Layout(dp=2, tp=2, zero=2)``): the plan of that hand-style
+        layout, on every mesh axis (no idle axes).
     """
     from autopar import ir
 
@@ -59,6 +65,9 @@ def plan(
             example_inputs = (example_inputs,)
         graph = ir.trace(model, tuple(example_inputs), example_kwargs)
     t_trace = time.perf_counter()
+    layout = force if isinstance(force, Layout) else None
+    if layout is not None:
+        force, idle_axes = layout_force(graph, mesh, layout), ()
     best, first_error = None, None
     replicated_s = None
     for idle in idle_candidates(mesh, idle_axes):
@@ -71,7 +80,7 @@ def plan(
                 continue
         try:
             attempt = _plan_on(graph, view_mesh(mesh, idle), budget, optimizer, op_table, optimizer_sharding,
-                               force, reuse_blocks, simplify, time_limit_s, solver)
+                               force, reuse_blocks, simplify, time_limit_s, solver, bucket_bytes)
         except (PlanError, ConfigError) as e:
             # the no-idle candidate comes first: its error (least memory; a bad `force`) is the one to show
             first_error = first_error or e
@@ -81,8 +90,9 @@ def plan(
     if best is None:
         raise first_error
     idle, (view, built, full, stats, memory) = best
-    stats.update(trace_s=t_trace - t0, total_s=time.perf_counter() - t0, idle_axes=list(idle))
-    return make_plan(graph, view, built, full, memory, stats, real_mesh=mesh, idle_axes=idle)
+    stats.update(trace_s=t_trace - t0, total_s=time.perf_counter() - t0, idle_axes=list(idle),
+                 layout=layout.name if layout is not None else None)
+    return make_plan(graph, view, built, full, memory, stats, real_mesh=mesh, idle_axes=idle, bucket_bytes=bucket_bytes)
 
 
 def _replicated_compute_s(graph, mesh, op_table) -> float:
@@ -116,11 +126,11 @@ def view_mesh(mesh: Mesh, idle: tuple[int, ...]) -> Mesh:
 
 
 def _plan_on(graph, mesh, budget, optimizer, op_table, optimizer_sharding, force, reuse_blocks, simplify,
-             time_limit_s, solver):
+             time_limit_s, solver, bucket_bytes=DEFAULT_BUCKET_BYTES):
     """Solve on one (view of the) mesh: (mesh, built problem, choice per node, stats, memory)."""
     t0 = time.perf_counter()
     choices = node_choices(graph, mesh, optimizer=optimizer, op_table=op_table,
-                           optimizer_sharding=optimizer_sharding, force=force)
+                           optimizer_sharding=optimizer_sharding, force=force, bucket_bytes=bucket_bytes)
     built = build_problem(graph, mesh, memory_budget=budget, optimizer=optimizer, choices=choices)
     problem = built.problem
     # Repeated blocks share one solution; a period of 2 lets neighbouring copies alternate (e.g.
@@ -168,16 +178,14 @@ def _solve(problem, simplify: bool, time_limit_s: float, solver):
 
 
 def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: dict, *, real_mesh=None,
-              idle_axes=()) -> Plan:
+              idle_axes=(), bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
     """The Plan of a solved problem. ``mesh`` is the mesh the problem was priced on (a view with
     idle axes at size 1); the Plan records ``real_mesh`` and the idle axes."""
     choices = built.choices
     nodes = {}
-    compute = 0.0
     for name, c in choices.items():
         node = graph.nodes[name]
         s = c.strategies[full[name]]
-        compute += float(c.compute_s[full[name]])
         target = node.target if node.op == "call_function" else node.op
         nodes[name] = NodePlan(name, target, node.layer, s.family, list(s.inputs), s.output, float(c.compute_s[full[name]]), float(c.memory[full[name]]))
     edges = []
@@ -191,7 +199,6 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
         steps = [StepPlan(st.kind, tuple(st.axes), int(st.nbytes), float(st.cost), st.src_dim, st.dst_dim) for st in rp.steps]
         edges.append(EdgePlan(src, dst, pos, s_spec, d_spec, steps, src in built.requires_grad))
     params = {}
-    grad_sync_s = 0.0
     for fqn, node_name in list(graph.params.items()) + list(graph.buffers.items()):
         if node_name not in choices:
             continue
@@ -200,21 +207,17 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
         s = c.strategies[i]
         is_buffer = graph.nodes[node_name].role == Role.BUFFER
         sync_s = float(c.comm_s[i])
-        grad_sync_s += sync_s
         params[fqn] = ParamPlan(
             fqn, node_name, s.output, s.family, c.grad_sync[i], sync_s,
             tuple(graph.param_aliases.get(fqn, (fqn,))), is_buffer,
         )
-    comm = sum(e.cost_s for e in edges) + grad_sync_s
-    predicted = {
-        "compute_s": compute,
-        "comm_s": comm,
-        "step_time_s": compute + comm,
-        "memory_bytes_per_device": memory,
-    }
     real_mesh = real_mesh or mesh
-    return Plan(graph.model_name, graph.fingerprint(), real_mesh.to_dict(), nodes, edges, params, predicted, stats,
+    plan = Plan(graph.model_name, graph.fingerprint(), real_mesh.to_dict(), nodes, edges, params, {}, stats,
                 idle_axes=tuple(idle_axes))
+    # The ILP's objective ranks plans; the prediction prices what the runtime runs (buckets,
+    # overheads, optimizer): see autopar.cost_model.step.
+    plan.predicted = dict(step_time(plan, graph, mesh, bucket_bytes=bucket_bytes), memory_bytes_per_device=memory)
+    return plan
 
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

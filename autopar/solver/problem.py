@@ -14,12 +14,14 @@ edge on the gradient path pays its dual in backward (priced equal to the forward
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
 from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import mesh_collective_time
+from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
 from autopar.cost_model.ops import needs_grad
 from autopar.ir.graph import NodeRef, Role
 from autopar.sharding_spec.reshard import local_bytes, reshard_cost, reshard_costs_from
@@ -50,37 +52,56 @@ class Built:
     requires_grad: set[str]
 
 
-def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True) -> tuple[list[Strategy], list, list, list]:
+def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[list[Strategy], list, list, list, list]:
+    """A parameter's storage choices: (strategies, optimizer seconds, sync seconds, memory, sync).
+    The gradient sync is priced as the runtime's reducer runs it: in shared buckets, so a
+    parameter pays its bytes and its share of a bucket's latency; ZeRO-2 adds the all-gather of
+    the updated parameter, one call per parameter."""
     meta = node.meta
     itemsize = meta.itemsize
     act = active_axes(mesh)
-    strategies, costs, mems, syncs = [], [], [], []
+    cluster = mesh.resolved_cluster()
+
+    def optimizer_s(nbytes):
+        return nbytes / itemsize * cluster.optimizer_s_per_element + cluster.optimizer_s_per_tensor
+
+    strategies, opt, costs, mems, syncs = [], [], [], [], []
     for spec in enumerate_specs(meta.shape, mesh):
         repl = tuple(a for a in act if a not in spec.used_axes)
         local = local_bytes(spec, mesh.shape, itemsize)
         family = "replicated" if spec.is_replicated else "sharded"
         if repl:
-            grad_spec = ShardingSpec(spec.shape, spec.dim_axes, repl, mesh.ndim)
-            cost = reshard_cost(grad_spec, spec, mesh, itemsize)
+            cost = bucketed_collective_time("all_reduce", local, mesh, repl, bucket_bytes)
             sync = ("all_reduce", repl, local)
         else:
             cost, sync = 0.0, None
         strategies.append(Strategy((), spec, family, 1.0))
+        opt.append(optimizer_s(local))
         costs.append(cost)
         mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer))
         syncs.append(sync)
         if repl and optimizer_sharding:
             # ZeRO-2: reduce-scatter the gradient, update a shard, all-gather the new parameter.
-            cost_z = mesh_collective_time("reduce_scatter", local, mesh, repl) + mesh_collective_time("all_gather", local, mesh, repl)
+            cost_z = (bucketed_collective_time("reduce_scatter", local, mesh, repl, bucket_bytes)
+                      + mesh_collective_time("all_gather", local, mesh, repl))
             strategies.append(Strategy((), spec, "zero2" if spec.is_replicated else "sharded+zero2", 1.0))
+            opt.append(optimizer_s(local / math.prod(mesh.shape[a] for a in repl)))
             costs.append(cost_z)
             mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl))
             syncs.append(("reduce_scatter+all_gather", repl, local))
-    return strategies, costs, mems, syncs
+    return strategies, opt, costs, mems, syncs
+
+
+def bucketed_collective_time(kind: str, nbytes: float, mesh, axes, bucket_bytes: int) -> float:
+    """One tensor's share of a bucketed collective: its bytes, and the call's latency in proportion
+    to the share of a bucket it fills."""
+    latency = mesh_collective_time(kind, 0, mesh, axes)
+    return mesh_collective_time(kind, nbytes, mesh, axes) - latency + latency * min(1.0, nbytes / bucket_bytes)
 
 
 def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimizer_sharding: bool = True,
-                 force=None) -> dict[str, NodeChoices]:
+                 force=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, NodeChoices]:
     """Candidates of every node. ``optimizer_sharding=False`` drops the ZeRO-2 parameter choices.
     ``force``: node name -> family label (or a predicate on a Strategy) restricting that node's
     candidates (see ``restrict``)."""
@@ -94,8 +115,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
             continue
         syncs = None
         if node.op == "placeholder" and node.role == Role.PARAMETER:
-            strategies, comm, mem, syncs = _param_choices(node, mesh, optimizer, optimizer_sharding)
-            comp = [0.0] * len(strategies)
+            strategies, comp, comm, mem, syncs = _param_choices(node, mesh, optimizer, optimizer_sharding, bucket_bytes)
         elif node.op == "placeholder":
             strategies = [Strategy((), spec, "input" if node.role == Role.INPUT else "buffer", 1.0) for spec in _placeholder_specs(node, mesh)]
             comp = [0.0] * len(strategies)

@@ -160,3 +160,32 @@ def test_forcing_a_split_the_batch_does_not_allow_is_a_config_error():
     graph = ir.trace(model, inputs)
     with pytest.raises(ConfigError, match="no strategy of family 'dp'"):
         autopar.plan(model, autopar.Mesh((2,)), inputs, graph=graph, force={"linear": "dp"})
+
+
+class _ViewAfterTranspose(torch.nn.Module):
+    """``a.transpose(1, 2).view(...)`` is legal here only because the multiply kept the transposed
+    input's strides (as CPU SDPA's output layout does in attention); a collective in between would
+    hand the view a fresh contiguous tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        a = self.lin(x).transpose(1, 2) * 2.0
+        return a.transpose(1, 2).view(x.shape[0], -1).sum()
+
+
+def test_views_are_emitted_as_reshapes(world_of_one):
+    from autopar.runtime.process_groups import MeshGroups
+
+    model, x = _ViewAfterTranspose(), torch.randn(4, 5, 6)
+    graph = ir.trace(model, (x,))
+    assert any(n.target == "aten.view.default" for n in graph.nodes.values())
+    mesh = autopar.Mesh((1,))
+    lowered = lower(graph, autopar.plan(model, mesh, (x,), graph=graph), mesh)
+    assert "aten.view.default" not in lowered.code and "aten.reshape.default" in lowered.code
+    state = {ph: model.get_parameter(fqn).detach() for fqn, ph in graph.params.items()}
+    with ops.bind(MeshGroups(mesh)):
+        (out,) = lowered.gm(*[state[p] for p in lowered.state], x.transpose(1, 2).contiguous().transpose(1, 2))
+    assert torch.allclose(out, model(x))

@@ -10,6 +10,7 @@ cluster so plans do not depend on timings, except in the case that checks live p
 spawns check that a rank failing or stuck mid-step makes every rank stop with an error."""
 from __future__ import annotations
 
+import os
 import time
 import warnings
 
@@ -149,7 +150,7 @@ def profile_case(groups):
     """A mesh without a cluster: parallelize prices the plan with a short profile of the live
     groups, cached (in the test's AUTOPAR_CACHE_DIR), and runs it exactly; ``profile=False`` prices
     with cpu-gloo."""
-    from autopar.runtime.parallelize import live_cluster
+    from autopar.runtime.parallelize import cached_live_op_table, live_cluster
 
     mesh = autopar.Mesh(groups.mesh.shape)
     t0 = time.perf_counter()
@@ -162,8 +163,12 @@ def profile_case(groups):
     res = summary("profiled", compare(model, inputs, mesh, groups))
     model, inputs = models.build("mlp")
     preset = autopar.parallelize(model, mesh, inputs, groups=groups, profile=False).plan
+    ops = cached_live_op_table("cpu")
     return {"tag": "profile", "first_s": first_s, "cached_s": cached_s, "same": cluster == again,
             "name": cluster.name, "links": len(cluster.axis_links or ()),
+            "overheads": [cluster.op_overhead_s, cluster.backward_op_overhead_s, cluster.optimizer_s_per_element,
+                          cluster.optimizer_s_per_tensor],
+            "overlap": cluster.comm_overlap, "op_keys": len(ops), "op_table": ops.device,
             "plan_cluster": res["plan_cluster"], "preset_cluster": (preset.mesh.get("cluster") or {}).get("name"),
             "train": res}
 
@@ -414,9 +419,14 @@ def test_mesh_groups_inherit_the_default_groups_timeout(four_ranks):
 def test_mesh_without_cluster_is_profiled_once(four_ranks, cache_dir):
     for c in four_ranks["profile"]:
         assert "error" not in c, c.get("error")
-        assert c["name"] == "cpu-gloo+profiled" and c["links"] == 2 and c["same"]
+        assert c["name"] == "cpu-gloo+profiled+live" and c["links"] == 2 and c["same"]
         assert c["first_s"] < 30 and c["cached_s"] < c["first_s"]
-        assert c["plan_cluster"] == "cpu-gloo+profiled" and c["preset_cluster"] in (None, "cpu-gloo")
+        assert c["plan_cluster"] == "cpu-gloo+profiled+live" and c["preset_cluster"] in (None, "cpu-gloo")
+        # framework overheads measured with every rank busy; 4 one-thread ranks fill 2 cores
+        assert all(0 < v < 1e-3 for v in c["overheads"]), c["overheads"]
+        assert c["overlap"] == (0.0 if os.cpu_count() <= 4 else c["overlap"])
+        # the planner's candidates were timed at their shard shapes, cached per ranks on the host
+        assert c["op_keys"] > 5 and c["op_table"].endswith("-4ranks")
         _assert_exact([c["train"]])
     assert (cache_dir / "parallelize" / "comm-gloo-2x2.json").is_file()
 

@@ -74,8 +74,9 @@ def test_memory_budget_forces_parameter_or_tensor_sharding():
     budget = free.predicted["memory_bytes_per_device"] - replicated_params / 2
     tight = autopar.plan(model, mesh, inputs, memory_budget=budget)
     assert tight.predicted["memory_bytes_per_device"] <= budget
-    assert any(p.family != "replicated" for p in tight.params.values())
-    assert tight.predicted["step_time_s"] >= free.predicted["step_time_s"]
+    split = any(p.family != "replicated" for p in tight.params.values()) or \
+        any(n.family != "replicate" for n in linear_nodes(tight))
+    assert split and tight.solver["objective_s"] >= free.solver["objective_s"]
 
 
 def test_a_model_too_small_for_the_mesh_leaves_axes_idle():
@@ -128,4 +129,7 @@ def test_each_matmul_family_is_reachable(mesh, mkn, family):
     model = MatMul(m, k, n)
     plan = autopar.plan(model, autopar.Mesh(mesh, cluster="a100-80g"), (torch.tensor(1.0, device="meta"),))
     (mm,) = linear_nodes(plan)
-    assert mm.family == family, (mm.family, mm.inputs, mm.output)
+    if mm.family != family:  # a tie is allowed (ZeRO-2 storage can make two families cost the same)
+        forced = autopar.plan(model, autopar.Mesh(mesh, cluster="a100-80g"), (torch.tensor(1.0, device="meta"),),
+                              force={mm.name: family}, idle_axes=plan.idle_axes)
+        assert forced.solver["objective_s"] == pytest.approx(plan.solver["objective_s"], rel=1e-12), (mm.family, family)

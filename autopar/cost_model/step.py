@@ -1,0 +1,104 @@
+"""One training step of a chosen plan, priced the way the runtime runs it.
+
+The ILP adds per-node and per-edge prices; the runtime runs more than that sum: every op pays a
+framework overhead (views included), gradients are synchronised in buckets (``GradReducer``: flat
+buckets per (collective, axes), launched during backward, waited once at its end), ZeRO-2
+parameters are all-gathered one by one before the next forward, and the optimizer steps every
+local shard. ``step_time`` prices exactly these, per rank:
+
+    step = compute + op overheads + reshard collectives (forward and their backward duals)
+         + exposed gradient sync + ZeRO-2 parameter gathers + optimizer
+
+    exposed sync = max(the last bucket's collective, sync - comm_overlap * backward compute)
+
+(the last bucket is ready only when backward ends, so it is never hidden; ``comm_overlap`` from
+the cluster: 1 where a copy engine or a spare core runs collectives beside compute, 0 where ranks
+share their cores with gloo's threads).
+"""
+from __future__ import annotations
+
+import math
+
+from autopar.cost_model.comm import mesh_collective_time
+
+DEFAULT_BUCKET_BYTES = 25 << 20
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+def bucket_sizes(total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[int]:
+    """The reducer's buckets for ``total`` gradient bytes of one (collective, axes) group: a small
+    first bucket (its collective starts early in backward), then ``bucket_bytes`` each. Parameters
+    are never split across buckets in the runtime; this ignores that rounding."""
+    if total <= 0:
+        return []
+    first = min(FIRST_BUCKET_BYTES, bucket_bytes)
+    sizes = [min(total, first)]
+    rest = total - sizes[0]
+    while rest > 0:
+        sizes.append(min(rest, bucket_bytes))
+        rest -= sizes[-1]
+    return sizes
+
+
+def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+    """Seconds of one training step per rank under ``plan`` (see the module docstring), by part.
+    ``mesh``: the mesh the plan was priced on (its cluster gives links, overheads and overlap)."""
+    from autopar.cost_model.ops import needs_grad
+
+    cluster = mesh.resolved_cluster()
+    grad = needs_grad(graph)
+    compute = fwd_ops = bwd_ops = 0
+    backward_compute = 0.0
+    for name, n in plan.nodes.items():
+        node = graph.nodes.get(name)
+        if node is None or node.op != "call_function":
+            continue
+        compute += n.compute_s
+        fwd_ops += 1
+        if any(i in grad for i in node.inputs):
+            bwd_ops += 1
+            backward_compute += n.compute_s * 2 / 3  # node compute is forward + backward (x2)
+    overhead = fwd_ops * cluster.op_overhead_s + bwd_ops * cluster.backward_op_overhead_s
+    reshard = sum(e.cost_s for e in plan.edges)
+
+    groups: dict[tuple, int] = {}
+    gathers = 0.0
+    elements = tensors = 0
+    for p in plan.params.values():
+        if p.buffer:
+            continue
+        local = p.grad_sync[2] if p.grad_sync is not None else _local_bytes(p.storage, mesh, graph, p.node)
+        itemsize = graph.nodes[p.node].meta.itemsize
+        if p.grad_sync is not None:
+            kind, axes, nbytes = p.grad_sync
+            first, *rest = kind.split("+")
+            groups[(first, tuple(axes))] = groups.get((first, tuple(axes)), 0) + int(nbytes)
+            for k in rest:  # ZeRO-2: the updated chunks gathered per parameter before the next forward
+                gathers += mesh_collective_time(k, nbytes, mesh, axes)
+            if kind.startswith("reduce_scatter"):
+                local = nbytes / math.prod(mesh.shape[a] for a in axes)
+        elements += local / itemsize
+        tensors += 1
+    buckets = [mesh_collective_time(kind, b, mesh, axes)
+               for (kind, axes), total in groups.items() for b in bucket_sizes(total, bucket_bytes)]
+    sync = sum(buckets)
+    exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0
+    optimizer = elements * cluster.optimizer_s_per_element + tensors * cluster.optimizer_s_per_tensor
+    total = compute + overhead + reshard + exposed + gathers + optimizer
+    return {
+        "compute_s": compute,
+        "overhead_s": overhead,
+        "reshard_s": reshard,
+        "grad_sync_s": sync,
+        "exposed_sync_s": exposed,
+        "param_gather_s": gathers,
+        "optimizer_s": optimizer,
+        "comm_s": reshard + exposed + gathers,
+        "step_time_s": total,
+        "buckets": len(buckets),
+    }
+
+
+def _local_bytes(spec, mesh, graph, node_name) -> int:
+    meta = graph.nodes[node_name].meta
+    return math.prod(spec.local_shape(mesh)) * meta.itemsize

@@ -1,0 +1,190 @@
+"""Hand-style layouts: "data parallel 2 x tensor parallel 2, ZeRO-2", as a restriction of the plan space.
+
+A ``Layout`` names what a person configures by hand (Megatron / Colossal-AI's hybrid plugin):
+
+    dp    data-parallel degree: activations split on their batch dim (dim 0) over the dp axis,
+          parameters used whole along it;
+    tp    tensor-parallel degree: every matmul / embedding inside a repeated block reads its weight
+          split over the tp axis (Megatron column/row parallel, or 2D with dp); which dim, and what
+          the rest of the graph does along that axis, stays the planner's choice;
+    zero  0 (parameters, gradients and optimizer states replicated over dp), 2 (gradients and
+          optimizer states sharded over dp: reduce-scatter + all-gather) or 3 (parameters stored
+          sharded over dp and gathered before use, FSDP); 1 is priced and run as 2 (autopar has no
+          all-reduce-then-shard variant, and ZeRO-2 moves no more bytes than ZeRO-1 does);
+    vocab_parallel  True / False forces the loss (and the embedding) to be, or not be,
+          vocabulary-parallel; None leaves it to the planner.
+
+``layout_force(graph, mesh, layout)`` turns it into ``force`` predicates (node -> Strategy test)
+for ``autopar.plan``; ``autopar.plan(..., force=Layout(...))`` does that itself. The mesh's active
+axes are read as (dp, tp) in order: a (4,) mesh runs dp=4 or tp=4, a (2, 2) mesh dp=2 x tp=2.
+Pipeline degrees come with pipeline stages.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.errors import ConfigError
+from autopar.ir.graph import Role
+from autopar.sharding_spec.strategy import active_axes
+
+# ops whose weight a tensor-parallel layout splits
+_WEIGHT_OPS = ("linear", "mm", "addmm", "matmul", "bmm", "embedding", "conv")
+_LOSS_OPS = ("cross_entropy", "nll_loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    zero: int = 0
+    vocab_parallel: bool | None = None
+
+    def __post_init__(self):
+        if self.dp < 1 or self.tp < 1:
+            raise ConfigError(f"layout degrees must be >= 1, got dp={self.dp}, tp={self.tp}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"layout zero stage must be 0, 1, 2 or 3, got {self.zero}")
+        if self.zero and self.dp == 1:
+            raise ConfigError(f"ZeRO stage {self.zero} shards over the data-parallel axis; it needs dp > 1")
+
+    @property
+    def name(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}"] + ([f"zero{self.zero}"] if self.zero else [])
+        if self.vocab_parallel is not None:
+            parts.append("vocab" if self.vocab_parallel else "novocab")
+        return "-".join(parts)
+
+    def axes(self, mesh) -> tuple[int | None, int | None]:
+        """(dp axis, tp axis) on ``mesh`` (None for a degree of 1)."""
+        act = active_axes(mesh)
+        want = [d for d in (self.dp, self.tp) if d > 1]
+        sizes = [mesh.shape[a] for a in act]
+        if sizes != want:
+            raise ConfigError(
+                f"layout {self.name} needs a mesh whose axes of size > 1 are {tuple(want) or '(none)'} "
+                f"(dp then tp); got mesh shape {tuple(mesh.shape)}: reshape the mesh, e.g. Mesh({tuple(want) or (1,)})"
+            )
+        it = iter(act)
+        return (next(it) if self.dp > 1 else None), (next(it) if self.tp > 1 else None)
+
+
+def layout_force(graph, mesh, layout: Layout) -> dict:
+    """node name -> predicate on a Strategy, restricting the plan to ``layout`` (module docstring)."""
+    dp_axis, tp_axis = layout.axes(mesh)
+    batch_nodes = _depends_on_input(graph)
+    force = {}
+    for node in graph.nodes.values():
+        preds = []
+        if node.op == "placeholder" and node.role == Role.PARAMETER:
+            preds.append(_param_storage(node, mesh, layout, dp_axis))
+        elif node.op == "call_function":
+            weights = [i for i, src in enumerate(node.inputs) if _param_source(graph, src) is not None]
+            if dp_axis is not None and node.name in batch_nodes:
+                preds.append(_batch_split(dp_axis))
+            for i in weights:
+                preds.append(_weight_not_on(i, dp_axis) if tp_axis is not None else _weight_whole(i))
+                if tp_axis is not None and node.layer is not None and _is_weight_op(node) and \
+                        len(graph.nodes[node.inputs[i]].meta.shape) >= 2:
+                    preds.append(_weight_on(i, tp_axis))
+            if layout.vocab_parallel is not None and any(k in node.target for k in _LOSS_OPS + ("embedding",)):
+                preds.append(_vocab(layout.vocab_parallel))
+        if preds:
+            force[node.name] = _all(preds, f"{layout.name} at {node.name}")
+    return force
+
+
+# ---- graph facts ------------------------------------------------------------------------------
+def _depends_on_input(graph) -> set[str]:
+    """Nodes computed from a user input (they carry the batch dim first)."""
+    out = set()
+    for node in graph.nodes.values():  # topological order
+        if node.op == "placeholder":
+            if node.role == Role.INPUT:
+                out.add(node.name)
+        elif any(i in out for i in node.inputs):
+            out.add(node.name)
+    return out
+
+
+def _param_source(graph, name: str):
+    """The parameter a value is (through views of one input), or None."""
+    from autopar.cost_model.ops import is_view
+
+    node = graph.nodes[name]
+    while node.op == "call_function" and is_view(node.target) and len(node.inputs) == 1:
+        node = graph.nodes[node.inputs[0]]
+    return node if node.op == "placeholder" and node.role == Role.PARAMETER else None
+
+
+def _is_weight_op(node) -> bool:
+    return any(k in node.target for k in _WEIGHT_OPS)
+
+
+# ---- predicates -------------------------------------------------------------------------------
+class _all:
+    """All of several predicates (named, for the error a too-tight layout gives)."""
+
+    def __init__(self, preds, what: str):
+        self.preds, self.what = preds, what
+
+    def __call__(self, strategy) -> bool:
+        return all(p(strategy) for p in self.preds)
+
+    def __repr__(self) -> str:
+        return f"layout {self.what}"
+
+
+def _first_spec(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _batch_split(dp_axis: int):
+    def pred(s) -> bool:
+        out = _first_spec(s.output)
+        if out is None or out.ndim == 0:
+            return True
+        return out.dim_axes[0][:1] == (dp_axis,) and all(dp_axis not in axes for axes in out.dim_axes[1:])
+    return pred
+
+
+def _weight_not_on(i: int, axis: int | None):
+    def pred(s) -> bool:
+        spec = s.inputs[i] if i < len(s.inputs) else None
+        return spec is None or axis is None or (axis not in spec.used_axes and axis not in spec.partial)
+    return pred
+
+
+def _weight_whole(i: int):
+    def pred(s) -> bool:
+        spec = s.inputs[i] if i < len(s.inputs) else None
+        return spec is None or (spec.is_replicated and not spec.partial)
+    return pred
+
+
+def _weight_on(i: int, axis: int):
+    def pred(s) -> bool:
+        spec = s.inputs[i] if i < len(s.inputs) else None
+        return spec is not None and axis in spec.used_axes
+    return pred
+
+
+def _vocab(want: bool):
+    def pred(s) -> bool:
+        return ("vocab-parallel" in s.family) == want
+    return pred
+
+
+def _param_storage(node, mesh, layout: Layout, dp_axis):
+    """ZeRO 0: stored whole over dp; 1/2: the ZeRO-2 variant; 3: stored split over dp where a dim
+    divides (else whole, as FSDP keeps a tiny odd tensor replicated)."""
+    splittable = dp_axis is not None and any(d % mesh.shape[dp_axis] == 0 for d in node.meta.shape)
+
+    def pred(s) -> bool:
+        on_dp = dp_axis is not None and dp_axis in s.output.used_axes
+        zero2 = s.family.endswith("zero2")
+        if layout.zero == 3 and splittable:
+            return on_dp and not zero2
+        if layout.zero in (1, 2) and dp_axis is not None:
+            return zero2 and not on_dp
+        return not zero2 and not on_dp
+    return pred

@@ -1,0 +1,58 @@
+"""autopar's plans as benchmark variants, with the interface of hand_tuned.HandVariant.
+
+    v = AutoparVariant("gpt", model_kw, Mesh((2, 2)), layout=Layout(dp=2, tp=2))   # inside each rank
+    v.step(); v.predicted_s; v.close()
+
+The module is ``autopar.parallelize`` of the same seeded model on the same global batch (every rank
+passes the full batch; each keeps its slice), trained with the user's own ``torch.optim.AdamW``
+over ``pmodel.parameters()``; ``predicted_s`` is the plan's predicted step time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import hand_tuned as ht
+
+
+class AutoparVariant:
+    def __init__(self, model_name: str, model_kw: dict, mesh, *, layout=None, plan_kwargs=None):
+        import autopar
+        from autopar import models
+
+        model, (self.x, self.y) = models.build(model_name, **model_kw)
+        self.pm = autopar.parallelize(model, mesh, (self.x, self.y), force=layout, plan_kwargs=plan_kwargs)
+        del model
+        self.plan = self.pm.plan
+        self.predicted_s = self.plan.predicted["step_time_s"]
+        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=ht.LR)
+
+    def forward_backward(self) -> float:
+        loss = self.pm(self.x, self.y)
+        loss.backward()
+        return loss.item()
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        grads = self.pm.full_grads()
+        return {k: g for k, g in grads.items() if g is not None} if dist.get_rank() == 0 else {}
+
+    def optimizer_step(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def step(self) -> float:
+        loss = self.forward_backward()
+        self.optimizer_step()
+        return loss
+
+    def resident_bytes(self) -> int:
+        tensors = list(self.pm.parameters()) + list(self.pm.buffers())
+        tensors += [p.grad for p in self.pm.parameters() if p.grad is not None]
+        tensors += [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(seen.values())
+
+    def close(self) -> None:
+        for attr in ("pm", "opt", "plan"):
+            if hasattr(self, attr):
+                delattr(self, attr)

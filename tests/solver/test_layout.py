@@ -1,0 +1,98 @@
+"""autopar.Layout: hand-style layouts as restrictions of the plan space, checked on the plans they give."""
+import pytest
+
+import autopar
+from autopar import Layout, models
+from autopar.cost_model.step import bucket_sizes, step_time
+
+GPT = dict(vocab=64, width=32, layers=2, heads=4, seq=16, batch=8)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model, inputs = models.build("gpt", device="meta", **GPT)
+    return model, inputs, autopar.ir.trace(model, inputs)
+
+
+def plan_of(gpt, shape, **fields):
+    model, inputs, graph = gpt
+    return autopar.plan(model, autopar.Mesh(shape), graph=graph, force=Layout(**fields))
+
+
+def linears(plan):
+    return [n for n in plan.nodes.values() if "linear" in n.target]
+
+
+def weights(plan):
+    return [p for p in plan.params.values() if len(p.storage.shape) == 2 and "wpe" not in p.name]
+
+
+def test_data_parallel_splits_every_batch_and_keeps_weights_whole(gpt):
+    plan = plan_of(gpt, (4,), dp=4)
+    assert plan.solver["layout"] == "dp4-tp1" and plan.idle_axes == ()
+    assert {n.family for n in linears(plan)} == {"dp"}
+    assert all(p.storage.is_replicated and p.grad_sync[0] == "all_reduce" for p in plan.params.values())
+
+
+@pytest.mark.parametrize("zero, family, sync", [(1, "zero2", "reduce_scatter+all_gather"),
+                                                (2, "zero2", "reduce_scatter+all_gather")])
+def test_zero_1_and_2_shard_gradients_and_states(gpt, zero, family, sync):
+    plan = plan_of(gpt, (4,), dp=4, zero=zero)
+    assert all(p.family == family and p.grad_sync[0] == sync for p in plan.params.values())
+
+
+def test_zero_3_stores_parameters_split_over_the_data_axis(gpt):
+    plan = plan_of(gpt, (4,), dp=4, zero=3)
+    assert all(0 in p.storage.used_axes for p in plan.params.values())
+    assert {n.family for n in linears(plan)} == {"dp"}  # gathered before use
+
+
+def test_megatron_splits_every_block_weight_over_the_tensor_axis(gpt):
+    plan = plan_of(gpt, (4,), tp=4)
+    block = [n for n in linears(plan) if n.layer is not None]
+    assert block and all(n.inputs[1] is not None and 0 in n.inputs[1].used_axes for n in block)
+    assert {n.family for n in block} <= {"1d-col", "1d-row"}
+
+
+def test_2d_is_data_by_tensor_parallel(gpt):
+    plan = plan_of(gpt, (2, 2), dp=2, tp=2)
+    block = [n for n in linears(plan) if n.layer is not None]
+    assert all(n.inputs[0].dim_axes[0][:1] == (0,) for n in block)  # batch over dp
+    assert all(1 in n.inputs[1].used_axes and 0 not in n.inputs[1].used_axes for n in block)  # weight over tp
+
+
+@pytest.mark.parametrize("vocab", [True, False])
+def test_vocabulary_parallel_loss_is_forced_either_way(gpt, vocab):
+    plan = plan_of(gpt, (2, 2), dp=2, tp=2, vocab_parallel=vocab)
+    (loss,) = [n for n in plan.nodes.values() if "cross_entropy" in n.target]
+    assert ("vocab-parallel" in loss.family) == vocab
+
+
+def test_bad_layouts_say_what_to_do(gpt):
+    model, inputs, graph = gpt
+    with pytest.raises(autopar.ConfigError, match=r"axes of size > 1 are \(2, 2\)"):
+        autopar.plan(model, autopar.Mesh((4,)), graph=graph, force=Layout(dp=2, tp=2))
+    with pytest.raises(autopar.ConfigError, match="needs dp > 1"):
+        Layout(tp=4, zero=2)
+    with pytest.raises(autopar.ConfigError, match="zero stage"):
+        Layout(dp=4, zero=5)
+
+
+def test_bucket_sizes_follow_the_reducer():
+    assert bucket_sizes(0) == []
+    assert bucket_sizes(100, 64) == [64, 36]
+    assert bucket_sizes(3 << 20, 1 << 20) == [1 << 20, 1 << 20, 1 << 20]
+    assert bucket_sizes(30 << 20) == [1 << 20, 25 << 20, 4 << 20]
+
+
+def test_step_time_prices_buckets_not_parameters(gpt):
+    """Data parallel over many small parameters: one all-reduce per bucket, not one per parameter."""
+    plan = plan_of(gpt, (4,), dp=4)
+    model, inputs, graph = gpt
+    mesh = plan.mesh_obj
+    one = step_time(plan, graph, mesh)
+    assert one["buckets"] == 1
+    tiny = step_time(plan, graph, mesh, bucket_bytes=1024)
+    assert tiny["buckets"] > 10 and tiny["grad_sync_s"] > one["grad_sync_s"]
+    parts = one["compute_s"] + one["overhead_s"] + one["comm_s"] + one["optimizer_s"]
+    assert one["step_time_s"] == pytest.approx(parts)
