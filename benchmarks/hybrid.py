@@ -22,7 +22,7 @@ The defaults (1 timed step per configuration in phase 1, 3 x 2 in phase 2) keep 
 about 12 minutes on a 2-core VM: phase 1 ranks ~60 layouts per model, phase 2 measures the best.
 
 Every step is bracketed by barriers and its time is the slowest rank's; a figure is the median.
-Peak memory per rank follows benchmarks/step_time.py: the tensors resident between steps
+Peak memory per rank is torch CPU-allocator tensor memory: the tensors resident between steps
 (parameters, buffers, optimizer states, DDP's gradient buckets; this rank's shards) plus the peak
 of allocations minus frees during forward and backward (torch.profiler memory events) of the
 first step, max over ranks.

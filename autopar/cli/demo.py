@@ -98,7 +98,10 @@ def rank_main(rank, world_size, model_name, mesh_shape, steps):
     if rank == 0:
         out["explain"] = pmodel.plan.explain()
         out["predicted_s"] = pmodel.plan.summary()["step_time_s"]
-        free = autopar.plan(model, autopar.Mesh(mesh_shape, cluster=pmodel.plan.mesh_obj.cluster), inputs)
+        from autopar.runtime.parallelize import cached_live_op_table
+
+        free = autopar.plan(model, autopar.Mesh(mesh_shape, cluster=pmodel.plan.mesh_obj.cluster), inputs,
+                            op_table=cached_live_op_table("cpu"))  # priced as parallelize priced its plan
         out["free_choice"] = (
             f"left free to leave mesh axes idle, autopar would leave axes {free.idle_axes} idle "
             f"(predicted {free.predicted['step_time_s'] * 1e3:.2f} ms vs {out['predicted_s'] * 1e3:.2f} ms using every axis)"
@@ -144,6 +147,6 @@ def run(mesh_shape=(2, 2), model: str = "gpt", steps: int = 5) -> int:
     print(f"\nmedian step after the first: {statistics.median(later) * 1e3:.1f} ms measured "
           f"(plan predicted {results[0]['predicted_s'] * 1e3:.1f} ms); parallelize took "
           f"{max(r['setup_s'] for r in results):.1f} s per rank; {wall:.0f} s for the ranks in all")
-    print("(a model this small is communication-bound on CPU gloo; benchmarks/step_time.py times a 10M one)")
+    print("(a model this small is communication-bound on CPU gloo; benchmarks/hybrid.py times a 10M one against hand-written layouts)")
     print(f"losses {'match' if ok else 'DO NOT match'} the single-process model within {TOL:g} relative")
     return 0 if ok else 1

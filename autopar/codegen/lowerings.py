@@ -66,15 +66,6 @@ def autopar_vocab_parallel_embedding(weight, indices, padding_idx=-1, scale_grad
 
 
 # ---- losses --------------------------------------------------------------------------------------
-def _all_reduce_max(x: torch.Tensor, axes) -> torch.Tensor:
-    g = handle(axes)
-    if g.size == 1:
-        return x
-    x = x.detach().contiguous().clone()
-    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=g.pg)
-    return x
-
-
 def _sum_over(x: torch.Tensor, axes) -> torch.Tensor:
     """Differentiable all-reduce (sum) over ``axes``; the identity when there are none."""
     return autopar_all_reduce(x, axes) if axes else x
@@ -110,27 +101,65 @@ def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None):
 def autopar_vocab_parallel_cross_entropy(x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0, *,
                                          class_axes, batch_axes):
     """cross_entropy with the class dim of ``x`` split over ``class_axes``: the per-sample loss
-    log(sum exp(x - m)) + m - x[target], each term all-reduced over the class axes, so it is
-    replicated there; then ``reduction`` (mean: over the global count of valid targets)."""
+    log(sum exp(x - m)) + m - x[target] (``VocabParallelCrossEntropy``), replicated over the class
+    axes; then ``reduction`` (mean: over the global count of valid targets)."""
     if weight is not None or label_smoothing:
         raise PlanError("vocabulary-parallel cross entropy supports no class weight and no label smoothing")
-    cdim = 1 if x.dim() >= 2 else 0
-    classes = x.shape[cdim]
-    off = handle(class_axes).index * classes
-    m = _all_reduce_max(x.detach().amax(cdim, keepdim=True), class_axes)
-    sum_exp = _sum_over((x - m).exp().sum(cdim), class_axes)
-    local_t = target - off
-    valid = target != ignore_index
-    hit = (local_t >= 0) & (local_t < classes) & valid
-    picked = x.gather(cdim, local_t.clamp(0, classes - 1).unsqueeze(cdim)).squeeze(cdim)
-    t_logit = _sum_over(torch.where(hit, picked, torch.zeros_like(picked)), class_axes)
-    loss = sum_exp.log() + m.squeeze(cdim) - t_logit
-    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    loss = VocabParallelCrossEntropy.apply(x, target, ignore_index, handle(class_axes))
     if reduction == 0:
         return loss
     if reduction == SUM:
         return loss.sum()
     return loss.sum() / class_denominator(target, None, ignore_index, loss.dtype, batch_axes)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-sample cross entropy over class-split logits, fused as Megatron fuses it: forward keeps
+    one logits-sized tensor (the softmax, made in place from x - max) and three all-reduces of one
+    value per sample (max, sum of exp, target logit); backward is (softmax - one_hot) * grad in
+    place of that tensor, after one all-reduce of the per-sample gradient, which arrives as a
+    pending sum over the class axes (the output is replicated there; see collectives.py). Written
+    by autograd op by op instead, backward makes three more logits-sized tensors."""
+
+    @staticmethod
+    def forward(ctx, x, target, ignore_index, g):
+        cdim = 1 if x.dim() >= 2 else 0
+        classes = x.shape[cdim]
+        local_t = target - g.index * classes
+        valid = target != ignore_index
+        hit = (local_t >= 0) & (local_t < classes) & valid
+        local_t = local_t.clamp(0, classes - 1).unsqueeze(cdim)
+        m = x.amax(cdim, keepdim=True)
+        soft = x - m  # (before the max is global: the local max keeps exp in range on any rank)
+        picked = torch.where(hit, x.gather(cdim, local_t).squeeze(cdim), torch.zeros((), dtype=x.dtype))
+        if g.size > 1:
+            gm = m.clone()
+            dist.all_reduce(gm, op=dist.ReduceOp.MAX, group=g.pg)
+            soft.add_(m - gm)
+            m = gm
+        soft.exp_()
+        sum_exp = soft.sum(cdim)
+        if g.size > 1:
+            both = torch.stack([sum_exp, picked])
+            dist.all_reduce(both, group=g.pg)
+            sum_exp, picked = both[0], both[1]
+        soft.div_(sum_exp.unsqueeze(cdim))
+        loss = torch.where(valid, sum_exp.log() + m.squeeze(cdim) - picked, torch.zeros((), dtype=x.dtype))
+        ctx.save_for_backward(soft, local_t, hit, valid)
+        ctx.g, ctx.cdim = g, cdim
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        soft, local_t, hit, valid = ctx.saved_tensors
+        g, cdim = ctx.g, ctx.cdim
+        grad = grad.contiguous().clone()
+        if g.size > 1:
+            dist.all_reduce(grad, group=g.pg)
+        per_sample = torch.where(valid, grad, torch.zeros((), dtype=grad.dtype)).unsqueeze(cdim)
+        dx = soft.mul_(per_sample)  # the saved softmax is not needed again: reuse its memory
+        dx.scatter_add_(cdim, local_t, -(per_sample * hit.unsqueeze(cdim).to(per_sample.dtype)))
+        return dx, None, None, None
 
 
 _SUM_OF_MEAN = {"aten.mean.default": "aten.sum.default", "aten.mean.dim": "aten.sum.dim_IntList"}

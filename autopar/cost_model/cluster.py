@@ -59,7 +59,12 @@ class ClusterSpec:
       element and per parameter tensor.
     comm_overlap: the share of the backward compute still to run that hides a gradient bucket's
       collective (1: a copy engine / spare cores run it alongside; 0: it competes for the same cores).
-    Live profiles (``autopar.parallelize``) measure the last five; presets estimate them.
+    collective_overhead_s: extra seconds per collective call in a real step over the profiled
+      alpha-beta time: ranks reach it from compute, at slightly different times (on shared cores,
+      after the OS runs a descheduled peer), while the profile times calls right after a barrier.
+    rank_contention: how much slower an op runs while every rank on its host computes than alone
+      (ranks sharing CPU cores); profiled op times already include it.
+    Live profiles (``autopar.parallelize``) measure the last seven; presets estimate them.
     """
 
     name: str
@@ -77,6 +82,8 @@ class ClusterSpec:
     optimizer_s_per_element: float = 0.0
     optimizer_s_per_tensor: float = 0.0
     comm_overlap: float = 1.0
+    collective_overhead_s: float = 0.0
+    rank_contention: float = 1.0
 
     def __post_init__(self):
         # Canonical order (by dtype name), as from_dict builds it, so a to_dict/from_dict round
@@ -86,9 +93,12 @@ class ClusterSpec:
         object.__setattr__(self, "collective_factors", factors)
         if any(not (v > 0 and math.isfinite(v)) for _, a, b in factors for v in (a, b)):
             raise ConfigError(f"cluster {self.name!r}: collective_factors need finite factors > 0, got {factors}")
-        timings = (self.op_overhead_s, self.backward_op_overhead_s, self.optimizer_s_per_element, self.optimizer_s_per_tensor)
-        if any(not (v >= 0 and math.isfinite(v)) for v in timings) or not 0 <= self.comm_overlap <= 1:
-            raise ConfigError(f"cluster {self.name!r}: overheads must be finite and >= 0 and comm_overlap in [0, 1]")
+        timings = (self.op_overhead_s, self.backward_op_overhead_s, self.optimizer_s_per_element, self.optimizer_s_per_tensor,
+               self.collective_overhead_s)
+        if any(not (v >= 0 and math.isfinite(v)) for v in timings) or not 0 <= self.comm_overlap <= 1 \
+                or not (1 <= self.rank_contention < math.inf):
+            raise ConfigError(f"cluster {self.name!r}: overheads must be finite and >= 0, comm_overlap in [0, 1] "
+                              "and rank_contention >= 1")
         if self.devices_per_node < 1:
             raise ConfigError(f"cluster {self.name!r}: devices_per_node must be >= 1, got {self.devices_per_node}")
         if self.memory_bandwidth <= 0 or self.memory_bytes <= 0:

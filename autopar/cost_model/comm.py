@@ -61,7 +61,9 @@ def mesh_collective_time(kind: str, nbytes: float, mesh, axes: Sequence[int]) ->
     """Seconds for ``kind`` on the mesh's group over ``axes``."""
     links = mesh.links()
     link = group_link([links[a] for a in axes])
-    fa, fb = mesh.resolved_cluster().collective_factor(kind)
+    cluster = mesh.resolved_cluster()
+    fa, fb = cluster.collective_factor(kind)
     if (fa, fb) != (1.0, 1.0):
         link = Link(link.alpha * fa, link.beta * fb)
-    return collective_time(kind, nbytes, math.prod(mesh.shape[a] for a in axes), link)
+    n = math.prod(mesh.shape[a] for a in axes)
+    return collective_time(kind, nbytes, n, link) + (cluster.collective_overhead_s if n > 1 else 0.0)

@@ -17,6 +17,7 @@ import time
 import torch
 
 CHAIN = 200
+COMPUTE_BETWEEN = 60  # 256x256 matmuls before each loaded collective
 SMALL = (64, 1 << 10)  # (tensors, elements each)
 LARGE = (4, 1 << 19)
 
@@ -70,3 +71,64 @@ def _adamw_time(n: int, size: int, device, sync, repeats: int) -> float:
         if it >= 2:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def measure_collective_overhead(pgs, device="cpu", repeats: int = 9) -> float:
+    """Extra seconds a small all-reduce takes when its ranks come to it from compute, as they do in
+    a training step, over the same call made right after a barrier (how ``profile_comm`` times
+    collectives): the peers' skew, and on shared cores the wait for a descheduled peer. The median
+    over ``pgs`` (process groups this rank belongs to; every member calls this, same order). A
+    collective."""
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = torch.zeros(256, device=device)
+    a = torch.randn(256, 256, device=device) / 16
+    extra = []
+    for pg in pgs:
+        idle, loaded = [], []
+        for it in range(repeats + 1):
+            dist.barrier(group=pg)
+            sync()
+            t0 = time.perf_counter()
+            dist.all_reduce(x, group=pg)
+            sync()
+            t1 = time.perf_counter()
+            dist.barrier(group=pg)
+            for _ in range(COMPUTE_BETWEEN):  # a layer's worth of compute (~10 ms on one CPU core)
+                a = torch.tanh(a @ a)
+            sync()
+            t2 = time.perf_counter()
+            dist.all_reduce(x, group=pg)
+            sync()
+            if it:
+                idle.append(t1 - t0)
+                loaded.append(time.perf_counter() - t2)
+        extra.append(max(statistics.median(loaded) - statistics.median(idle), 0.0))
+    return statistics.median(extra) if extra else 0.0
+
+
+def contention_workload(device="cpu", seconds: float = 0.15) -> float:
+    """Seconds of a fixed mix of a matmul and memory-bound elementwise work (about ``seconds`` on
+    an idle core): timed once with every rank on the host running it, once on one rank alone, the
+    ratio is how much slower each op runs in a step where every rank computes."""
+    device = torch.device(device)
+    # shapes of a small transformer's layer: activations of a few MB, beyond a core's own cache
+    x = torch.randn(512, 256, device=device)
+    w = torch.randn(256, 768, device=device) / 16
+    v = torch.randn(1 << 20, device=device)
+
+    def once():
+        y = torch.tanh(x @ w)
+        return y.sum() + torch.sin(v).mul_(1.0001).sum()
+
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < seconds / 4:  # calibrate the iteration count, warm up
+        once()
+        n += 1
+    t0 = time.perf_counter()
+    for _ in range(4 * n):
+        once()
+    return (time.perf_counter() - t0) / (4 * n)

@@ -3,8 +3,8 @@
 The ILP adds per-node and per-edge prices; the runtime runs more than that sum: every op pays a
 framework overhead (views included), gradients are synchronised in buckets (``GradReducer``: flat
 buckets per (collective, axes), launched during backward, waited once at its end), ZeRO-2
-parameters are all-gathered one by one before the next forward, and the optimizer steps every
-local shard. ``step_time`` prices exactly these, per rank:
+parameters are all-gathered in the same buckets before the next forward, and the optimizer steps
+every local shard. ``step_time`` prices exactly these, per rank:
 
     step = compute + op overheads + reshard collectives (forward and their backward duals)
          + exposed gradient sync + ZeRO-2 parameter gathers + optimizer
@@ -62,7 +62,7 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     reshard = sum(e.cost_s for e in plan.edges)
 
     groups: dict[tuple, int] = {}
-    gathers = 0.0
+    gathered: dict[tuple, int] = {}
     elements = tensors = 0
     for p in plan.params.values():
         if p.buffer:
@@ -73,8 +73,8 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
             kind, axes, nbytes = p.grad_sync
             first, *rest = kind.split("+")
             groups[(first, tuple(axes))] = groups.get((first, tuple(axes)), 0) + int(nbytes)
-            for k in rest:  # ZeRO-2: the updated chunks gathered per parameter before the next forward
-                gathers += mesh_collective_time(k, nbytes, mesh, axes)
+            for k in rest:  # ZeRO-2: the updated chunks all-gathered, in the same buckets, before the next forward
+                gathered[(k, tuple(axes))] = gathered.get((k, tuple(axes)), 0) + int(nbytes)
             if kind.startswith("reduce_scatter"):
                 local = nbytes / math.prod(mesh.shape[a] for a in axes)
         elements += local / itemsize
@@ -82,6 +82,8 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     buckets = [mesh_collective_time(kind, b, mesh, axes)
                for (kind, axes), total in groups.items() for b in bucket_sizes(total, bucket_bytes)]
     sync = sum(buckets)
+    gathers = sum(mesh_collective_time(kind, b, mesh, axes)
+                  for (kind, axes), total in gathered.items() for b in bucket_sizes(total, bucket_bytes))
     exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0
     optimizer = elements * cluster.optimizer_s_per_element + tensors * cluster.optimizer_s_per_tensor
     total = compute + overhead + reshard + exposed + gathers + optimizer

@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import inspect
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -189,42 +190,36 @@ def _is_live(mesh: Mesh) -> bool:
 
 def live_op_table(graph, mesh: Mesh, device, force=None, *, directory=None):
     """The op table the planner prices compute with: every (op, local shapes) its candidates can
-    run (on every view of the mesh it may try), timed here with every rank busy at once (ranks that
-    share cores slow each other; that is the speed the plan will see), each rank timing its share
-    of the keys not cached yet; cached per device and number of ranks on it. A collective."""
-    import zlib
-
-    from autopar.cost_model.profile_ops import OpTable, profile_ops
+    run (on every view of the mesh it may try), timed on rank 0 alone (steady, comparable figures
+    for the ILP to choose between) and scaled by the cluster's ``rank_contention`` (ranks sharing
+    cores slow each other: that is the speed the plan will see); cached per device and number of
+    ranks on it. A collective."""
+    from autopar.cost_model.profile_ops import OpTable, OpTiming, profile_ops
     from autopar.solver.api import idle_candidates, view_mesh
     from autopar.solver.layout import Layout
     from autopar.solver.problem import node_choices
 
     device = torch.device(device)
     cached = cached_live_op_table(device, directory=directory)
-    label = cached.device
-    rank, world = dist.get_rank(), dist.get_world_size()
-    views = [mesh] if isinstance(force, Layout) else [view_mesh(mesh, idle) for idle in idle_candidates(mesh, "auto")]
-    pairs = []
-    for view in views:
-        choices = node_choices(graph, view, force=None if isinstance(force, Layout) else force)
-        pairs += [(graph.nodes[n], view, s) for n, c in choices.items() if graph.nodes[n].op == "call_function"
-                  for s in c.strategies]
-    mine = OpTable(label)
-    for view in views:  # each view's local shapes differ: profile per view
-        part = profile_ops(graph, view, [(node, s) for node, v, s in pairs if v is view], device, repeats=3,
-                           cache=False, label=label,
-                           select=lambda key: key not in cached and key not in mine and zlib.crc32(key.encode()) % world == rank)
-        mine.entries.update(part.entries)
-    parts = [None] * world
-    dist.all_gather_object(parts, mine.to_dict())
-    added = 0
-    for part in parts:
-        for key, entry in OpTable.from_dict(part).entries.items():
-            if key not in cached.entries:
-                cached.entries[key] = entry
-                added += 1
-    if added and rank == 0:
-        cached.save(_op_table_path(cached, directory))
+    factor = mesh.resolved_cluster().rank_contention
+
+    def profile():
+        views = [mesh] if isinstance(force, Layout) else [view_mesh(mesh, idle) for idle in idle_candidates(mesh, "auto")]
+        new = OpTable(cached.device)
+        for view in views:  # each view's local shapes differ: profile per view
+            choices = node_choices(graph, view, force=None if isinstance(force, Layout) else force)
+            pairs = [(graph.nodes[n], s) for n, c in choices.items() if graph.nodes[n].op == "call_function"
+                     for s in c.strategies]
+            new.entries.update(profile_ops(graph, view, pairs, device, repeats=3, cache=False, label=cached.device,
+                                           select=lambda key: key not in cached and key not in new).entries)
+        return {k: OpTiming(t.forward_s * factor, {m: b * factor for m, b in t.backward_s.items()})
+                for k, t in new.entries.items()}
+
+    added = _on_rank0(profile)
+    if added:
+        cached.entries.update(added)
+        if dist.get_rank() == 0:
+            cached.save(_op_table_path(cached, directory))
     return cached
 
 
@@ -249,26 +244,49 @@ def _ranks_on_host() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
 
 
-def live_overheads(device, *, directory=None) -> dict:
-    """Framework overheads (``profile_runtime``) measured on every rank at once, the median over
-    ranks; cached per device and ranks on the host. And ``comm_overlap``: on CPU, whether a core
-    is left for gloo's threads (1 when the ranks' threads fill at most half the cores, 0 when
-    they fill them all, linear between); on GPU 1. A collective."""
+def live_overheads(device, *, groups=None, directory=None) -> dict:
+    """What the live cluster adds to the profiled links, measured in the ranks; cached per device,
+    ranks on the host and mesh shape. A collective.
+
+    rank_contention   how much slower an op runs while every rank on the host computes than on
+                      one rank alone (``contention_workload``, per iteration: all ranks at once vs
+                      rank 0 alone); 1 on GPUs (a rank per device)
+    op / backward op overheads, AdamW per element and per tensor (``measure_overheads``): timed on
+                      rank 0 alone, times ``rank_contention``
+    collective_overhead_s  with ``groups``: the extra latency of a collective reached from compute
+                      (``measure_collective_overhead``), the median over ranks
+    comm_overlap      on CPU, whether a core is left for gloo's threads (1 when the ranks' threads
+                      fill at most half the cores, 0 when they fill them all, linear between); 1 on GPUs
+    """
     from autopar.cost_model.cache import cache_dir, device_name, read_json, slug, write_json
-    from autopar.cost_model.profile_runtime import measure_overheads
+    from autopar.cost_model.profile_runtime import contention_workload, measure_collective_overhead, measure_overheads
 
     device = torch.device(device)
     ranks = _ranks_on_host()
     label = device_name(device) + ("" if device.type == "cuda" else f"-{ranks}ranks")
-    path = cache_dir(directory) / PROFILE_SUBDIR / f"overheads-{slug(label)}-torch{slug(torch.__version__)}.json"
-    box = [read_json(path) if dist.get_rank() == 0 else None]
+    shape = "x".join(map(str, groups.mesh.shape)) if groups is not None else "none"
+    path = cache_dir(directory) / PROFILE_SUBDIR / f"overheads-{slug(label)}-mesh{shape}-torch{slug(torch.__version__)}.json"
+    rank = dist.get_rank()
+    box = [read_json(path) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if box[0] is None:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, measure_overheads(device))
-        box[0] = {k: sorted(p[k] for p in parts)[len(parts) // 2] for k in parts[0]}
-        if dist.get_rank() == 0:
-            write_json(path, box[0])
+        contention = 1.0
+        if device.type != "cuda":
+            dist.barrier()
+            together = [None] * dist.get_world_size()
+            dist.all_gather_object(together, contention_workload(device))
+            alone = _on_rank0(lambda: contention_workload(device))
+            contention = max(1.0, statistics.median(together) / alone)
+        out = {k: v * contention for k, v in _on_rank0(lambda: measure_overheads(device)).items()}
+        out["rank_contention"] = contention
+        if groups is not None:
+            pgs = [groups.group((a,)) for a, n in enumerate(groups.mesh.shape) if n > 1]
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, measure_collective_overhead(pgs, device))
+            out["collective_overhead_s"] = statistics.median(parts)
+        box[0] = out
+        if rank == 0:
+            write_json(path, out)
     out = dict(box[0])
     if device.type == "cuda":
         out["comm_overlap"] = 1.0
@@ -276,6 +294,13 @@ def live_overheads(device, *, directory=None) -> dict:
         busy = ranks * torch.get_num_threads() / max(len(os.sched_getaffinity(0)), 1)
         out["comm_overlap"] = min(1.0, max(0.0, 2.0 - 2.0 * busy))
     return out
+
+
+def _on_rank0(fn):
+    """``fn()`` run on rank 0 while the other ranks wait (idle, in a broadcast); its value on every rank."""
+    box = [fn() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 LIVE_SUFFIX = "+live"
@@ -304,7 +329,8 @@ def live_cluster(mesh: Mesh, groups, *, directory=None, device="cpu"):
     else:
         cluster = profile_comm.profile_mesh(mesh, groups, PROFILE_SIZES, PROFILE_REPEATS, base_cluster=base,
                                             directory=root / PROFILE_SUBDIR)
-    return dataclasses.replace(cluster, name=cluster.name + LIVE_SUFFIX, **live_overheads(device, directory=directory))
+    return dataclasses.replace(cluster, name=cluster.name + LIVE_SUFFIX,
+                               **live_overheads(device, groups=groups, directory=directory))
 
 
 def _base_cluster(backend: str) -> str:

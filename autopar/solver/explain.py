@@ -97,7 +97,7 @@ def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repea
     s = plan.summary()
     out += [
         "",
-        f"predicted step time {_fmt_s(s['step_time_s'])} = compute {_fmt_s(s['compute_s'])} + communication {_fmt_s(s['comm_s'])}",
+        _step_line(plan.predicted),
         f"memory per device {_fmt_b(s['memory_bytes_per_device'])} (parameters, gradients, optimizer states, saved activations)",
         "families: " + ", ".join(f"{k} x{v}" for k, v in sorted(s["families"].items(), key=lambda kv: -kv[1])),
         "parameter storage: " + ", ".join(f"{k} x{v}" for k, v in sorted(s["param_storage"].items())),
@@ -107,3 +107,15 @@ def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repea
         out.append("note: the ILP was too big to solve whole; the widest nodes kept only their best-scored "
                    "candidates (autopar/solver/simplify.py: prune), so this plan may not be the optimum")
     return "\n".join(out)
+
+
+def _step_line(p: dict) -> str:
+    """The predicted step by part (autopar/cost_model/step.py); plans saved before the step model
+    carry only compute and communication."""
+    parts = [("compute", "compute_s"), ("op overheads", "overhead_s"), ("communication", "comm_s"),
+             ("optimizer", "optimizer_s")]
+    text = " + ".join(f"{name} {_fmt_s(p[key])}" for name, key in parts if key in p)
+    if "exposed_sync_s" in p:
+        text += (f" (communication: reshards {_fmt_s(p['reshard_s'])}, gradient sync {_fmt_s(p['exposed_sync_s'])} "
+                 f"exposed of {_fmt_s(p['grad_sync_s'])} in {p['buckets']} bucket(s), ZeRO-2 gathers {_fmt_s(p['param_gather_s'])})")
+    return f"predicted step time {_fmt_s(p['step_time_s'])} = {text}"

@@ -57,7 +57,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
     """A parameter's storage choices: (strategies, optimizer seconds, sync seconds, memory, sync).
     The gradient sync is priced as the runtime's reducer runs it: in shared buckets, so a
     parameter pays its bytes and its share of a bucket's latency; ZeRO-2 adds the all-gather of
-    the updated parameter, one call per parameter."""
+    the updated parameter, in the same buckets."""
     meta = node.meta
     itemsize = meta.itemsize
     act = active_axes(mesh)
@@ -84,7 +84,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
         if repl and optimizer_sharding:
             # ZeRO-2: reduce-scatter the gradient, update a shard, all-gather the new parameter.
             cost_z = (bucketed_collective_time("reduce_scatter", local, mesh, repl, bucket_bytes)
-                      + mesh_collective_time("all_gather", local, mesh, repl))
+                      + bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes))
             strategies.append(Strategy((), spec, "zero2" if spec.is_replicated else "sharded+zero2", 1.0))
             opt.append(optimizer_s(local / math.prod(mesh.shape[a] for a in repl)))
             costs.append(cost_z)
