@@ -7,7 +7,8 @@ parameters are all-gathered in the same buckets before the next forward, and the
 every local shard. ``step_time`` prices exactly these, per rank:
 
     step = compute + op overheads + reshard collectives (forward and their backward duals)
-         + exposed gradient sync + ZeRO-2 parameter gathers + optimizer
+         + collectives inside lowered ops (vocabulary-parallel loss) + exposed gradient sync
+         + ZeRO-2 parameter gathers + optimizer
 
     exposed sync = max(the last bucket's collective, sync - comm_overlap * backward compute)
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 import math
 
 from autopar.cost_model.comm import mesh_collective_time
+from autopar.cost_model.lowered import lowered_comm_s
+from autopar.sharding_spec.strategy import needs_lowering
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 FIRST_BUCKET_BYTES = 1 << 20
@@ -60,6 +63,8 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
             backward_compute += n.compute_s * 2 / 3  # node compute is forward + backward (x2)
     overhead = fwd_ops * cluster.op_overhead_s + bwd_ops * cluster.backward_op_overhead_s
     reshard = sum(e.cost_s for e in plan.edges)
+    in_ops = sum(lowered_comm_s(n.target, n.family, n.inputs, n.output, mesh) for n in plan.nodes.values()
+                 if needs_lowering(n.family))
 
     groups: dict[tuple, int] = {}
     gathered: dict[tuple, int] = {}
@@ -86,16 +91,17 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
                   for (kind, axes), total in gathered.items() for b in bucket_sizes(total, bucket_bytes))
     exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0
     optimizer = elements * cluster.optimizer_s_per_element + tensors * cluster.optimizer_s_per_tensor
-    total = compute + overhead + reshard + exposed + gathers + optimizer
+    total = compute + overhead + reshard + in_ops + exposed + gathers + optimizer
     return {
         "compute_s": compute,
         "overhead_s": overhead,
         "reshard_s": reshard,
+        "op_comm_s": in_ops,
         "grad_sync_s": sync,
         "exposed_sync_s": exposed,
         "param_gather_s": gathers,
         "optimizer_s": optimizer,
-        "comm_s": reshard + exposed + gathers,
+        "comm_s": reshard + in_ops + exposed + gathers,
         "step_time_s": total,
         "buckets": len(buckets),
     }

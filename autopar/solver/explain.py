@@ -116,6 +116,6 @@ def _step_line(p: dict) -> str:
              ("optimizer", "optimizer_s")]
     text = " + ".join(f"{name} {_fmt_s(p[key])}" for name, key in parts if key in p)
     if "exposed_sync_s" in p:
-        text += (f" (communication: reshards {_fmt_s(p['reshard_s'])}, gradient sync {_fmt_s(p['exposed_sync_s'])} "
+        text += (f" (communication: reshards {_fmt_s(p['reshard_s'])}, in ops {_fmt_s(p.get('op_comm_s', 0.0))}, gradient sync {_fmt_s(p['exposed_sync_s'])} "
                  f"exposed of {_fmt_s(p['grad_sync_s'])} in {p['buckets']} bucket(s), ZeRO-2 gathers {_fmt_s(p['param_gather_s'])})")
     return f"predicted step time {_fmt_s(p['step_time_s'])} = {text}"

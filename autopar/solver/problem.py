@@ -21,12 +21,14 @@ import numpy as np
 from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import mesh_collective_time
+from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
 from autopar.cost_model.ops import needs_grad
 from autopar.ir.graph import NodeRef, Role
 from autopar.sharding_spec.reshard import local_bytes, reshard_cost, reshard_costs_from
 from autopar.sharding_spec.spec import ShardingSpec
-from autopar.sharding_spec.strategy import OpContext, Strategy, active_axes, enumerate_specs, rep, strategies_for
+from autopar.sharding_spec.strategy import (OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep,
+                                            strategies_for)
 from autopar.solver.ilp import Problem
 
 
@@ -129,7 +131,8 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
             ctx = OpContext(node, mesh, [graph.nodes[i].meta for i in node.inputs], graph)
             strategies = strategies_for(ctx)
             comp = [sum(compute_model.node_time(node, s, graph, mesh, op_table)) for s in strategies]
-            comm = [0.0] * len(strategies)
+            comm = [lowered_comm_s(node.target, s.family, s.inputs, s.output, mesh) if needs_lowering(s.family) else 0.0
+                    for s in strategies]
             mem = [memory_model.node_activation_bytes(node, s.output, mesh, saved) for s in strategies]
         n = len(strategies)
         out[node.name] = NodeChoices(

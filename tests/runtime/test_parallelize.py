@@ -251,6 +251,13 @@ def rank_2(rank, world_size):
     return out
 
 
+# hand-style layouts (autopar.Layout) per 4-rank mesh: each must run exactly
+LAYOUTS = {
+    (4,): [autopar.Layout(dp=4, zero=3), autopar.Layout(tp=4, vocab_parallel=False)],
+    (2, 2): [autopar.Layout(dp=2, tp=2, zero=2), autopar.Layout(dp=2, tp=2, zero=3, vocab_parallel=True)],
+}
+
+
 def rank_4(rank, world_size):
     warnings.simplefilter("ignore")
     out = []
@@ -259,6 +266,8 @@ def rank_4(rank, world_size):
         groups = MeshGroups(mesh)
         out += [model_case(f"{name} {shape}", name, mesh, groups, kw) for name, kw in SMALL.items()]
         out += [hf_case(f"transformers {arch} {shape}", mesh, groups, arch) for arch in HF_ARCHS]
+        out += [model_case(f"layout {layout.name} {shape}", "gpt", mesh, groups, {"layers": 2}, force=layout)
+                for layout in LAYOUTS[shape]]
     out.append(forced_case("forced 2d (2, 2)", mesh, groups, "2d"))
     out.append(idle_case("idle axis 0 (2, 2)", mesh, groups, (0,)))
     out.append(idle_case("idle auto (2, 2)", mesh, groups, "auto"))
@@ -355,6 +364,11 @@ def test_models_on_mesh_2(two_ranks, name):
 @pytest.mark.parametrize("shape", ["(4,)", "(2, 2)"])
 def test_models_on_4_ranks(four_ranks, name, shape):
     _assert_exact(four_ranks[f"{name} {shape}"])
+
+
+@pytest.mark.parametrize("shape, layout", [(s, l) for s, ls in LAYOUTS.items() for l in ls], ids=str)
+def test_hand_style_layouts_on_4_ranks(four_ranks, shape, layout):
+    _assert_exact(four_ranks[f"layout {layout.name} {shape}"])
 
 
 def test_tensor_parallel_plans_insert_collectives(four_ranks):

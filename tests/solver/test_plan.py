@@ -33,7 +33,7 @@ def test_summary_has_the_contract_keys(gpt_plan):
         assert key in s
     p = gpt_plan.predicted
     assert s["step_time_s"] == pytest.approx(p["compute_s"] + p["overhead_s"] + p["comm_s"] + p["optimizer_s"])
-    assert p["comm_s"] == pytest.approx(p["reshard_s"] + p["exposed_sync_s"] + p["param_gather_s"])
+    assert p["comm_s"] == pytest.approx(p["reshard_s"] + p["op_comm_s"] + p["exposed_sync_s"] + p["param_gather_s"])
     assert gpt_plan.solver["objective_s"] == pytest.approx(ilp_objective(gpt_plan), rel=1e-9)
     for kind, axes, nbytes in s["collectives"]:
         assert kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
