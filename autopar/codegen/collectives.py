@@ -43,6 +43,8 @@ the kinds it names (tests use it).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -161,6 +163,61 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, g: GroupHandle) -> t
 
 
 # ---- autograd Functions, one per step kind ----------------------------------------------------
+def all_gather_group(xs, dims, g: GroupHandle) -> list[torch.Tensor]:
+    """``all_gather(x, dim, g)`` of every ``x`` in ``xs`` in one collective: each rank sends its
+    shards flattened back to back, and each full tensor is cut out of every rank's row."""
+    n = g.size
+    moved = [x.movedim(d, 0).contiguous() for x, d in zip(xs, dims)]
+    flat = torch.cat([m.reshape(-1) for m in moved])
+    out = flat.new_empty(n * flat.numel())
+    _all_gather_native(out, flat, group=g.pg)
+    rows = _to_shard_order(list(out.chunk(n)), g)
+    fulls, off = [], 0
+    for m, d in zip(moved, dims):
+        k = m.numel()
+        fulls.append(torch.cat([r[off: off + k].view(m.shape) for r in rows], 0).movedim(0, d).contiguous())
+        off += k
+    return fulls
+
+
+def reduce_scatter_group(xs, dims, g: GroupHandle) -> list[torch.Tensor]:
+    """``reduce_scatter(x, dim, g)`` of every ``x`` in ``xs`` in one collective (the dual of
+    ``all_gather_group``)."""
+    n = g.size
+    per_rank: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    shapes = []
+    for x, d in zip(xs, dims):
+        if x.shape[d] % n:
+            raise ShardingError(f"reduce_scatter of dim {d} of size {x.shape[d]} over {n} ranks is uneven")
+        xt = x.movedim(d, 0)
+        shapes.append((xt.shape[0] // n,) + tuple(xt.shape[1:]))
+        for j, c in enumerate(_to_pg_order(list(xt.chunk(n)), g)):
+            per_rank[j].append(c.reshape(-1))
+    inp = torch.cat([t for r in per_rank for t in r]).contiguous()
+    out = inp.new_empty(inp.numel() // n)
+    _reduce_scatter_native(out, inp, group=g.pg)
+    shards, off = [], 0
+    for shape, d in zip(shapes, dims):
+        k = math.prod(shape)
+        shards.append(out[off: off + k].view(shape).movedim(0, d).contiguous())
+        off += k
+    return shards
+
+
+class AllGatherGroup(torch.autograd.Function):
+    """Several shards gathered in one collective (as FSDP gathers a block's parameters); backward:
+    their pending-sum gradients reduce-scattered in one collective."""
+
+    @staticmethod
+    def forward(ctx, g, dims, *xs):
+        ctx.g, ctx.dims = g, dims
+        return tuple(all_gather_group(xs, dims, g))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *reduce_scatter_group(grads, ctx.dims, ctx.g))
+
+
 class AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, g):

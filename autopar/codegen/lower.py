@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from autopar.codegen import ops
 from autopar.codegen.lowerings import lowering
+from autopar.cost_model.step import param_gather_groups
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.graph import NodeRef, Role
 from autopar.sharding_spec.rules._common import localize_args, norm_dim
@@ -86,6 +87,8 @@ class _Emitter:
         self.state: list[str] = []
         self.inputs: list[str] = []
         self.boundary: list[str] = []
+        self.param_groups, self.group_of = param_gather_groups(graph, plan.edges, self.inside)
+        self.gathered: dict = {}
 
     # ---- driver ------------------------------------------------------------------------------
     def run(self) -> Lowered:
@@ -174,6 +177,8 @@ class _Emitter:
             raise PlanError(f"edge {src} -> {dst}: the plan starts from {edge.src_spec} but {src} holds {have}")
         if want is not None and edge.dst_spec != want:
             raise PlanError(f"edge {src} -> {dst}: the plan ends at {edge.dst_spec} but {dst} reads {want}")
+        if (dst, pos) in self.group_of:
+            return self._gathered_param(self.group_of[(dst, pos)], src)
         spec = edge.src_spec
         for step in edge.steps:
             spec = _after(spec, step)
@@ -182,6 +187,20 @@ class _Emitter:
         if spec != edge.dst_spec:
             raise PlanError(f"edge {src} -> {dst}: the plan's steps end at {spec}, not at {edge.dst_spec}")
         return value
+
+    def _gathered_param(self, key, param: str) -> fx.Node:
+        """``param`` gathered whole along ``key``'s axes, by the one collective that gathers every
+        parameter of its group (emitted at the group's first use)."""
+        if (key, param) not in self.gathered:
+            members = self.param_groups[key]  # [(param, edge)]
+            axes = key[1]
+            dims = tuple(e.steps[0].src_dim for _, e in members)
+            call = self._emit(ops.autopar_all_gather_group, tuple(self.env[p] for p, _ in members),
+                              {"axes": axes, "dims": dims}, name=f"{members[0][0]}_group_all_gather")
+            for i, (p, e) in enumerate(members):
+                self.gathered[(key, p)] = self._emit(operator.getitem, (call, i), name=f"{p}_all_gather",
+                                                     spec=_after(e.src_spec, e.steps[0]))
+        return self.gathered[(key, param)]
 
     def _read_inputs(self, node, node_plan) -> list[fx.Node]:
         vals = []

@@ -57,6 +57,12 @@ def autopar_all_gather(x: torch.Tensor, axes, dim: int) -> torch.Tensor:
     return x if g.size == 1 else C.AllGather.apply(x, dim, g)
 
 
+def autopar_all_gather_group(*xs, axes, dims):
+    """``autopar_all_gather(x, axes, dim)`` of several shards in one collective; a tuple."""
+    g = handle(axes)
+    return tuple(xs) if g.size == 1 else C.AllGatherGroup.apply(g, tuple(dims), *xs)
+
+
 def autopar_reduce_scatter(x: torch.Tensor, axes, dim: int) -> torch.Tensor:
     g = handle(axes)
     return x if g.size == 1 else C.ReduceScatter.apply(x, dim, g)
@@ -165,7 +171,7 @@ def _register_builtins() -> None:
         from torch.fx.graph import _register_custom_builtin
     except ImportError:  # older/newer torch: generated code prints qualified names instead
         return
-    for fn in (*STEP_FUNCTIONS.values(), autopar_shard_input, autopar_backward_seed):
+    for fn in (*STEP_FUNCTIONS.values(), autopar_all_gather_group, autopar_shard_input, autopar_backward_seed):
         _register_custom_builtin(fn.__name__, f"from {__name__} import {fn.__name__}", fn)
 
 

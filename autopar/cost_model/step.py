@@ -1,7 +1,8 @@
 """One training step of a chosen plan, priced the way the runtime runs it.
 
 The ILP adds per-node and per-edge prices; the runtime runs more than that sum: every op pays a
-framework overhead (views included), gradients are synchronised in buckets (``GradReducer``: flat
+framework overhead (views included), parameters stored split (ZeRO-3) are gathered a layer at a
+time (``param_gather_groups``), gradients are synchronised in buckets (``GradReducer``: flat
 buckets per (collective, axes), launched during backward, waited once at its end), ZeRO-2
 parameters are all-gathered in the same buckets before the next forward, and the optimizer steps
 every local shard. ``step_time`` prices exactly these, per rank:
@@ -22,6 +23,7 @@ import math
 
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
+from autopar.ir.graph import Role
 from autopar.sharding_spec.strategy import needs_lowering
 
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -43,6 +45,28 @@ def bucket_sizes(total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[i
     return sizes
 
 
+def param_gather_groups(graph, edges, inside=None) -> tuple[dict, dict]:
+    """How the runtime gathers parameters stored split and used whole (ZeRO-3 / FSDP edges: one
+    all-gather step): grouped per (layer, mesh axes), as FSDP groups a block's parameters, one
+    collective per group in forward and one reduce-scatter in backward. ``inside``: the nodes of
+    the program (default: all). Returns (group key -> [(parameter, its first edge)] in program
+    order, (consumer, input position) -> group key), for groups of two or more parameters."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    inside = set(graph.nodes) if inside is None else inside
+    members: dict = {}  # key -> {parameter: first edge}
+    readers: dict = {}  # key -> [(consumer, position)]
+    for e in sorted(edges, key=lambda e: order.get(e.dst, -1)):
+        src = graph.nodes.get(e.src)
+        if (src is None or src.op != "placeholder" or src.role != Role.PARAMETER or e.src not in inside
+                or e.dst not in inside or len(e.steps) != 1 or e.steps[0].kind != "all_gather"):
+            continue
+        key = (graph.nodes[e.dst].layer, tuple(e.steps[0].axes))
+        members.setdefault(key, {}).setdefault(e.src, e)
+        readers.setdefault(key, []).append((e.dst, e.position))
+    groups = {k: list(m.items()) for k, m in members.items() if len(m) >= 2}
+    return groups, {r: k for k in groups for r in readers[k]}
+
+
 def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     """Seconds of one training step per rank under ``plan`` (see the module docstring), by part.
     ``mesh``: the mesh the plan was priced on (its cluster gives links, overheads and overlap)."""
@@ -62,7 +86,13 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
             bwd_ops += 1
             backward_compute += n.compute_s * 2 / 3  # node compute is forward + backward (x2)
     overhead = fwd_ops * cluster.op_overhead_s + bwd_ops * cluster.backward_op_overhead_s
-    reshard = sum(e.cost_s for e in plan.edges)
+    groups, grouped = param_gather_groups(graph, plan.edges)
+    reshard = sum(e.cost_s for e in plan.edges if (e.dst, e.position) not in grouped)
+    for (_, axes), members in groups.items():  # one gather per group, one reduce-scatter back
+        nbytes = sum(e.steps[0].nbytes for _, e in members)
+        reshard += mesh_collective_time("all_gather", nbytes, mesh, axes)
+        if any(e.backward for _, e in members):
+            reshard += mesh_collective_time("reduce_scatter", nbytes, mesh, axes)
     in_ops = sum(lowered_comm_s(n.target, n.family, n.inputs, n.output, mesh) for n in plan.nodes.values()
                  if needs_lowering(n.family))
 
