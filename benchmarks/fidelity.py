@@ -189,7 +189,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["gpt", "llama", "both"], default="both")
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds (2 keeps `make bench` near 15 min)")
     p.add_argument("--round-steps", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (to try the driver in seconds)")
     p.add_argument("--out", default=str(RESULTS))
