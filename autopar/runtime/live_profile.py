@@ -1,0 +1,203 @@
+"""Pricing from the live job: every rank measures, together, what a training step on this machine
+and these process groups costs, so that the planner's figures are the runtime's.
+
+    live_cluster(mesh, groups)      alpha-beta links per mesh axis (``profile_comm``) plus
+                                    ``live_overheads``: a ClusterSpec named "...+live"
+    live_op_table(graph, mesh, dev) every (op, shard shape) the planner's candidates can run, timed
+
+Everything is cached under the profile cache directory (``autopar.cost_model.cache``): the
+communication profile per mesh shape and backend, the host's figures (rank contention, per-op
+overheads, AdamW) per device and number of ranks on it, the collective skew per mesh shape too, and
+the op table per device and ranks on it; later calls only read them. All functions here are
+collectives: call them on every rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from autopar.sharding_spec.mesh import Mesh
+
+# The short communication profile taken when the mesh has no cluster: 3 sizes, 5
+# timed calls each, every collective kind on every mesh axis (~1-2 s on 4 CPU gloo ranks). A full
+# profile (``autopar profile --mesh``, cached in the same directory) is used instead when present.
+PROFILE_SIZES = (4 << 10, 256 << 10, 8 << 20)
+PROFILE_REPEATS = 5
+PROFILE_SUBDIR = "parallelize"
+LIVE_SUFFIX = "+live"
+
+
+def is_live(mesh: Mesh) -> bool:
+    """Whether the mesh's cluster came from ``live_cluster``."""
+    return mesh.resolved_cluster().name.endswith(LIVE_SUFFIX)
+
+
+def live_op_table(graph, mesh: Mesh, device, force=None, *, directory=None):
+    """The op table the planner prices compute with: every (op, local shapes) its candidates can
+    run (on every view of the mesh it may try), timed on rank 0 alone (steady, comparable figures
+    for the ILP to choose between) and scaled by the cluster's ``rank_contention`` (ranks sharing
+    cores slow each other: that is the speed the plan will see); cached per device and number of
+    ranks on it. A collective."""
+    from autopar.cost_model.profile_ops import OpTable, OpTiming, profile_ops
+    from autopar.solver.api import idle_candidates, view_mesh
+    from autopar.solver.layout import Layout
+    from autopar.solver.problem import node_choices
+
+    device = torch.device(device)
+    cached = cached_live_op_table(device, directory=directory)
+    factor = mesh.resolved_cluster().rank_contention
+
+    def profile():
+        views = [mesh] if isinstance(force, Layout) else [view_mesh(mesh, idle) for idle in idle_candidates(mesh, "auto")]
+        new = OpTable(cached.device)
+        for view in views:  # each view's local shapes differ: profile per view
+            choices = node_choices(graph, view, force=None if isinstance(force, Layout) else force)
+            pairs = [(graph.nodes[n], s) for n, c in choices.items() if graph.nodes[n].op == "call_function"
+                     for s in c.strategies]
+            new.entries.update(profile_ops(graph, view, pairs, device, repeats=3, cache=False, label=cached.device,
+                                           select=lambda key: key not in cached and key not in new).entries)
+        return {k: OpTiming(t.forward_s * factor, {m: b * factor for m, b in t.backward_s.items()})
+                for k, t in new.entries.items()}
+
+    added = _on_rank0(profile)
+    if added:
+        cached.entries.update(added)
+        if dist.get_rank() == 0:
+            cached.save(_op_table_path(cached, directory))
+    return cached
+
+
+def cached_live_op_table(device, *, directory=None):
+    """What ``live_op_table`` has cached for this device and this many ranks on the host."""
+    from autopar.cost_model.profile_ops import load_op_table
+
+    return load_op_table(torch.device(device), directory, _host_label(device))
+
+
+def _op_table_path(table, directory):
+    from autopar.cost_model.profile_ops import default_table_path
+
+    return default_table_path(table.device, table.torch_version, directory)
+
+
+def _ranks_on_host() -> int:
+    """Ranks sharing this machine (torchrun sets LOCAL_WORLD_SIZE; spawned ranks are all local)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+
+def live_overheads(device, *, groups=None, directory=None) -> dict:
+    """What the live cluster adds to the profiled links, measured in the ranks. A collective.
+
+    rank_contention   how much slower an op runs while every rank on the host computes than on
+                      one rank alone (``contention_workload``, per iteration: all ranks at once vs
+                      rank 0 alone); 1 on GPUs (a rank per device)
+    op / backward op overheads, AdamW per element and per tensor (``measure_overheads``): timed on
+                      rank 0 alone, times ``rank_contention``
+    collective_overhead_s  with ``groups``: the extra latency of a collective reached from compute
+                      (``measure_collective_overhead``) on the mesh's axis groups, median over ranks
+    comm_overlap      on CPU, whether a core is left for gloo's threads (1 when the ranks' threads
+                      fill at most half the cores, 0 when they fill them all, linear between); 1 on GPUs
+
+    The host's figures are cached per device and ranks on the host (the op table, scaled by the
+    same contention, is too); the collective skew per mesh shape as well.
+    """
+    from autopar.cost_model.profile_runtime import contention_workload, measure_collective_overhead, measure_overheads
+
+    device = torch.device(device)
+
+    def host():
+        contention = 1.0
+        if device.type != "cuda":
+            dist.barrier()
+            together = [None] * dist.get_world_size()
+            dist.all_gather_object(together, contention_workload(device))
+            alone = _on_rank0(lambda: contention_workload(device))
+            contention = max(1.0, statistics.median(together) / alone)
+        out = {k: v * contention for k, v in _on_rank0(lambda: measure_overheads(device)).items()}
+        return dict(out, rank_contention=contention)
+
+    out = dict(_cached("host", device, directory, host))
+    if groups is not None:
+        def skew():
+            pgs = [groups.group((a,)) for a, n in enumerate(groups.mesh.shape) if n > 1]
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, measure_collective_overhead(pgs, device))
+            return {"collective_overhead_s": statistics.median(parts)}
+
+        shape = "x".join(map(str, groups.mesh.shape))
+        out.update(_cached(f"skew-mesh{shape}", device, directory, skew))
+    if device.type == "cuda":
+        out["comm_overlap"] = 1.0
+    else:
+        busy = _ranks_on_host() * torch.get_num_threads() / max(len(os.sched_getaffinity(0)), 1)
+        out["comm_overlap"] = min(1.0, max(0.0, 2.0 - 2.0 * busy))
+    return out
+
+
+def _cached(what: str, device, directory, measure) -> dict:
+    """``measure()`` (a collective returning the same dict on every rank), or what rank 0 has cached
+    for ``what`` on this device, ranks on the host and torch version."""
+    from autopar.cost_model.cache import cache_dir, read_json, slug, write_json
+
+    path = cache_dir(directory) / PROFILE_SUBDIR / f"{what}-{slug(_host_label(device))}-torch{slug(torch.__version__)}.json"
+    box = [read_json(path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        box[0] = measure()
+        if dist.get_rank() == 0:
+            write_json(path, box[0])
+    return box[0]
+
+
+def _host_label(device) -> str:
+    """The device's name, with the number of ranks sharing it on CPU (they slow each other)."""
+    from autopar.cost_model.cache import device_name
+
+    device = torch.device(device)
+    return device_name(device) + ("" if device.type == "cuda" else f"-{_ranks_on_host()}ranks")
+
+
+def _on_rank0(fn):
+    """``fn()`` run on rank 0 while the other ranks wait (idle, in a broadcast); its value on every rank."""
+    box = [fn() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def live_cluster(mesh: Mesh, groups, *, directory=None, device="cpu"):
+    """A ClusterSpec with one alpha-beta link per mesh axis fitted to collectives timed on the live
+    ``groups`` (``autopar.cost_model.profile_comm``); a collective: call it on every rank.
+
+    A full profile cached for this mesh shape and backend (``autopar profile --mesh``) is read if
+    rank 0 has one; else a short profile (``PROFILE_SIZES`` x ``PROFILE_REPEATS``) is taken, or
+    read back from ``cache_dir()/parallelize/`` where the first call left it. ``directory``
+    overrides the cache directory."""
+    from autopar.cost_model import profile_comm
+    from autopar.cost_model.cache import cache_dir
+
+    backend = str(dist.get_backend())
+    base = _base_cluster(backend)
+    root = cache_dir(directory)
+    box = [None]
+    if dist.get_rank() == 0:
+        box[0] = profile_comm.load_profile(mesh.shape, backend, root) is not None
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:  # a full profile: read, never re-measured here
+        cluster = profile_comm.profile_mesh(mesh, groups, base_cluster=base, directory=root)
+    else:
+        cluster = profile_comm.profile_mesh(mesh, groups, PROFILE_SIZES, PROFILE_REPEATS, base_cluster=base,
+                                            directory=root / PROFILE_SUBDIR)
+    return dataclasses.replace(cluster, name=cluster.name + LIVE_SUFFIX,
+                               **live_overheads(device, groups=groups, directory=directory))
+
+
+def _base_cluster(backend: str) -> str:
+    """The preset whose non-link fields (FLOP/s, memory) a profiled cluster keeps."""
+    if backend != "nccl":
+        return "cpu-gloo"
+    name = torch.cuda.get_device_name().upper()
+    return "h100-80g" if any(k in name for k in ("H100", "H200", "H800")) else "a100-80g"
