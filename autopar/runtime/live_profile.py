@@ -20,6 +20,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from autopar.errors import PlanError
 from autopar.sharding_spec.mesh import Mesh
 
 # The short communication profile taken when the mesh has no cluster: 3 sizes, 5
@@ -133,7 +134,8 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
     if device.type == "cuda":
         out["comm_overlap"] = 1.0
     else:
-        busy = _ranks_on_host() * torch.get_num_threads() / max(len(os.sched_getaffinity(0)), 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        busy = _ranks_on_host() * torch.get_num_threads() / max(cores, 1)
         out["comm_overlap"] = min(1.0, max(0.0, 2.0 - 2.0 * busy))
     return out
 
@@ -162,10 +164,19 @@ def _host_label(device) -> str:
 
 
 def _on_rank0(fn):
-    """``fn()`` run on rank 0 while the other ranks wait (idle, in a broadcast); its value on every rank."""
-    box = [fn() if dist.get_rank() == 0 else None]
+    """``fn()`` run on rank 0 while the other ranks wait (idle, in a broadcast); its value on every
+    rank, or its error raised on every rank (none is left waiting for a result that never comes)."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as err:  # every rank must hear of it
+            box[0] = ("error", f"{type(err).__name__}: {err}")
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    status, value = box[0]
+    if status != "ok":
+        raise PlanError(f"profiling on rank 0 failed: {value}; pass cluster= or profile=False to price without it")
+    return value
 
 
 def live_cluster(mesh: Mesh, groups, *, directory=None, device="cpu"):
