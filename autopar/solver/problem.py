@@ -208,9 +208,21 @@ def produced_spec(strategy: Strategy, consumer, position: int, graph):
     return out
 
 
-def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool) -> np.ndarray:
+def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool,
+                latency_share: float = 1.0) -> np.ndarray:
+    """Seconds of every (producer strategy, consumer strategy) pair's reshard (and its backward
+    dual). ``latency_share`` < 1 prices only that share of the calls' latency (a parameter
+    gathered together with the rest of its layer's, see ``_layer_share``)."""
     consumer = graph.nodes[cons.name]
     itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
+    table = _reshard_table(graph, prod, cons, position, mesh, itemsize, with_backward)
+    if latency_share < 1.0:
+        table = table - (1.0 - latency_share) * _reshard_table(graph, prod, cons, position, mesh, 0, with_backward)
+    return table
+
+
+def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backward: bool) -> np.ndarray:
+    consumer = graph.nodes[cons.name]
     factor = 2.0 if with_backward else 1.0
     # Many strategies share specs: price each distinct (source, target) pair once.
     srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
@@ -223,6 +235,20 @@ def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh
         if src is not None and real:
             table[a, real] = reshard_costs_from(src, [dst_keys[b] for b in real], mesh, itemsize)
     return factor * table[np.ix_(src_ids, dst_ids)]
+
+
+def _layer_share(graph) -> dict[tuple[str, str | None], float]:
+    """(parameter, consumer's layer) -> 1 / the number of parameters that layer reads: the runtime
+    gathers a layer's split-stored parameters in one collective (``param_gather_groups``), so each
+    pays its own bytes and that share of the call's latency (exact when the whole layer is stored
+    that way, as ZeRO-3 / FSDP stores it)."""
+    reads: dict = {}
+    for node in graph.nodes.values():
+        for src in node.inputs:
+            p = graph.nodes[src]
+            if p.op == "placeholder" and p.role == Role.PARAMETER:
+                reads.setdefault(node.layer, set()).add(src)
+    return {(p, layer): 1.0 / len(ps) for layer, ps in reads.items() for p in ps}
 
 
 def _index(items):
@@ -251,16 +277,18 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
     # Nodes with equal signatures share one candidate list (node_choices' memo): their edges share
     # one matrix too. Key on those lists' identities, the input position and what decides the rest.
     memo: dict = {}
+    shares = _layer_share(graph)
     for node in graph.nodes.values():
         for pos, src in enumerate(node.inputs):
             if src not in choices:
                 continue
             prod, cons = choices[src], choices[node.name]
+            share = shares.get((src, node.layer), 1.0)
             key = (id(prod.strategies), id(cons.strategies), pos, src in grad,
                    node.args[1] if node.target == "operator.getitem" else None,
-                   edge_itemsize(graph.nodes[src].meta, node))
+                   edge_itemsize(graph.nodes[src].meta, node), share)
             if key not in memo:
-                memo[key] = edge_matrix(graph, prod, cons, pos, mesh, with_backward=src in grad)
+                memo[key] = edge_matrix(graph, prod, cons, pos, mesh, with_backward=src in grad, latency_share=share)
             mat = memo[key]
             edge_list.append((src, node.name, pos))
             key = (src, node.name)

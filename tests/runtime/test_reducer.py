@@ -119,7 +119,7 @@ def zero2_force(name, build_kw):
     return {ph: "zero2" for ph in graph.params.values()}
 
 
-def accumulation_case(tag, mesh, groups, *, micro=4, last_no_sync=False, resync=False, bucket_bytes=None):
+def accumulation_case(tag, mesh, groups, *, micro=4, last_no_sync=False, resync=False, bucket_bytes=None, force=None):
     """``micro`` forward/backward calls then one AdamW step, twice, next to one process doing the
     same. All but the last micro-step run under ``no_sync`` (``last_no_sync``: the last one too, so
     the optimizer's pre-step flush must synchronise); ``resync``: no ``no_sync`` at all, every
@@ -128,7 +128,7 @@ def accumulation_case(tag, mesh, groups, *, micro=4, last_no_sync=False, resync=
         warnings.simplefilter("ignore")
         model, inputs = models.build("gpt", layers=2, batch=8)
         ref = copy.deepcopy(model)
-        pm = autopar.parallelize(model, mesh, inputs, groups=groups, bucket_bytes=bucket_bytes,
+        pm = autopar.parallelize(model, mesh, inputs, groups=groups, bucket_bytes=bucket_bytes, force=force,
                                  plan_kwargs={"idle_axes": ()})
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
         opt_par = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
@@ -189,7 +189,10 @@ def rank_cases(rank, world, shapes):
         if shape == shapes[0]:
             out.append(accumulation_case(f"flush-{s}", mesh, groups, last_no_sync=True))
             out.append(accumulation_case(f"resync-{s}", mesh, groups, resync=True))
-            out.append(accumulation_case(f"tiny-buckets-{s}", mesh, groups, micro=1, bucket_bytes=1024))
+            # data parallel, so that the reducer syncs every gradient (priced with 1 KiB buckets, the
+            # planner would rather store parameters split, whose gradients the program reduce-scatters)
+            out.append(accumulation_case(f"tiny-buckets-{s}", mesh, groups, micro=1, bucket_bytes=1024,
+                                         force=autopar.Layout(dp=mesh.size)))
             out.append(run_case("no-grad", no_grad_case, mesh, groups))
     return out
 
