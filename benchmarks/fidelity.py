@@ -33,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hand_tuned as ht  # noqa: E402
 from autopar_variant import AutoparVariant  # noqa: E402
-from hybrid import RESULTS, SHAPES, TINY, alternate, first_step  # noqa: E402
+from hybrid import RESULTS, SHAPES, TINY, alternate, first_step, pyplot  # noqa: E402
 
 # (mesh shape, Layout fields or None for the default plan)
 CASES = [
@@ -156,13 +156,8 @@ def report(res: dict) -> dict:
 
 
 def plot(rows, path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no plot: matplotlib is not installed; `make bench` installs it)")
+    plt = pyplot()
+    if plt is None:
         return False
     pts = [r for r in rows if r.get("s_per_step") and r.get("predicted_s")]
     if not pts:

@@ -349,7 +349,8 @@ def report(model_name, kw, res, n_params, world) -> tuple[list[dict], dict]:
     return rows, summary
 
 
-def plot(model_name, rows, path, world) -> bool:
+def pyplot():
+    """matplotlib.pyplot on a file backend, or None (said once) where it is not installed."""
     try:
         import matplotlib
 
@@ -357,6 +358,13 @@ def plot(model_name, rows, path, world) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         print("(no plot: matplotlib is not installed; `make bench` installs it)")
+        return None
+    return plt
+
+
+def plot(model_name, rows, path, world) -> bool:
+    plt = pyplot()
+    if plt is None:
         return False
     p1 = sorted((r for r in rows if r["phase"] == 1 and r.get("s_per_step") is not None), key=lambda r: r["s_per_step"])
     p2 = [r for r in rows if r["phase"] == 2 and r.get("s_per_step") is not None]

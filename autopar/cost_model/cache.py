@@ -37,6 +37,13 @@ def device_name(device: str | torch.device = "cpu") -> str:
     return f"{proc}-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
 
 
+def synchronizer(device):
+    """A function that waits for ``device``'s queued work (CUDA runs kernels asynchronously); a
+    no-op on CPU. Timers call it before reading the clock."""
+    device = torch.device(device)
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
 def slug(text: str) -> str:
     """A file-name-safe form of ``text``."""
     return re.sub(r"[^A-Za-z0-9.+-]+", "_", text).strip("_")

@@ -30,7 +30,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from autopar.cost_model.cache import cache_dir, device_name, read_json, slug, write_json
+from autopar.cost_model.cache import cache_dir, device_name, read_json, slug, synchronizer, write_json
 from autopar.cost_model.compute import compute_dtype, grad_mask, local_input_shapes
 from autopar.cost_model.ops import is_floating, is_view, tensor_inputs
 from autopar.errors import AutoparError
@@ -150,7 +150,7 @@ def profile_ops(
     strategies: ``{node name: Strategy | [Strategy, ...]}``, an iterable of ``(node or name,
     Strategy)``, or None (every node replicated). ``cache``: start from the cached table and write
     the result back (``directory`` overrides the cache dir). ``select(key)``: time only the keys
-    it accepts (ranks sharing the work). ``label``: the table's device name (default
+    it accepts (e.g. those another table lacks). ``label``: the table's device name (default
     ``device_name(device)``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -234,7 +234,7 @@ def _time_op(node, shapes, mask, graph, device, repeats: int, warmup: int) -> tu
         kwargs = {k: fill(v) for k, v in node.kwargs.items()}
         return op(*args, **kwargs)
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     forward, backward = [], []
     for it in range(warmup + repeats):
         tensors = make_inputs()
@@ -264,7 +264,7 @@ def call_overheads(device, repeats: int = 5) -> tuple[float, float]:
     fixed cost of timing an op alone (Python call, dispatch, ``autograd.grad`` set-up)."""
     x = torch.ones(1, device=device, requires_grad=True)
     s = torch.ones(1, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     fwd, bwd = [], []
     for _ in range(max(repeats, 5) + 2):
         sync()

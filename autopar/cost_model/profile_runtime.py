@@ -1,6 +1,7 @@
-"""Framework overheads of one process, measured: what an eager training step pays beyond its ops'
-arithmetic. ``autopar.parallelize`` runs this on every rank at once (so ranks sharing cores see
-each other) and puts the medians into the cluster it prices with.
+"""Framework overheads, measured: what an eager training step pays beyond its ops' arithmetic.
+``autopar.runtime.live_profile`` runs these in the ranks (the per-process figures on rank 0 alone,
+scaled by the measured contention of ranks sharing cores) and puts them into the cluster it prices
+with.
 
     op_overhead_s            forward time per op of a long chain of one-element ops (dispatch,
                              autograd recording): what a view or a tiny op costs inside a model
@@ -16,6 +17,8 @@ import time
 
 import torch
 
+from autopar.cost_model.cache import synchronizer
+
 CHAIN = 200
 COMPUTE_BETWEEN = 60  # 256x256 matmuls before each loaded collective
 SMALL = (64, 1 << 10)  # (tensors, elements each)
@@ -24,7 +27,7 @@ LARGE = (4, 1 << 19)
 
 def measure_overheads(device="cpu", repeats: int = 5) -> dict[str, float]:
     device = torch.device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     fwd, bwd = [], []
     for it in range(repeats + 2):
         x = torch.ones(8, device=device, requires_grad=True)
@@ -82,7 +85,7 @@ def measure_collective_overhead(pgs, device="cpu", repeats: int = 9) -> float:
     import torch.distributed as dist
 
     device = torch.device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     x = torch.zeros(256, device=device)
     a = torch.randn(256, 256, device=device) / 16
     extra = []

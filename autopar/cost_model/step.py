@@ -24,6 +24,7 @@ import math
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.graph import Role
+from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
 
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -96,29 +97,27 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     in_ops = sum(lowered_comm_s(n.target, n.family, n.inputs, n.output, mesh) for n in plan.nodes.values()
                  if needs_lowering(n.family))
 
-    groups: dict[tuple, int] = {}
-    gathered: dict[tuple, int] = {}
+    synced: dict[tuple, int] = {}  # (collective, axes) -> gradient bytes the reducer buckets
+    gathered: dict[tuple, int] = {}  # the same for ZeRO-2's parameter all-gathers
     elements = tensors = 0
     for p in plan.params.values():
         if p.buffer:
             continue
-        local = p.grad_sync[2] if p.grad_sync is not None else _local_bytes(p.storage, mesh, graph, p.node)
         itemsize = graph.nodes[p.node].meta.itemsize
+        local = p.grad_sync[2] if p.grad_sync is not None else local_bytes(p.storage, mesh.shape, itemsize)
         if p.grad_sync is not None:
             kind, axes, nbytes = p.grad_sync
             first, *rest = kind.split("+")
-            groups[(first, tuple(axes))] = groups.get((first, tuple(axes)), 0) + int(nbytes)
+            synced[(first, tuple(axes))] = synced.get((first, tuple(axes)), 0) + int(nbytes)
             for k in rest:  # ZeRO-2: the updated chunks all-gathered, in the same buckets, before the next forward
                 gathered[(k, tuple(axes))] = gathered.get((k, tuple(axes)), 0) + int(nbytes)
             if kind.startswith("reduce_scatter"):
                 local = nbytes / math.prod(mesh.shape[a] for a in axes)
         elements += local / itemsize
         tensors += 1
-    buckets = [mesh_collective_time(kind, b, mesh, axes)
-               for (kind, axes), total in groups.items() for b in bucket_sizes(total, bucket_bytes)]
+    buckets = _bucket_times(synced, mesh, bucket_bytes)
     sync = sum(buckets)
-    gathers = sum(mesh_collective_time(kind, b, mesh, axes)
-                  for (kind, axes), total in gathered.items() for b in bucket_sizes(total, bucket_bytes))
+    gathers = sum(_bucket_times(gathered, mesh, bucket_bytes))
     exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0
     optimizer = elements * cluster.optimizer_s_per_element + tensors * cluster.optimizer_s_per_tensor
     total = compute + overhead + reshard + in_ops + exposed + gathers + optimizer
@@ -137,6 +136,7 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     }
 
 
-def _local_bytes(spec, mesh, graph, node_name) -> int:
-    meta = graph.nodes[node_name].meta
-    return math.prod(spec.local_shape(mesh)) * meta.itemsize
+def _bucket_times(totals: dict, mesh, bucket_bytes: int) -> list[float]:
+    """Seconds of each bucket the reducer makes of ``{(collective, axes): bytes}``."""
+    return [mesh_collective_time(kind, b, mesh, axes)
+            for (kind, axes), total in totals.items() for b in bucket_sizes(total, bucket_bytes)]

@@ -43,7 +43,7 @@ def live_op_table(graph, mesh: Mesh, device, force=None, *, directory=None):
     for the ILP to choose between) and scaled by the cluster's ``rank_contention`` (ranks sharing
     cores slow each other: that is the speed the plan will see); cached per device and number of
     ranks on it. A collective."""
-    from autopar.cost_model.profile_ops import OpTable, OpTiming, profile_ops
+    from autopar.cost_model.profile_ops import OpTable, OpTiming, default_table_path, profile_ops
     from autopar.solver.api import idle_candidates, view_mesh
     from autopar.solver.layout import Layout
     from autopar.solver.problem import node_choices
@@ -68,7 +68,7 @@ def live_op_table(graph, mesh: Mesh, device, force=None, *, directory=None):
     if added:
         cached.entries.update(added)
         if dist.get_rank() == 0:
-            cached.save(_op_table_path(cached, directory))
+            cached.save(default_table_path(cached.device, cached.torch_version, directory))
     return cached
 
 
@@ -77,12 +77,6 @@ def cached_live_op_table(device, *, directory=None):
     from autopar.cost_model.profile_ops import load_op_table
 
     return load_op_table(torch.device(device), directory, _host_label(device))
-
-
-def _op_table_path(table, directory):
-    from autopar.cost_model.profile_ops import default_table_path
-
-    return default_table_path(table.device, table.torch_version, directory)
 
 
 def _ranks_on_host() -> int:

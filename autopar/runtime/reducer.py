@@ -44,10 +44,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
+# One source for the bucket sizes: the cost model prices these buckets.
+from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
+from autopar.cost_model.step import FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES
 from autopar.errors import ConfigError
-
-# One source for the sizes: the cost model prices these buckets.
-from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES  # noqa: E402
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

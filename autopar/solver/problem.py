@@ -25,7 +25,7 @@ from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
 from autopar.cost_model.ops import needs_grad
 from autopar.ir.graph import NodeRef, Role
-from autopar.sharding_spec.reshard import local_bytes, reshard_cost, reshard_costs_from
+from autopar.sharding_spec.reshard import local_bytes, reshard_costs_from
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import (OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep,
                                             strategies_for)
