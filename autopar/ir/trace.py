@@ -44,11 +44,33 @@ def trace(
         example_inputs = tuple(example_inputs)
     elif not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    example_inputs, example_kwargs = unalias((example_inputs, dict(example_kwargs or {})))
     try:
-        exported = torch.export.export(model, example_inputs, example_kwargs or {}, strict=False)
+        exported = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as exc:  # torch raises many types; all mean "could not trace"
         raise TraceError(explain_failure(model, exc)) from exc
     return from_exported(model, exported, name=name)
+
+
+def unalias(tree):
+    """``tree`` with every input tensor that shares memory with an earlier one cloned. torch.export
+    merges aliased inputs into one placeholder (``f(x, x)`` traces as ``f(b, b)``), so a model
+    traced with ``labels=input_ids`` would later ignore its real labels: each input must be its
+    own tensor in the trace."""
+    import torch.utils._pytree as pytree
+
+    seen: set = set()
+
+    def fresh(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        key = id(x) if x.is_meta or x.untyped_storage().data_ptr() == 0 else x.untyped_storage().data_ptr()
+        if key in seen or id(x) in seen:
+            return x.clone()
+        seen.update((key, id(x)))
+        return x
+
+    return pytree.tree_map(fresh, tree)
 
 
 def from_exported(model: torch.nn.Module, exported: torch.export.ExportedProgram, *, name: str | None = None) -> Graph:

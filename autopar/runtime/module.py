@@ -16,11 +16,18 @@ and finished once at its end, so a plain ``loss.backward(); opt.step()`` loop se
 ``no_sync()`` accumulates several backwards and synchronises once, as DDP's does. A ZeRO-2
 parameter is exposed as this rank's dim-0 chunk of its storage shard (the optimizer updates only
 that); the program reads the whole shard, which the reducer all-gathers when a chunk changed.
+
+Like the original model it has a train and an eval mode and takes batches of any shape: a call
+in another mode or with other input shapes runs a program built for it on first use
+(``autopar.runtime.programs``). Parameters are registered in the original model's order;
+``state_dict()`` holds DTensors (``autopar.runtime.state``); ``clip_grad_norm_`` clips by the
+global norm over every shard (``autopar.runtime.clip``).
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
@@ -30,7 +37,10 @@ from torch.fx import _pytree as fx_pytree
 from autopar.codegen import ops
 from autopar.errors import ConfigError
 from autopar.ir.graph import Role
+from autopar.runtime.clip import ClipInfo, attach, clip_grad_norm_, counts_in_norm
+from autopar.runtime.programs import Program, key_of
 from autopar.runtime.reducer import GradReducer, SyncEntry, chunk_of, unchunk
+from autopar.runtime.state import device_mesh, local_part, to_dtensor
 
 
 class ParallelModule(nn.Module):
@@ -39,15 +49,23 @@ class ParallelModule(nn.Module):
 
     def __init__(self, *, graph, plan, lowered, groups, shards: dict, state_keys: list[str],
                  signature: inspect.Signature | None, requires_grad: dict[str, bool], constants: dict,
+                 order: list[str] | None = None, builder=None, mode: bool = True, device=None,
                  bucket_bytes: int | None = None, first_bucket_bytes: int | None = None):
         super().__init__()
         object.__setattr__(self, "_ap", _State(graph, plan, lowered, groups, state_keys, signature))
+        self._ap.device = device
         fqn_of = {ph: fqn for fqn, ph in {**graph.params, **graph.buffers}.items()}
         persistent = set(state_keys)
         first_use = _first_use(graph)
-        self._ap.slots = []  # per state placeholder: (owner module, attribute name)
-        entries = []
-        for slot, ph in enumerate(lowered.state):
+        # Registered in the original model's order (parameters, then buffers), so named_parameters()
+        # and a split of them into groups by name look like the original's.
+        position = {fqn: i for i, fqn in enumerate(order or [])}
+        by_position = sorted(range(len(lowered.state)),
+                             key=lambda i: position.get(fqn_of.get(lowered.state[i]), len(position) + i))
+        self._ap.slots = [None] * len(lowered.state)  # per state placeholder: (owner module, attribute name)
+        entries, counted = [], set()
+        for slot in by_position:
+            ph = lowered.state[slot]
             node = graph.nodes[ph]
             if node.role == Role.CONSTANT:
                 owner, attr = self._owner("_autopar_constants." + ph)
@@ -55,24 +73,39 @@ class ParallelModule(nn.Module):
             elif node.role == Role.PARAMETER:
                 owner, attr = self._owner(fqn_of[ph])
                 trainable = requires_grad.get(ph, True)
-                sync = _grad_sync(plan.params.get(fqn_of[ph])) if trainable else None
+                param_plan = plan.params.get(fqn_of[ph])
+                sync = _grad_sync(param_plan) if trainable else None
                 shard = shards[ph]
+                split = {a for ax in param_plan.storage.dim_axes for a in ax} if param_plan is not None else set()
                 if sync is not None and sync[0] == "reduce_scatter":  # ZeRO-2: the optimizer sees a chunk
                     g = groups.handle(sync[1])
                     param = nn.Parameter(chunk_of(shard, g.index, g.size).clone(), requires_grad=True)
                     entries.append(SyncEntry(slot, param, "reduce_scatter", sync[1], first_use.get(ph, 0), full=shard))
+                    split |= set(sync[1])
                 else:
                     param = nn.Parameter(shard, requires_grad=trainable)
                     if sync is not None:
                         entries.append(SyncEntry(slot, param, "all_reduce", sync[1], first_use.get(ph, 0)))
+                if counts_in_norm(split, groups.coordinate, groups.mesh.shape):
+                    counted.add(id(param))
                 owner.register_parameter(attr, param)
             else:
                 owner, attr = self._owner(fqn_of[ph])
                 owner.register_buffer(attr, shards[ph], persistent=fqn_of[ph] in persistent)
-            self._ap.slots.append((owner, attr))
+            self._ap.slots[slot] = (owner, attr)
         sizes = {k: v for k, v in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)) if v is not None}
         self._ap.reducer = GradReducer(entries, groups, **sizes)
         self._ap.zero2 = {e.slot: e for e in entries if e.kind == "reduce_scatter"}
+        main = Program(graph, plan, lowered, list(range(len(lowered.state))), {}, self._ap.in_spec, self._ap.out_spec)
+        self._ap.slot_of_fqn = {fqn_of[ph]: i for i, ph in enumerate(lowered.state) if ph in fqn_of}
+        self._ap.builder = builder
+        self._ap.main = main
+        self._ap.mode = bool(mode)
+        self._ap.programs = {}
+        self._ap.clip = ClipInfo(counted, groups.handle(tuple(range(groups.mesh.ndim))).pg,
+                                 self._ap.reducer.synchronize, device)
+        attach(self.parameters(), self._ap.clip)
+        self.train(mode)
 
     # ---- construction helpers ----------------------------------------------------------------
     def _owner(self, fqn: str) -> tuple[nn.Module, str]:
@@ -91,11 +124,7 @@ class ParallelModule(nn.Module):
     def forward(self, *args, **kwargs):
         ap = self._ap
         args, kwargs = self._normalize(args, kwargs)
-        try:
-            flat = fx_pytree.tree_flatten_spec((args, kwargs), ap.in_spec)
-        except Exception as err:
-            raise ConfigError(f"{ap.graph.model_name} was traced with inputs shaped like {ap.in_spec}; this call does not match ({err})") from None
-        self._check_inputs(flat)
+        program, flat = self._program(args, kwargs)
         flat = [x.to(ap.device) if isinstance(x, torch.Tensor) and ap.device is not None else x for x in flat]
         state = [owner._parameters[a] if a in owner._parameters else owner._buffers[a] for owner, a in ap.slots]
         if torch.is_grad_enabled():
@@ -103,18 +132,42 @@ class ParallelModule(nn.Module):
         else:
             state = ap.reducer.working_copies(state)
         with ops.bind(ap.groups):
-            out = ap.lowered.gm(*state, *flat)
-        return pytree.tree_unflatten(list(out), ap.out_spec)
+            out = program.lowered.gm(*program.state_inputs(state), *flat)
+        return pytree.tree_unflatten(list(out), program.out_spec)
 
-    def _check_inputs(self, flat) -> None:
+    def _program(self, args, kwargs):
+        """The program for this call's mode and inputs, and the inputs flattened for it: the main
+        program, or one built (and cached) on first use; see ``autopar.runtime.programs``."""
+        ap = self._ap
+        leaves, _ = pytree.tree_flatten((args, kwargs))
+        try:
+            flat = fx_pytree.tree_flatten_spec((args, kwargs), ap.in_spec)
+        except Exception:
+            flat = None  # another structure (e.g. an optional input left out): its own program
+        if flat is not None and self.training == ap.mode and self._fits_main(flat):
+            return ap.main, flat
+        key = key_of(self.training, leaves) + (repr(pytree.tree_structure((args, kwargs))),)
+        program = ap.programs.get(key)
+        if program is None:
+            if ap.builder is None:
+                raise ConfigError(f"{ap.graph.model_name} was parallelized without a way to re-trace it; call it in the "
+                                  "mode and with the input shapes it was parallelized for")
+            program = ap.builder.build(self.training, args, kwargs, ap.slot_of_fqn, len(ap.programs) + 1)
+            ap.programs[key] = program
+        return program, fx_pytree.tree_flatten_spec((args, kwargs), program.in_spec)
+
+    def _fits_main(self, flat) -> bool:
         graph = self._ap.graph
         for x, name in zip(flat, self._ap.lowered.inputs):
             meta = graph.nodes[name].meta
-            if hasattr(meta, "shape") and isinstance(x, torch.Tensor) and tuple(x.shape) != tuple(meta.shape):
-                raise ConfigError(
-                    f"input {name} has shape {tuple(x.shape)} but {graph.model_name} was parallelized for {tuple(meta.shape)}; "
-                    "autopar plans are for fixed shapes: pass inputs shaped like example_inputs, or parallelize again"
-                )
+            if isinstance(x, torch.Tensor) and hasattr(meta, "shape") and (tuple(x.shape) != tuple(meta.shape) or str(x.dtype).removeprefix("torch.") != meta.dtype):
+                return False
+        return True
+
+    @property
+    def programs(self) -> dict:
+        """The programs built beyond the main one, by (mode, input shapes)."""
+        return dict(self._ap.programs)
 
     def _normalize(self, args, kwargs):
         """(args, kwargs) arranged like the traced call: as many positional arguments and the same
@@ -232,6 +285,77 @@ class ParallelModule(nn.Module):
                 else:
                     out[fqn] = ops.gather_full(g, self.storage_spec(fqn), ap.groups)
         return out
+
+
+    # ---- the training loop's other calls ---------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clip every gradient by the global norm over all shards and return that norm (the same
+        on every rank), as ``torch.nn.utils.clip_grad_norm_`` on the original model would. A
+        collective. ``torch.nn.utils.clip_grad_norm_(pmodel.parameters(), ...)`` does the same."""
+        return clip_grad_norm_(self._ap.clip, self.parameters(), max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The original model's keys (tied aliases included), each a DTensor whose local part is this
+        rank's storage shard (see ``autopar.runtime.state``). ``full_state_dict()`` gives plain
+        full tensors instead. Collective only where ZeRO-2 chunks must be gathered."""
+        if args:
+            raise ConfigError("ParallelModule.state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        ap = self._ap
+        dm = device_mesh(ap.groups, ap.device)
+        shards = self._storage_shards()
+        out = destination if destination is not None else OrderedDict()
+        made: dict = {}
+        for key in ap.state_keys:
+            canon = ap.canonical.get(key, key)
+            if canon not in shards:
+                continue
+            if canon not in made:
+                t = shards[canon] if keep_vars else shards[canon].detach()
+                made[canon] = to_dtensor(t, self.storage_spec(canon), dm, key)
+            out[prefix + key] = made[canon]
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load DTensors (of this plan, or of any other: gathered, then sliced) or full tensors
+        under the original model's keys; a tied weight needs one of its names. Returns torch's
+        ``(missing_keys, unexpected_keys)``; with ``strict`` either raises a ConfigError. Every
+        rank must call it (a DTensor of another layout is gathered)."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        if assign:
+            raise ConfigError("load_state_dict(assign=True) would replace the shards the program reads; use assign=False")
+        ap = self._ap
+        known = set(ap.state_keys)
+        unexpected = [k for k in state_dict if k not in known]
+        groups_of: dict[str, list[str]] = {}
+        for key in ap.state_keys:
+            groups_of.setdefault(ap.canonical.get(key, key), []).append(key)
+        missing = [names[0] for names in groups_of.values() if not any(n in state_dict for n in names)]
+        if strict and (missing or unexpected):
+            raise ConfigError(
+                f"error loading the state dict of {ap.graph.model_name}: missing keys {missing[:8]}"
+                f"{'...' if len(missing) > 8 else ''}, unexpected keys {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+            )
+        dm = device_mesh(ap.groups, ap.device)
+        shards = self._storage_shards()
+        slot_of = ap.slot_of_fqn
+        for canon, names in groups_of.items():
+            present = [n for n in names if n in state_dict]
+            if not present or canon not in shards:
+                continue
+            spec = self.storage_spec(canon)
+            local = local_part(state_dict[present[0]], spec, dm, ap.groups.mesh, ap.groups.rank, present[0])
+            target = shards[canon]
+            if local.dtype != target.dtype and not (local.is_floating_point() and target.is_floating_point()):
+                raise ConfigError(f"{present[0]} has dtype {local.dtype}, the model's is {target.dtype}")
+            target.copy_(local.to(target.device))
+            entry = ap.zero2.get(slot_of[canon])
+            if entry is not None:  # the optimizer's chunk follows the loaded working copy
+                g = ap.groups.handle(entry.axes)
+                entry.param.copy_(chunk_of(target, g.index, g.size))
+        return _IncompatibleKeys(missing, unexpected)
 
 
 class _State:

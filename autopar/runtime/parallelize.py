@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from autopar.errors import ConfigError, PlanError
 from autopar.runtime.live_profile import is_live, live_cluster, live_op_table
+from autopar.runtime.programs import DEFAULT_MAX_PROGRAMS, VariantBuilder, constants_of, meta_skeleton, plan_on_rank0
 from autopar.sharding_spec.mesh import Mesh
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -49,6 +50,7 @@ def parallelize(
     profile: bool = True,
     timeout=None,
     bucket_bytes: int | None = None,
+    max_programs: int = DEFAULT_MAX_PROGRAMS,
 ):
     """This rank's ``ParallelModule`` of ``model`` on ``mesh``; call it on every rank.
 
@@ -73,6 +75,8 @@ def parallelize(
         parallelize makes (not to a given ``groups=``), and to the default group when parallelize
         has to create it (from torchrun's environment; then 600 s by default).
     bucket_bytes: the gradient reducer's bucket size (default 25 MiB; the first bucket is 1 MiB).
+    max_programs: how many programs calls in another mode or with other input shapes may build
+        (each costs a trace and a plan on first use; see ``autopar.runtime.programs``).
     """
     from autopar import ir
     from autopar.codegen.lower import lower
@@ -102,27 +106,30 @@ def parallelize(
     mesh.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
     groups = groups if groups is not None else MeshGroups(mesh, timeout=timeout)
+    plan_kwargs = dict(plan_kwargs or {})
+    if bucket_bytes is not None:
+        plan_kwargs.setdefault("bucket_bytes", bucket_bytes)
     if plan is None:
         plan_mesh = _pricing_mesh(mesh, cluster, groups, profile, device)
-        plan_kwargs = dict(plan_kwargs or {})
-        if bucket_bytes is not None:
-            plan_kwargs.setdefault("bucket_bytes", bucket_bytes)
         if plan_mesh.cluster is not None and is_live(plan_mesh) and "op_table" not in plan_kwargs:
             plan_kwargs["op_table"] = live_op_table(graph, plan_mesh, device, force)
-        plan = _plan_on_rank0(model, plan_mesh, graph, memory_budget, force, plan_kwargs, rank)
+        plan = plan_on_rank0(model, plan_mesh, graph, memory_budget, force, plan_kwargs, rank)
         check_plan(plan, graph, mesh)
+    else:
+        plan_mesh = mesh.with_cluster(cluster) if cluster is not None else mesh
 
     lowered = lower(graph, plan, mesh, device=device)
     shards = local_state(model, graph, plan, mesh, rank, state_dict=state_dict, init_fn=init_fn, device=device)
     requires_grad = {ph: _requires_grad(model, fqn, graph) for fqn, ph in graph.params.items()}
-    constants = _constants(graph, device)
-    pm = ParallelModule(
+    constants = constants_of(graph, device)
+    builder = VariantBuilder(meta_skeleton(model), plan, mesh, plan_mesh, plan_kwargs, force, device, max_programs)
+    order = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    return ParallelModule(
         graph=graph, plan=plan, lowered=lowered, groups=groups, shards=shards,
         state_keys=list(model.state_dict(keep_vars=True).keys()), signature=_signature(model),
-        requires_grad=requires_grad, constants=constants, bucket_bytes=bucket_bytes,
+        requires_grad=requires_grad, constants=constants, order=order, builder=builder, mode=model.training,
+        device=device, bucket_bytes=bucket_bytes,
     )
-    pm._ap.device = device
-    return pm
 
 
 # ---- steps ------------------------------------------------------------------------------------------
@@ -177,25 +184,6 @@ def _pricing_mesh(mesh: Mesh, cluster, groups, profile: bool, device=None) -> Me
     return mesh.with_cluster(live_cluster(mesh, groups, device=device))
 
 
-def _plan_on_rank0(model, mesh, graph, memory_budget, force, plan_kwargs, rank):
-    """Rank 0 plans; every rank receives the same Plan (as JSON), or rank 0's error."""
-    from autopar.solver import plan as make_plan
-    from autopar.solver.plan import Plan
-
-    box = [None]
-    if rank == 0:
-        try:
-            p = make_plan(model, mesh, graph=graph, memory_budget=memory_budget, force=force, **plan_kwargs)
-            box[0] = ("ok", p.to_json())
-        except Exception as err:  # every rank must hear of it, or they wait forever
-            box[0] = ("error", f"{type(err).__name__}: {err}")
-    dist.broadcast_object_list(box, src=0)
-    status, payload = box[0]
-    if status != "ok":
-        raise PlanError(f"planning failed on rank 0: {payload}")
-    return Plan.from_json(payload)
-
-
 def _check_outputs(graph) -> None:
     from torch.export.graph_signature import OutputKind
 
@@ -220,20 +208,6 @@ def _requires_grad(model, fqn, graph) -> bool:
         if a in named:
             return named[a].requires_grad
     return True
-
-
-def _constants(graph, device) -> dict:
-    """Lifted tensor constants (placeholders of role CONSTANT): their values, replicated."""
-    from torch.export.graph_signature import InputKind
-
-    out = {}
-    for s in graph.exported.graph_signature.input_specs:
-        if s.kind == InputKind.CONSTANT_TENSOR and s.arg.name in graph.nodes:
-            value = graph.exported.constants[s.target]
-            out[s.arg.name] = value.to(device) if device is not None else value
-        elif s.kind == InputKind.CUSTOM_OBJ and s.arg.name in graph.nodes:
-            raise ConfigError(f"{graph.model_name} uses a custom object ({s.target}); parallelize does not support it")
-    return out
 
 
 def _signature(model):

@@ -110,3 +110,23 @@ def test_other_failures_name_the_model():
         trace(Broken(), torch.randn(3, 4))
     assert "x @ torch.ones(5, 5)" in str(info.value)  # the user's line, found in the traceback
     assert "runs eagerly" in str(info.value) and info.value.__cause__ is not None
+
+
+class _TwoInputs(nn.Module):
+    def forward(self, a, b=None):
+        return a * 2 - b
+
+
+@pytest.mark.parametrize("call", ["same object", "keyword", "view"])
+def test_aliased_example_inputs_trace_as_separate_inputs(call):
+    """torch.export merges inputs that share memory into one placeholder; a model traced with
+    ``labels=input_ids`` would then read input_ids for its labels on every later call."""
+    x = torch.randn(4)
+    args, kwargs = {"same object": ((x, x), {}), "keyword": ((x,), {"b": x}), "view": ((x,), {"b": x[:]})}[call]
+    g = trace(_TwoInputs(), args, kwargs)
+    sub = next(n for n in g if n.op == "call_function" and "sub" in n.target)
+    mul = next(n for n in g if n.op == "call_function" and "mul" in n.target)
+    assert mul.inputs[0] != sub.inputs[1]  # a feeds the mul, b the sub
+    ones, zeros = torch.ones(4), torch.zeros(4)
+    out = g.exported.module()(ones, zeros) if call == "same object" else g.exported.module()(ones, b=zeros)
+    assert out.tolist() == [2.0] * 4

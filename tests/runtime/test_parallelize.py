@@ -10,6 +10,7 @@ cluster so plans do not depend on timings, except in the case that checks live p
 spawns check that a rank failing or stuck mid-step makes every rank stop with an error."""
 from __future__ import annotations
 
+import copy
 import os
 import time
 import warnings
@@ -24,7 +25,7 @@ from autopar import ir, models
 from autopar.errors import AutoparError, ConfigError, RankError
 from autopar.runtime.launch import spawn
 from autopar.runtime.process_groups import MeshGroups
-from parallel_harness import TOL, TRAINED_STATE_TOL, compare, model_case, run_case, summary
+from parallel_harness import TOL, TRAINED_STATE_TOL, compare, model_case, rel, run_case, summary
 
 pytestmark = pytest.mark.multirank
 
@@ -189,17 +190,31 @@ def idle_case(tag, mesh, groups, idle_axes):
 
 
 def shape_error_case(mesh, groups):
-    """Calling with another batch size than traced is a clear autopar error, not wrong numbers; a
-    keyword call binds like the original signature."""
+    """Another batch size than traced runs exactly on a program of its own (built once, then
+    reused); a call of another structure is a clear autopar error; a keyword call binds like the
+    original signature."""
     model, inputs = models.build("mlp", batch=4)
-    pm = autopar.parallelize(model, mesh, inputs, groups=groups)
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, mesh, inputs, groups=groups, max_programs=2)
     same = torch.equal(pm(inputs[0], targets=inputs[1]), pm(*inputs))
-    x = torch.randn(6, 32), torch.randn(6, 32)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g)
+    other = rel(pm(*x), ref(*x))
+    again = rel(pm(*x), ref(*x))
+    n_programs = len(pm.programs)
+    x3 = torch.randn(3, 32), torch.randn(3, 32)
     try:
-        pm(*x)
+        pm(*x3)  # a third program: over max_programs=2
+        bound = None
     except AutoparError as err:
-        return {"tag": "shape-error", "message": str(err), "keyword_call_same": same}
-    return {"tag": "shape-error", "message": None, "keyword_call_same": same}
+        bound = str(err)
+    try:
+        pm(inputs[0], inputs[1], inputs[1])
+        message = None
+    except AutoparError as err:
+        message = str(err)
+    return {"tag": "shape-error", "message": message, "keyword_call_same": same, "other_shape_error": other,
+            "again_error": again, "programs": n_programs, "bound": bound}
 
 
 def meta_init_case(mesh, groups):
@@ -398,10 +413,13 @@ def test_lowered_loss_and_embedding_families(two_ranks, tag):
         assert "autopar_loss_global_mean(" in cases[0]["code"]
 
 
-def test_other_input_shape_is_a_clear_error(two_ranks):
+def test_other_input_shape_runs_on_a_program_of_its_own(two_ranks):
     for c in two_ranks["shape-error"]:
         assert "error" not in c, c.get("error")
-        assert c["message"] and "parallelized for (4, 32)" in c["message"]
+        assert c["other_shape_error"] <= TOL and c["again_error"] <= TOL
+        assert c["programs"] == 1
+        assert c["bound"] and "max_programs=2" in c["bound"]
+        assert c["message"] and "cannot call" in c["message"]
         assert c["keyword_call_same"]
 
 

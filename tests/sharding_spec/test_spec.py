@@ -1,6 +1,4 @@
 """Placements, ShardingSpec notation (both forms), local shards, and the errors a bad spec raises."""
-import itertools
-import math
 
 import pytest
 import torch
