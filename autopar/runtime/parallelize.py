@@ -191,8 +191,8 @@ def _check_outputs(graph) -> None:
     if other:
         kinds = sorted({s.kind.name for s in other})
         raise ConfigError(
-            f"{graph.model_name}'s forward mutates state ({', '.join(kinds)}, e.g. BatchNorm running statistics); "
-            "parallelize does not support that yet: run the model in eval mode for such layers or remove the mutation"
+            f"{graph.model_name}'s forward mutates state ({', '.join(kinds)}: a buffer or input replaced as a whole); "
+            "parallelize does not support that yet: update such buffers in place (buf.copy_(new)) or remove the mutation"
         )
 
 

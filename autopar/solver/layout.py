@@ -25,7 +25,7 @@ import dataclasses
 
 from autopar.errors import ConfigError
 from autopar.ir.graph import Role
-from autopar.sharding_spec.strategy import active_axes
+from autopar.sharding_spec.strategy import active_axes, has_rule
 
 # ops whose weight a tensor-parallel layout splits
 _WEIGHT_OPS = ("linear", "mm", "addmm", "matmul", "bmm", "embedding", "conv")
@@ -79,7 +79,9 @@ def layout_force(graph, mesh, layout: Layout) -> dict:
             preds.append(_param_storage(node, mesh, layout, dp_axis))
         elif node.op == "call_function":
             weights = [i for i, src in enumerate(node.inputs) if _param_source(graph, src) is not None]
-            if dp_axis is not None and node.name in batch_nodes:
+            # An op without a sharding rule (in-place buffer updates, ops no rule covers) only runs
+            # unsplit; a hand-written layout runs it whole too.
+            if dp_axis is not None and node.name in batch_nodes and has_rule(node.target):
                 preds.append(_batch_split(dp_axis))
             for i in weights:
                 preds.append(_weight_not_on(i, dp_axis) if tp_axis is not None else _weight_whole(i))

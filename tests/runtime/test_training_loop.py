@@ -166,15 +166,38 @@ class ConvNet(nn.Module):
         return F.cross_entropy(self.head(self.drop(h)), y)
 
 
-def batchnorm_case(tag, mesh, groups):
+class EmaNorm(nn.Module):
+    """Buffers updated in place by the forward in training (an EMA of activations, a step count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 1)
+        self.register_buffer("ema", torch.zeros(16))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, y):
+        h = torch.tanh(self.lin(x))
+        if self.training:
+            self.ema.mul_(0.9).add_(0.1 * h.detach().mean(0))
+            self.steps.add_(1)
+        return F.mse_loss(self.out(h - self.ema).squeeze(-1), y)
+
+
+def batchnorm_case(tag, mesh, groups, force=None, ema=False):
     """Training steps (one with a partial batch) keep the running statistics exact; eval uses them.
-    Dropout is off in this comparison (p=0 while training), on again for the eval check."""
+    Dropout is off in this comparison (p=0 while training). ``ema``: the in-place buffer model."""
     torch.manual_seed(0)
-    model = ConvNet()
-    model.drop.p = 0.0
-    x, y = torch.randn(8, 3, 6, 6), torch.randint(0, 5, (8,))
+    if ema:
+        model = EmaNorm()
+        x, y = torch.randn(8, 8), torch.randn(8)
+    else:
+        model = ConvNet()
+        model.drop.p = 0.0
+        x, y = torch.randn(8, 3, 6, 6), torch.randint(0, 5, (8,))
     ref = copy.deepcopy(model)
-    pm = autopar.parallelize(model, mesh, (x, y), groups=groups, plan_kwargs={"idle_axes": ()})
+    pm = autopar.parallelize(model, mesh, (x, y), groups=groups, force=force,
+                             plan_kwargs={"idle_axes": ()} if force is None else None)
     o_p, o_r = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     loss_err = 0.0
     for step, b in enumerate((8, 6, 8)):
@@ -188,7 +211,7 @@ def batchnorm_case(tag, mesh, groups):
     with torch.no_grad():
         eval_err = rel(pm(x[:5], y[:5]), ref(x[:5], y[:5]))
     return {"tag": tag, "loss_err": loss_err, "state_err": state_err, "eval_err": eval_err,
-            "running_var_moved": float((ref.bn1.running_var - 1).abs().max()) > 1e-3}
+            "running_var_moved": float((ref.ema if ema else ref.bn1.running_var - 1).abs().max()) > 1e-3}
 
 
 def shapes_case(tag, mesh, groups, layout):
@@ -310,6 +333,11 @@ def _cases(mesh, groups):
     out.append(run_case("eval gpt", eval_case, "eval gpt", mesh, groups))
     out.append(run_case("eval transformers", eval_case, "eval transformers", mesh, groups, hf=True))
     out.append(run_case("batchnorm", batchnorm_case, "batchnorm", mesh, groups))
+    out.append(run_case("batchnorm ema", batchnorm_case, "batchnorm ema", mesh, groups, ema=True))
+    if mesh.ndim == 1:  # data parallel around the ops that only run whole
+        dp = autopar.Layout(dp=mesh.size)
+        out.append(run_case("batchnorm dp", batchnorm_case, "batchnorm dp", mesh, groups, dp))
+        out.append(run_case("batchnorm ema dp", batchnorm_case, "batchnorm ema dp", mesh, groups, dp, ema=True))
     return out
 
 
@@ -397,7 +425,7 @@ def test_eval_mode_equals_the_original_eval_and_is_deterministic(results):
             assert c["programs"] == [False], f"{tag}: one eval program, the train program is the main one"
 
 
-def test_batch_norm_running_statistics_stay_exact(results):
+def test_batch_norm_and_in_place_buffers_stay_exact(results):
     for tag in _tags(results, "batchnorm"):
         for c in results[tag]:
             _ok(c)
