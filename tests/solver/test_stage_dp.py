@@ -1,0 +1,93 @@
+"""The stage DP against brute force on seeded random tables, and a hand-checked case."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from autopar.solver.stage_dp import brute_force, solve_stages, step_time
+
+
+def _table(rng, n_layers, n_opt, inf_fraction=0.1):
+    t = rng.uniform(0.1, 2.0, size=(n_layers, n_layers, n_opt))
+    # longer ranges cost more: add per-layer work
+    for i in range(n_layers):
+        for j in range(i, n_layers):
+            t[i, j] += 0.5 * (j - i)
+    t[rng.random(t.shape) < inf_fraction] = math.inf
+    return t
+
+
+def _valid(sol, n_layers, devices, total):
+    assert sol.stages[0][0] == 0 and sol.stages[-1][1] == n_layers - 1
+    for (i, j, _), (i2, _, _) in zip(sol.stages, sol.stages[1:]):
+        assert i2 == j + 1
+    assert sum(devices[m] for _, _, m in sol.stages) == total
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_dp_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n_layers = int(rng.integers(1, 6))
+    devices = [[1, 2, 4], [1, 2], [2, 4], [1], [1, 3]][seed % 5]
+    total = 4 if devices != [1, 3] else 4
+    time = _table(rng, n_layers, len(devices))
+    mem = rng.uniform(0, 1, size=time.shape)
+    act = rng.uniform(0, 0.3, size=time.shape)
+    budget = float(rng.choice([math.inf, 1.2, 0.8]))
+    microbatches = int(rng.choice([1, 2, 4, 8]))
+    schedule = ["1f1b", "gpipe"][seed % 2]
+    counts = None if seed % 3 else {1, 2, 4}
+    kw = dict(mem=mem, act=act, budget=budget, schedule=schedule, stage_counts=counts)
+    got = solve_stages(time, devices, total, microbatches, **kw)
+    want = brute_force(time, devices, total, microbatches, **kw)
+    if want is None:
+        assert got is None
+        return
+    assert got is not None
+    assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
+    _valid(got, n_layers, devices, total)
+    assert got.step_time == pytest.approx(step_time(got.stage_times, microbatches), rel=1e-12)
+    if counts is not None:
+        assert got.n_stages in counts
+
+
+def test_hand_checked_balanced_split():
+    """Four equal layers on 2 devices (options: 1 device or 2): with 8 microbatches two stages of
+    two layers (2 + 2 + 7 * 2 = 18) beat one stage on both devices running 4 layers at half speed
+    plus a fixed cost (4 * 0.5 + 1 = 3 per microbatch: 8 * 3 = 24)."""
+    n = 4
+    time = np.full((n, n, 2), math.inf)
+    for i in range(n):
+        for j in range(i, n):
+            layers = j - i + 1
+            time[i, j, 0] = layers * 1.0  # one device
+            time[i, j, 1] = layers * 0.5 + 1.0  # two devices, tensor parallel with overhead
+    sol = solve_stages(time, [1, 2], 2, 8)
+    assert sol.stages == [(0, 1, 0), (2, 3, 0)]
+    assert sol.step_time == pytest.approx(18.0)
+    # one microbatch: no bubble to amortize, the 2-device stage wins (3 < 4)
+    assert solve_stages(time, [1, 2], 2, 1).stages == [(0, 3, 1)]
+
+
+def test_memory_budget_forces_more_stages():
+    """The whole model on one 2-device stage needs 10 bytes; the budget of 6 only fits halves."""
+    n = 2
+    time = np.ones((n, n, 2))
+    mem = np.zeros((n, n, 2))
+    mem[0, 1] = 10
+    mem[0, 0] = mem[1, 1] = 5
+    sol = solve_stages(time, [1, 2], 2, 4, mem=mem, budget=6)
+    assert [s[:2] for s in sol.stages] == [(0, 0), (1, 1)]
+    assert solve_stages(time, [1, 2], 2, 4, mem=mem, budget=4) is None
+
+
+def test_1f1b_holds_fewer_microbatches_than_gpipe():
+    """A stage whose activations fit only 2 microbatches in flight: 1F1B's last stage holds 1, its
+    first 2 (2 stages); GPipe holds all 8 everywhere and cannot run."""
+    n = 2
+    time = np.ones((n, n, 1))
+    act = np.full((n, n, 1), 1.0)
+    assert solve_stages(time, [1], 2, 8, act=act, budget=2, schedule="1f1b") is not None
+    assert solve_stages(time, [1], 2, 8, act=act, budget=2, schedule="gpipe") is None
