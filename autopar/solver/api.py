@@ -36,6 +36,7 @@ def plan(
     force: dict | None = None,
     idle_axes="auto",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    microbatches: int = 1,
 ) -> Plan:
     """The cheapest single-stage plan of ``model`` on ``mesh`` (no processes needed).
 
@@ -49,6 +50,8 @@ def plan(
         and needs no gradient sync there): "auto" tries the candidates of ``idle_candidates`` and
         keeps the cheapest; a tuple fixes them (``()``: use every axis).
     bucket_bytes: the runtime's gradient bucket size, for pricing the gradient sync.
+    microbatches: how many times a step runs the traced graph (pipeline microbatches): gradient
+        sync and optimizer, paid once per step, are priced at 1 / microbatches of a run.
     force: node name -> family label (e.g. ``{"linear": "1d-row", "p_fc_weight": "sharded"}``), or
         -> a predicate on a ``Strategy``: restricts that node's candidates (hand-written plans, tests);
         or an ``autopar.Layout`` (e.g. ``Layout(dp=2, tp=2, zero=2)``): the plan of that hand-style
@@ -80,7 +83,7 @@ def plan(
                 continue
         try:
             attempt = _plan_on(graph, view_mesh(mesh, idle), budget, optimizer, op_table, optimizer_sharding,
-                               force, reuse_blocks, simplify, time_limit_s, solver, bucket_bytes)
+                               force, reuse_blocks, simplify, time_limit_s, solver, bucket_bytes, 1.0 / microbatches)
         except (PlanError, ConfigError) as e:
             # the no-idle candidate comes first: its error (least memory; a bad `force`) is the one to show
             first_error = first_error or e
@@ -126,11 +129,12 @@ def view_mesh(mesh: Mesh, idle: tuple[int, ...]) -> Mesh:
 
 
 def _plan_on(graph, mesh, budget, optimizer, op_table, optimizer_sharding, force, reuse_blocks, simplify,
-             time_limit_s, solver, bucket_bytes=DEFAULT_BUCKET_BYTES):
+             time_limit_s, solver, bucket_bytes=DEFAULT_BUCKET_BYTES, step_share=1.0):
     """Solve on one (view of the) mesh: (mesh, built problem, choice per node, stats, memory)."""
     t0 = time.perf_counter()
     choices = node_choices(graph, mesh, optimizer=optimizer, op_table=op_table,
-                           optimizer_sharding=optimizer_sharding, force=force, bucket_bytes=bucket_bytes)
+                           optimizer_sharding=optimizer_sharding, force=force, bucket_bytes=bucket_bytes,
+                           step_share=step_share)
     built = build_problem(graph, mesh, memory_budget=budget, optimizer=optimizer, choices=choices)
     problem = built.problem
     # Repeated blocks share one solution; a period of 2 lets neighbouring copies alternate (e.g.

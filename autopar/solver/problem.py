@@ -103,8 +103,11 @@ def bucketed_collective_time(kind: str, nbytes: float, mesh, axes, bucket_bytes:
 
 
 def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimizer_sharding: bool = True,
-                 force=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, NodeChoices]:
+                 force=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, step_share: float = 1.0) -> dict[str, NodeChoices]:
     """Candidates of every node. ``optimizer_sharding=False`` drops the ZeRO-2 parameter choices.
+    ``step_share``: the share of a step one run of the graph is (1 / microbatches when a step runs
+    it on several microbatches): what a parameter pays once per step (gradient sync, optimizer) is
+    priced at that share.
     ``force``: node name -> family label (or a predicate on a Strategy) restricting that node's
     candidates (see ``restrict``)."""
     saved = memory_model.saved_for_backward(graph)
@@ -118,6 +121,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
         syncs = None
         if node.op == "placeholder" and node.role == Role.PARAMETER:
             strategies, comp, comm, mem, syncs = _param_choices(node, mesh, optimizer, optimizer_sharding, bucket_bytes)
+            comp, comm = [c * step_share for c in comp], [c * step_share for c in comm]
         elif node.op == "placeholder":
             strategies = [Strategy((), spec, "input" if node.role == Role.INPUT else "buffer", 1.0) for spec in _placeholder_specs(node, mesh)]
             comp = [0.0] * len(strategies)

@@ -94,12 +94,18 @@ def solve_stages(time, devices, total_devices: int, microbatches: int, *, mem=No
         return None
     inflight = SCHEDULES_INFLIGHT[schedule]
     upper = np.triu(np.ones((n_layers, n_layers), dtype=bool))[:, :, None]
-    # Per number of stages from the end (s): the stage costs with the memory budget applied.
-    per_s = {}
+    # Per number of stages from the end (s): the stage costs with the memory budget applied, then
+    # reduced to the cheapest option per device count (the DP only needs that one; ``pick`` says
+    # which option it was).
+    sizes = sorted(set(units.tolist()))
+    per_s, pick = {}, {}
     for s in range(1, max(allowed) + 1):
         fits = mem + inflight(s, microbatches) * act <= budget
-        per_s[s] = np.where(upper & fits & np.isfinite(time), time, math.inf)
-    candidates = np.unique(np.concatenate([c[np.isfinite(c)] for c in per_s.values()]) if per_s else np.empty(0))
+        cost = np.where(upper & fits & np.isfinite(time), time, math.inf)
+        per_s[s] = np.stack([cost[:, :, units == u].min(axis=2) for u in sizes], axis=2)
+        pick[s] = np.stack([np.flatnonzero(units == u)[cost[:, :, units == u].argmin(axis=2)] for u in sizes], axis=2)
+    sizes = np.asarray(sizes)
+    candidates = np.unique(np.concatenate([c[np.isfinite(c)] for c in per_s.values()]))
     best: tuple[float, float] | None = None  # (step time, t_max)
     last_tried = None
     for t_max in candidates:
@@ -108,7 +114,7 @@ def solve_stages(time, devices, total_devices: int, microbatches: int, *, mem=No
         if last_tried is not None and tolerance > 0 and t_max <= last_tried * (1 + tolerance):
             continue
         last_tried = t_max
-        total_s = _dp_sum(per_s, t_max, units, n_units, allowed)[0]
+        total_s = _dp_sum(per_s, t_max, sizes, n_units, allowed)[0]
         if math.isfinite(total_s):
             value = total_s + (microbatches - 1) * t_max
             if best is None or value < best[0] - 1e-15 * max(1.0, abs(value)):
@@ -116,18 +122,20 @@ def solve_stages(time, devices, total_devices: int, microbatches: int, *, mem=No
     if best is None:
         return None
     _, t_max = best
-    _, s_best, choice = _dp_sum(per_s, t_max, units, n_units, allowed, keep_choice=True)
+    _, s_best, choice = _dp_sum(per_s, t_max, sizes, n_units, allowed, keep_choice=True)
     stages, k, d = [], 0, n_units
     for s in range(s_best, 0, -1):
-        j, m = choice[s][k, d]
-        stages.append((k, int(j), int(m)))
-        k, d = int(j) + 1, d - int(units[m])
+        j, g = choice[s][k, d]
+        m = int(pick[s][k, j, g])
+        stages.append((k, int(j), m))
+        k, d = int(j) + 1, d - int(sizes[g])
     times = [float(time[i, j, m]) for i, j, m in stages]
     return StageSolution(stages, step_time(times, microbatches), float(max(times)), times)
 
 
 def _dp_sum(per_s, t_max, units, n_units, allowed, keep_choice=False):
-    """(least sum of stage times over the allowed stage counts, its stage count, choices)."""
+    """(least sum of stage times over the allowed stage counts, its stage count, choices).
+    ``per_s[s][k, j, g]``: the cost of a stage on ``units[g]`` device units."""
     n_layers = next(iter(per_s.values())).shape[0]
     inf = math.inf
     prev = np.full((n_layers + 1, n_units + 1), inf)

@@ -1,0 +1,381 @@
+"""Pipeline search: which layers run on which sub-mesh, how many microbatches, which schedule.
+
+The orchestration around the stage DP (``autopar.solver.stage_dp``), in the style of Alpa's stage
+construction:
+
+1. **Units.** The traced graph's layers (``graph.layers``) in order; the nodes before the first
+   layer (embeddings) join the first stage, the nodes after the last (final norm, head, loss) the
+   last stage. Tied parameters used at both ends are held by both.
+2. **Sub-meshes.** A stage runs on a block of consecutive rows of the mesh's slowest axis (axis 0):
+   ``k`` rows form a sub-mesh of shape ``(k, *rest)`` with the parent's links, so a (4,) mesh offers
+   1-4 devices per stage and a (128, 8) mesh blocks of whole nodes (``k`` a power of two there).
+3. **Stage prices.** For each microbatch count B the model is traced at the microbatch shape (the
+   inputs' dim 0 divided by B) and, on each sub-mesh, the intra-op ILP plans the whole graph once
+   (repeated blocks solved once): its chosen strategies' prices, attributed to the unit each node
+   belongs to, give every unit's time per microbatch (compute, op overheads, resharding and in-op
+   collectives, forward and backward), its time per step (gradient sync, optimizer; amortized over
+   the B microbatches in the DP), its bytes held for good (parameters, gradients, optimizer
+   states) and per microbatch in flight (activations). A stage's price is the sum over its units
+   plus the activation it receives over axis 0's link. Several ILP solutions per sub-mesh (the
+   fastest, then ones under tighter memory budgets) become separate options, so a stage can trade
+   speed for memory as Alpa's per-stage ILP does.
+4. **Search.** The DP per (B, schedule), then the best step time; a one-stage result is the plain
+   intra-op plan. Microbatch counts: powers of two dividing the batch (a given count is fixed).
+
+Prices are linear in the units (a stage of layers i..j costs the sum of their prices): exact for the
+attribution, approximate in that one ILP per sub-mesh decides every layer's strategy, as if all
+stages on that sub-mesh shared it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from autopar.cost_model.lowered import lowered_comm_s
+from autopar.errors import ConfigError, PlanError
+from autopar.ir.graph import Role
+from autopar.sharding_spec.mesh import Mesh
+from autopar.sharding_spec.reshard import local_bytes
+from autopar.sharding_spec.strategy import needs_lowering
+from autopar.solver.stage_dp import solve_stages
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+SEARCHED_SCHEDULES = ("1f1b", "gpipe")  # the ones the stage DP prices today
+MEMORY_VARIANTS = (0.25,)  # leaner ILP solutions per sub-mesh, as fractions of the fastest's memory
+MAX_UNITS = 24  # more layers than this are cut only between groups of consecutive layers (Alpa clusters them too)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """Pipeline choices for ``autopar.plan``: every given field is fixed, every None searched."""
+
+    stages: int | None = None
+    schedule: str | None = None
+    microbatches: int | None = None
+    virtual_stages: int | None = None
+    recompute: bool | None = None
+
+    def __post_init__(self):
+        if self.stages is not None and self.stages < 1:
+            raise ConfigError(f"Pipeline(stages={self.stages}): need at least one stage")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ConfigError(f"Pipeline(microbatches={self.microbatches}): need at least one microbatch")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ConfigError(f"Pipeline(schedule={self.schedule!r}): schedules are {list(SCHEDULES)}")
+        if self.schedule is not None and self.schedule not in SEARCHED_SCHEDULES:
+            raise ConfigError(f"Pipeline(schedule={self.schedule!r}) is not priced yet; the search prices {list(SEARCHED_SCHEDULES)}")
+        if self.virtual_stages not in (None, 1):
+            raise ConfigError("Pipeline(virtual_stages=...) (interleaved stages) is not supported yet")
+        if self.recompute:
+            raise ConfigError("Pipeline(recompute=True) is not supported yet: activation recomputation is not priced")
+
+
+@dataclasses.dataclass
+class UnitPrices:
+    """Per unit (layer), on one sub-mesh at one microbatch shape."""
+
+    per_microbatch_s: np.ndarray
+    per_step_s: np.ndarray
+    static_bytes: np.ndarray
+    activation_bytes: np.ndarray
+    boundary_bytes: np.ndarray  # the activation entering unit u from the units before it
+    plan: object  # the intra-op Plan these came from
+
+
+@dataclasses.dataclass
+class StagePlan:
+    layers: tuple[int, int]  # first and last unit (indices into layer_names)
+    rows: tuple[int, int]  # first and last row of mesh axis 0
+    mesh_shape: tuple[int, ...]
+    ranks: list[int]
+    time_per_microbatch_s: float
+    memory_bytes: float
+    plan: object  # the sub-mesh's intra-op Plan (whole graph; the stage runs its layers' part)
+
+
+@dataclasses.dataclass
+class PipelineChoice:
+    schedule: str
+    microbatches: int
+    stages: list[StagePlan]
+    step_time_s: float
+    layer_names: list[str]
+    search_s: float
+    timing: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the step: (fill + drain) over the step, for GPipe/1F1B."""
+        times = [s.time_per_microbatch_s for s in self.stages]
+        busy = self.microbatches * max(times)
+        total = sum(times) + (self.microbatches - 1) * max(times)
+        return 0.0 if total <= 0 else max(0.0, 1.0 - busy / total)
+
+    def summary(self) -> dict:
+        return {
+            "stages": [{"layers": list(s.layers), "layer_names": [self.layer_names[s.layers[0]], self.layer_names[s.layers[1]]],
+                        "ranks": s.ranks, "mesh_shape": list(s.mesh_shape), "recompute": [],
+                        "time_per_microbatch_s": s.time_per_microbatch_s, "memory_bytes": s.memory_bytes}
+                       for s in self.stages],
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "bubble_fraction": self.bubble_fraction,
+            "step_time_s": self.step_time_s,
+        }
+
+
+# ---- units ---------------------------------------------------------------------------------------------
+def unit_of_nodes(graph) -> dict[str, int]:
+    """Node name -> unit index: its layer's position; before the first layer -> 0, after -> last."""
+    if not graph.layers:
+        raise PlanError(f"{graph.model_name} has no repeated layers to cut into pipeline stages")
+    index = {layer: i for i, layer in enumerate(graph.layers)}
+    last = len(graph.layers) - 1
+    out, seen_layer = {}, False
+    for name, node in graph.nodes.items():
+        if node.layer in index:
+            out[name] = index[node.layer]
+            if node.op == "call_function":
+                seen_layer = True
+        elif node.op == "placeholder":
+            continue  # parameters without a layer: placed by their readers below
+        else:
+            out[name] = last if seen_layer else 0
+    for name, node in graph.nodes.items():
+        if name not in out:
+            readers = [out[n] for n, other in graph.nodes.items() if name in other.inputs and n in out]
+            out[name] = min(readers) if readers else 0
+    return out
+
+
+def _readers(graph) -> dict[str, list[str]]:
+    readers: dict[str, list[str]] = {n: [] for n in graph.nodes}
+    for name, node in graph.nodes.items():
+        for i in node.inputs:
+            readers.setdefault(i, []).append(name)
+    return readers
+
+
+def unit_prices(plan, graph, mesh) -> UnitPrices:
+    """Attribute a whole-graph intra-op plan's prices to the units (see the module docstring)."""
+    cluster = mesh.resolved_cluster()
+    unit = unit_of_nodes(graph)
+    n = len(graph.layers)
+    micro, step, static, act, boundary = (np.zeros(n) for _ in range(5))
+    readers = _readers(graph)
+    crossing: set[tuple[str, int]] = set()
+    for name, np_ in plan.nodes.items():
+        node = graph.nodes.get(name)
+        if node is None:
+            continue
+        u = unit[name]
+        if node.op == "placeholder" and node.role in (Role.PARAMETER, Role.BUFFER):
+            users = {unit[r] for r in readers.get(name, ()) if r in unit} or {u}
+            for uu in users:  # a tied weight read at both ends is held by both stages
+                static[uu] += np_.memory_bytes
+                step[uu] += np_.compute_s  # the optimizer's share
+        elif node.op == "call_function":
+            micro[u] += np_.compute_s + cluster.op_overhead_s + cluster.backward_op_overhead_s
+            act[u] += np_.memory_bytes
+            if needs_lowering(np_.family):
+                micro[u] += lowered_comm_s(np_.target, np_.family, np_.inputs, np_.output, mesh)
+    for e in plan.edges:
+        if e.dst in unit:
+            micro[unit[e.dst]] += e.cost_s
+        src = graph.nodes[e.src]
+        if src.op == "call_function" and e.src in unit and e.dst in unit and unit[e.src] < unit[e.dst]:
+            # an activation read by a later unit crosses every boundary up to it, once, as the
+            # shard each device of the sending stage holds
+            nbytes = local_bytes(e.src_spec, mesh.shape, src.meta.itemsize) if hasattr(src.meta, "itemsize") else 0
+            for b in range(unit[e.src] + 1, unit[e.dst] + 1):
+                if (e.src, b) not in crossing:
+                    crossing.add((e.src, b))
+                    boundary[b] += nbytes
+    for p in plan.params.values():
+        if p.grad_sync is not None and p.node in unit:
+            step[unit[p.node]] += p.grad_sync_s
+    return UnitPrices(micro, step, static, act, boundary, plan)
+
+
+# ---- sub-meshes --------------------------------------------------------------------------------------------
+def row_options(mesh: Mesh) -> list[int]:
+    """Rows of axis 0 a stage may take: every count up to 8 rows, powers of two beyond."""
+    rows = mesh.shape[0]
+    return [k for k in range(1, rows + 1) if rows <= 8 or k & (k - 1) == 0 or k == rows]
+
+
+def sub_mesh(mesh: Mesh, rows: int) -> Mesh:
+    cluster = mesh.resolved_cluster().with_axis_links(mesh.links())
+    return Mesh((rows, *mesh.shape[1:]), mesh.axis_names, cluster)
+
+
+# ---- search ----------------------------------------------------------------------------------------------
+def microbatch_candidates(batch: int, fixed: int | None, max_count: int = 512) -> list[int]:
+    """Microbatch counts to try: those whose microbatch size is a power of two (it then splits
+    evenly over power-of-two data-parallel degrees), ascending; a given count alone."""
+    if fixed is not None:
+        if batch % fixed:
+            raise ConfigError(f"Pipeline(microbatches={fixed}) does not divide the batch of {batch}")
+        return [fixed]
+    sizes = [2 ** i for i in range(batch.bit_length()) if batch % 2 ** i == 0]
+    return sorted({1} | {batch // b for b in sizes if batch // b <= max_count})
+
+
+def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: Pipeline | None = None,
+           memory_budget: float | None = None, plan_kwargs: dict | None = None, tolerance: float = 0.01) -> PipelineChoice:
+    """The fastest pipeline for ``model`` on ``mesh`` within ``memory_budget`` bytes per device."""
+    import torch
+
+    from autopar import ir
+    from autopar.solver.api import plan as intra_op_plan
+
+    pipeline = pipeline or Pipeline()
+    t0 = time.perf_counter()
+    plan_kwargs = dict(plan_kwargs or {})
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    tensors = [t for t in inputs + tuple((example_kwargs or {}).values()) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise ConfigError("a pipeline splits the batch into microbatches: pass the batch as tensor inputs")
+    batch = tensors[0].shape[0]
+    budget = math.inf if memory_budget is None else float(memory_budget)
+    schedules = [pipeline.schedule] if pipeline.schedule else list(SEARCHED_SCHEDULES)
+    options = row_options(mesh)
+    timing = {"trace_s": 0.0, "intra_op_s": 0.0, "dp_s": 0.0}
+    results: dict[int, tuple | None] = {}
+
+    def evaluate(count: int):
+        """The best stages for ``count`` microbatches: (solution, count, schedule, variants,
+        graph, groups), or None when nothing fits."""
+        if count in results:
+            return results[count]
+        t_trace = time.perf_counter()
+        micro_in = tuple(t[: batch // count] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t for t in inputs)
+        micro_kw = {k: (v[: batch // count] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch else v)
+                    for k, v in (example_kwargs or {}).items()}
+        graph = ir.trace(model, micro_in, micro_kw or None)
+        t_ilp = time.perf_counter()
+        timing["trace_s"] += t_ilp - t_trace
+        unit_of_nodes(graph)  # a graph without layers cannot be cut: PlanError
+        groups = layer_groups(len(graph.layers), MAX_UNITS)
+        variants = []  # (rows, UnitPrices)
+        for rows in options:
+            variants += [(rows, p) for p in _variants(model, sub_mesh(mesh, rows), graph, intra_op_plan,
+                                                      {**plan_kwargs, "microbatches": count}, budget)]
+        t_dp = time.perf_counter()
+        timing["intra_op_s"] += t_dp - t_ilp
+        found = None
+        if variants:
+            time_t, mem_t, act_t = _tables([(rows, _grouped(p, groups)) for rows, p in variants], len(groups), count, mesh)
+            devices = [rows for rows, _ in variants]
+            for schedule in schedules:
+                sol = solve_stages(time_t, devices, mesh.shape[0], count, mem=mem_t, act=act_t, budget=budget,
+                                   schedule=schedule, stage_counts={pipeline.stages} if pipeline.stages else None,
+                                   tolerance=tolerance)
+                if sol is not None and (found is None or sol.step_time < found[0].step_time - 1e-15):
+                    found = (sol, count, schedule, variants, graph, groups)
+        timing["dp_s"] += time.perf_counter() - t_dp
+        results[count] = found
+        return found
+
+    best = _search_counts(microbatch_candidates(batch, pipeline.microbatches), evaluate)
+    if best is None:
+        raise PlanError(f"no pipeline of {type(model).__name__} on {mesh} fits {memory_budget} bytes per device "
+                        f"(stage counts, sub-meshes and microbatch counts {sorted(results)} tried)")
+    sol, count, schedule, variants, graph, groups = best
+    stages, row = [], 0
+    per_row = math.prod(mesh.shape[1:])
+    for (gi, gj, m), t in zip(sol.stages, sol.stage_times):
+        i, j = groups[gi][0], groups[gj][-1]
+        rows, prices = variants[m]
+        inflight = count if schedule == "gpipe" else min(len(sol.stages) - len(stages), count)
+        mem = prices.static_bytes[i:j + 1].sum() + inflight * prices.activation_bytes[i:j + 1].sum()
+        stages.append(StagePlan((i, j), (row, row + rows - 1), (rows, *mesh.shape[1:]),
+                                list(range(row * per_row, (row + rows) * per_row)), t, float(mem), prices.plan))
+        row += rows
+    return PipelineChoice(schedule, count, stages, sol.step_time, list(graph.layers), time.perf_counter() - t0, timing)
+
+
+def _search_counts(counts: list[int], evaluate):
+    """The best result over ``counts`` (ascending), evaluating few of them: a ternary search that
+    assumes the step time falls, then rises, with the microbatch count (a bigger count shrinks the
+    bubble but runs smaller, less efficient microbatches), and treats a count where nothing fits as
+    too few (activations of bigger microbatches)."""
+    def value(i):
+        r = evaluate(counts[i])
+        return math.inf if r is None else r[0].step_time
+
+    lo, hi = 0, len(counts) - 1
+    while hi - lo > 2:
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        v1, v2 = value(m1), value(m2)
+        if math.isinf(v1) and math.isinf(v2):
+            lo = m1 + 1
+        elif v1 <= v2:
+            hi = m2 - 1 if v1 < v2 else m2
+        else:
+            lo = m1 + 1
+    found = [evaluate(counts[i]) for i in range(lo, hi + 1)]
+    found = [r for r in found if r is not None]
+    return min(found, key=lambda r: r[0].step_time) if found else None
+
+
+def layer_groups(n_layers: int, max_units: int) -> list[list[int]]:
+    """Consecutive layers in at most ``max_units`` groups of equal size (the last may be shorter)."""
+    size = max(1, math.ceil(n_layers / max_units))
+    return [list(range(i, min(i + size, n_layers))) for i in range(0, n_layers, size)]
+
+
+def _grouped(p: UnitPrices, groups) -> UnitPrices:
+    """Per-layer prices summed per group; a group receives what its first layer receives."""
+    def total(a):
+        return np.asarray([a[g].sum() for g in groups])
+
+    return UnitPrices(total(p.per_microbatch_s), total(p.per_step_s), total(p.static_bytes),
+                      total(p.activation_bytes), np.asarray([p.boundary_bytes[g[0]] for g in groups]), p.plan)
+
+
+def _variants(model, sm, graph, intra_op_plan, plan_kwargs, budget: float):
+    """The fastest intra-op plan on sub-mesh ``sm``, then, when it cannot hold the whole model
+    within ``budget``, leaner ones (tighter memory budgets; no idle axes, a short time limit)."""
+    out = []
+    try:
+        fastest = intra_op_plan(model, sm, graph=graph, **plan_kwargs)
+    except PlanError:
+        return out
+    out.append(unit_prices(fastest, graph, sm))
+    memory = fastest.predicted["memory_bytes_per_device"]
+    if memory <= budget:
+        return out
+    lean_kwargs = {**plan_kwargs, "idle_axes": (), "time_limit_s": min(plan_kwargs.get("time_limit_s", 2.0), 2.0)}
+    for fraction in MEMORY_VARIANTS:
+        try:
+            lean = intra_op_plan(model, sm, graph=graph, memory_budget=memory * fraction, **lean_kwargs)
+        except PlanError:
+            break
+        if lean.predicted["memory_bytes_per_device"] >= out[-1].plan.predicted["memory_bytes_per_device"] * 0.95:
+            continue
+        out.append(unit_prices(lean, graph, sm))
+    return out
+
+
+def _tables(variants, n_units, count, mesh):
+    """(time, static memory, activation memory) per (first unit, last unit, variant)."""
+    n_opt = len(variants)
+    time_t = np.full((n_units, n_units, n_opt), math.inf)
+    mem_t = np.zeros_like(time_t)
+    act_t = np.zeros_like(time_t)
+    link = mesh.links()[0]
+    for m, (rows, p) in enumerate(variants):
+        per_unit = p.per_microbatch_s + p.per_step_s / count
+        c_time, c_static, c_act = (np.concatenate([[0.0], np.cumsum(a)]) for a in (per_unit, p.static_bytes, p.activation_bytes))
+        for i in range(n_units):
+            # the activation entering the stage (forward) and its gradient leaving it (backward)
+            recv = 0.0 if i == 0 else 2 * (link.alpha + p.boundary_bytes[i] * link.beta)
+            j = np.arange(i, n_units)
+            time_t[i, i:, m] = c_time[j + 1] - c_time[i] + recv
+            mem_t[i, i:, m] = c_static[j + 1] - c_static[i]
+            act_t[i, i:, m] = c_act[j + 1] - c_act[i]
+    return time_t, mem_t, act_t
