@@ -17,7 +17,7 @@ from autopar.errors import (
     TraceError,
 )
 from autopar.sharding_spec import Mesh, Partial, Replicate, Shard, ShardingSpec, plan_reshard
-from autopar.solver import Layout, Plan, plan
+from autopar.solver import Layout, Pipeline, Plan, plan
 
 
 def parallelize(*args, **kwargs):
@@ -55,6 +55,7 @@ __all__ = [
     "Mesh",
     "MeshError",
     "Partial",
+    "Pipeline",
     "Plan",
     "PlanError",
     "RankError",

@@ -87,11 +87,16 @@ def cmd_explain(args) -> int:
                               f"{'x'.join(map(str, args.mesh))}` first, or drop --profiled")
         cluster, op_table = prof.cluster, load_op_table("cpu")
     mesh = autopar.Mesh(args.mesh, cluster=cluster)
-    graph = ir.trace(model, inputs, kwargs)
+    pipeline = None if args.pipeline == "off" else "auto"
+    graph = ir.trace(model, inputs, kwargs) if pipeline is None else None
     plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, memory_budget=args.memory_budget,
-                        op_table=op_table, graph=graph)
+                        op_table=op_table, graph=graph, pipeline=pipeline)
     print(plan.explain())
-    if args.code:
+    if args.code and plan.pipeline is not None:
+        print("\n# --code: pipelined plans are not lowered yet")
+    elif args.code:
+        if graph is None:
+            graph = ir.trace(model, inputs, kwargs)
         from autopar.codegen.lower import lower
 
         print("\n# the program every rank runs (its shard and groups are bound at run time)")
@@ -127,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cluster", default=None, help="preset (a100-80g, h100-80g, cpu-gloo) or JSON file")
     e.add_argument("--memory-budget", default=None, help="per-device memory, e.g. 40GB")
     e.add_argument("--json", default=None, help="also write the plan to this JSON file")
+    e.add_argument("--pipeline", choices=("off", "auto"), default="off",
+                   help="auto: also search pipeline stages (microbatches, schedule, sub-meshes); default off")
     e.add_argument("--code", action="store_true", help="also print the rewritten program a rank runs")
     e.add_argument("--profiled", action="store_true",
                    help="price with this machine's cached profiles (`autopar profile --mesh ...` / `--ops ...`)")

@@ -88,7 +88,8 @@ def parallelize(
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
     if pipeline not in (None, False, "auto"):
-        raise ConfigError(f"pipeline={pipeline!r}: pipeline stages are not supported by parallelize yet; use pipeline=None")
+        raise ConfigError(f"pipeline={pipeline!r}: parallelize cannot run pipeline stages yet (autopar.plan can plan "
+                          "them); use pipeline=None")
     on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     trace_inputs, trace_kwargs = tuple(inputs), dict(example_kwargs or {})
@@ -98,6 +99,9 @@ def parallelize(
     _check_outputs(graph)
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
+    if plan is not None and plan.pipeline is not None:
+        raise ConfigError(f"this plan has {len(plan.pipeline.stages)} pipeline stages; parallelize cannot run pipeline "
+                          "stages yet: plan with pipeline=None")
     if plan is not None:
         check_plan(plan, graph, mesh)  # before any collective: a bad plan fails on every rank alike
 

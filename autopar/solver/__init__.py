@@ -3,9 +3,10 @@
 Imports lazily so that `import autopar` stays light and torch.distributed is never needed here.
 """
 from autopar.solver.layout import Layout
+from autopar.solver.pipeline import Pipeline
 from autopar.solver.plan import Plan
 
-__all__ = ["Layout", "Plan", "plan"]
+__all__ = ["Layout", "Pipeline", "Plan", "plan"]
 
 
 def plan(*args, **kwargs):

@@ -37,6 +37,7 @@ def plan(
     idle_axes="auto",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     microbatches: int = 1,
+    pipeline=None,
 ) -> Plan:
     """The cheapest single-stage plan of ``model`` on ``mesh`` (no processes needed).
 
@@ -52,6 +53,10 @@ def plan(
     bucket_bytes: the runtime's gradient bucket size, for pricing the gradient sync.
     microbatches: how many times a step runs the traced graph (pipeline microbatches): gradient
         sync and optimizer, paid once per step, are priced at 1 / microbatches of a run.
+    pipeline: None / False: one stage. "auto" or an ``autopar.Pipeline``: search pipeline stages
+        too (``autopar.solver.pipeline``; needs ``model`` and ``example_inputs`` with the batch
+        first); a plan of more than one stage has ``plan.pipeline`` set. ``parallelize`` cannot run
+        such plans yet.
     force: node name -> family label (e.g. ``{"linear": "1d-row", "p_fc_weight": "sharded"}``), or
         -> a predicate on a ``Strategy``: restricts that node's candidates (hand-written plans, tests);
         or an ``autopar.Layout`` (e.g. ``Layout(dp=2, tp=2, zero=2)``): the plan of that hand-style
@@ -62,6 +67,18 @@ def plan(
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    if pipeline not in (None, False):
+        from autopar.solver.pipeline import Pipeline, search
+
+        if pipeline != "auto" and not isinstance(pipeline, Pipeline):
+            raise ConfigError(f"pipeline={pipeline!r}: use None/False (one stage), 'auto' or autopar.Pipeline(...)")
+        kw = dict(optimizer=optimizer, op_table=op_table, reuse_blocks=reuse_blocks, simplify=simplify,
+                  time_limit_s=time_limit_s, solver=solver, optimizer_sharding=optimizer_sharding, bucket_bytes=bucket_bytes)
+        choice = search(model, mesh, example_inputs, example_kwargs, pipeline=None if pipeline == "auto" else pipeline,
+                        memory_budget=budget, plan_kwargs=kw)
+        if len(choice.stages) > 1 or choice.microbatches > 1:
+            return choice.to_plan()
+        # one stage, one microbatch: the plain intra-op plan of the whole batch (below)
     t0 = time.perf_counter()
     if graph is None:
         if not isinstance(example_inputs, (tuple, list)):

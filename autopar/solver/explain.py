@@ -50,6 +50,8 @@ def _rows(plan: Plan, incoming):
 
 
 def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repeats: bool = True) -> str:
+    if plan.pipeline is not None:
+        return _explain_pipeline(plan, max_rows_per_layer=max_rows_per_layer, collapse_repeats=collapse_repeats)
     incoming: dict[str, list] = {}
     for e in plan.edges:
         if e.steps:
@@ -119,3 +121,33 @@ def _step_line(p: dict) -> str:
         text += (f" (communication: reshards {_fmt_s(p['reshard_s'])}, in ops {_fmt_s(p.get('op_comm_s', 0.0))}, gradient sync {_fmt_s(p['exposed_sync_s'])} "
                  f"exposed of {_fmt_s(p['grad_sync_s'])} in {p['buckets']} bucket(s), ZeRO-2 gathers {_fmt_s(p['param_gather_s'])})")
     return f"predicted step time {_fmt_s(p['step_time_s'])} = {text}"
+
+
+def _explain_pipeline(plan: Plan, **kw) -> str:
+    """A pipelined plan: the pipeline first, then each stage's own table."""
+    p = plan.pipeline
+    mesh = plan.mesh
+    cluster = (mesh.get("cluster") or {}).get("name", "cpu-gloo")
+    out = [
+        f"plan for {plan.model_name} on mesh {'x'.join(map(str, mesh['shape']))} (axes {', '.join(mesh['axis_names'])}; "
+        f"cluster {cluster}): {len(p.stages)} pipeline stages, {p.schedule}, {p.microbatches} microbatches",
+        f"predicted step time {_fmt_s(plan.predicted['step_time_s'])}, bubble {p.bubble_fraction:.0%}, "
+        f"memory per device up to {_fmt_b(plan.predicted['memory_bytes_per_device'])}",
+        "",
+    ]
+    for i, s in enumerate(p.stages):
+        fam = plan_families(s.plan)
+        out.append(f"stage {i}: layers {s.layers[0]}-{s.layers[1]} ({s.layer_names[0]} .. {s.layer_names[1]}), "
+                   f"ranks {s.ranks[0]}-{s.ranks[-1]} as mesh {'x'.join(map(str, s.mesh_shape))}, "
+                   f"{_fmt_s(s.time_per_microbatch_s)} per microbatch, {_fmt_b(s.memory_bytes)}; {fam}")
+    for i, s in enumerate(p.stages):
+        out += ["", f"--- stage {i} ---", explain(s.plan, **kw)]
+    return "\n".join(out)
+
+
+def plan_families(plan: Plan) -> str:
+    counts: dict[str, int] = {}
+    for n in plan.nodes.values():
+        if n.target not in ("placeholder", "output"):
+            counts[n.family] = counts.get(n.family, 0) + 1
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:4])

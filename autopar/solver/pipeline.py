@@ -40,6 +40,7 @@ from autopar.ir.graph import Role
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
+from autopar.solver.plan import PipelinePlan, Plan, StagePlan
 from autopar.solver.stage_dp import solve_stages
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -86,45 +87,49 @@ class UnitPrices:
 
 
 @dataclasses.dataclass
-class StagePlan:
-    layers: tuple[int, int]  # first and last unit (indices into layer_names)
-    rows: tuple[int, int]  # first and last row of mesh axis 0
-    mesh_shape: tuple[int, ...]
-    ranks: list[int]
-    time_per_microbatch_s: float
-    memory_bytes: float
-    plan: object  # the sub-mesh's intra-op Plan (whole graph; the stage runs its layers' part)
-
-
-@dataclasses.dataclass
 class PipelineChoice:
-    schedule: str
-    microbatches: int
-    stages: list[StagePlan]
+    """The search's answer: ``pipeline`` (stages with their restricted intra-op plans) and how
+    long the search took."""
+
+    pipeline: PipelinePlan
     step_time_s: float
-    layer_names: list[str]
+    graph: object  # the microbatch graph the stages were planned on
     search_s: float
     timing: dict = dataclasses.field(default_factory=dict)
 
     @property
-    def bubble_fraction(self) -> float:
-        """Idle share of the step: (fill + drain) over the step, for GPipe/1F1B."""
-        times = [s.time_per_microbatch_s for s in self.stages]
-        busy = self.microbatches * max(times)
-        total = sum(times) + (self.microbatches - 1) * max(times)
-        return 0.0 if total <= 0 else max(0.0, 1.0 - busy / total)
+    def stages(self) -> list[StagePlan]:
+        return self.pipeline.stages
+
+    @property
+    def microbatches(self) -> int:
+        return self.pipeline.microbatches
+
+    @property
+    def schedule(self) -> str:
+        return self.pipeline.schedule
 
     def summary(self) -> dict:
-        return {
-            "stages": [{"layers": list(s.layers), "layer_names": [self.layer_names[s.layers[0]], self.layer_names[s.layers[1]]],
-                        "ranks": s.ranks, "mesh_shape": list(s.mesh_shape), "recompute": [],
-                        "time_per_microbatch_s": s.time_per_microbatch_s, "memory_bytes": s.memory_bytes}
-                       for s in self.stages],
-            "schedule": self.schedule,
-            "microbatches": self.microbatches,
-            "bubble_fraction": self.bubble_fraction,
+        out = self.to_plan().pipeline_summary()
+        out["step_time_s"] = self.step_time_s
+        return out
+
+    def to_plan(self) -> Plan:
+        """A Plan holding these stages (see ``Plan.pipeline``)."""
+        mesh_dict = self.stages[0].plan.mesh
+        full_rows = sum(s.rows[1] - s.rows[0] + 1 for s in self.stages)
+        mesh = dict(mesh_dict, shape=[full_rows, *mesh_dict["shape"][1:]])
+        compute = sum(s.plan.predicted.get("compute_s", 0.0) for s in self.stages)
+        predicted = {
             "step_time_s": self.step_time_s,
+            "compute_s": compute * self.microbatches / max(1, len(self.stages)),
+            "comm_s": 0.0,
+            "memory_bytes_per_device": max(s.memory_bytes for s in self.stages),
+            "bubble_fraction": self.pipeline.bubble_fraction,
         }
+        solver = {"status": "pipeline", "objective_s": self.step_time_s, "search_s": self.search_s, **self.timing}
+        return Plan(self.graph.model_name, self.graph.fingerprint(), mesh, {}, [], {}, predicted, solver,
+                    pipeline=self.pipeline)
 
 
 # ---- units ---------------------------------------------------------------------------------------------
@@ -285,6 +290,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         raise PlanError(f"no pipeline of {type(model).__name__} on {mesh} fits {memory_budget} bytes per device "
                         f"(stage counts, sub-meshes and microbatch counts {sorted(results)} tried)")
     sol, count, schedule, variants, graph, groups = best
+    unit = unit_of_nodes(graph)
     stages, row = [], 0
     per_row = math.prod(mesh.shape[1:])
     for (gi, gj, m), t in zip(sol.stages, sol.stage_times):
@@ -292,10 +298,29 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         rows, prices = variants[m]
         inflight = count if schedule == "gpipe" else min(len(sol.stages) - len(stages), count)
         mem = prices.static_bytes[i:j + 1].sum() + inflight * prices.activation_bytes[i:j + 1].sum()
-        stages.append(StagePlan((i, j), (row, row + rows - 1), (rows, *mesh.shape[1:]),
-                                list(range(row * per_row, (row + rows) * per_row)), t, float(mem), prices.plan))
+        nodes = {name for name, u in unit.items() if i <= u <= j}
+        sub = restrict(prices.plan, graph, nodes, t, float(mem))
+        stages.append(StagePlan((i, j), (graph.layers[i], graph.layers[j]), (row, row + rows - 1),
+                                list(range(row * per_row, (row + rows) * per_row)), (rows, *mesh.shape[1:]),
+                                t, float(mem), sub))
         row += rows
-    return PipelineChoice(schedule, count, stages, sol.step_time, list(graph.layers), time.perf_counter() - t0, timing)
+    return PipelineChoice(PipelinePlan(schedule, count, stages), sol.step_time, graph, time.perf_counter() - t0, timing)
+
+
+def restrict(plan: Plan, graph, nodes: set[str], time_s: float, memory: float) -> Plan:
+    """``plan`` (a whole-graph plan on a stage's sub-mesh) cut to the nodes the stage runs: those
+    nodes, the parameters and inputs they read, the edges between them."""
+    readers = _readers(graph)
+    keep = set(nodes) | {src for n in nodes for src in graph.nodes[n].inputs if graph.nodes[src].op == "placeholder"}
+    keep |= {n for n in nodes if graph.nodes[n].op == "placeholder" and any(r in nodes for r in readers.get(n, ()))}
+    node_plans = {k: v for k, v in plan.nodes.items() if k in keep}
+    edges = [e for e in plan.edges if e.src in keep and e.dst in keep]
+    params = {k: v for k, v in plan.params.items() if v.node in keep}
+    compute = sum(v.compute_s for k, v in node_plans.items() if graph.nodes[k].op == "call_function")
+    predicted = {"step_time_s": time_s, "compute_s": compute, "comm_s": max(0.0, time_s - compute),
+                 "memory_bytes_per_device": memory}
+    return Plan(plan.model_name, plan.model_fingerprint, plan.mesh, node_plans, edges, params, predicted,
+                dict(plan.solver), idle_axes=plan.idle_axes)
 
 
 def _search_counts(counts: list[int], evaluate):

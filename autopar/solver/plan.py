@@ -12,7 +12,8 @@ from pathlib import Path
 from autopar.errors import AutoparError, PlanError
 from autopar.sharding_spec.spec import ShardingSpec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: pipeline stages (version-1 files load as one-stage plans)
+READABLE_VERSIONS = (1, 2)
 
 # The backward of each resharding step under the dual-layout gradient convention.
 BACKWARD_OF = {
@@ -103,6 +104,57 @@ class ParamPlan:
 
 
 @dataclasses.dataclass
+class StagePlan:
+    """One pipeline stage: a contiguous range of the traced layers on a block of mesh rows, with
+    its own intra-op plan (on the stage's sub-mesh, over the nodes the stage runs)."""
+
+    layers: tuple[int, int]  # first and last layer index (into the model's layer list)
+    layer_names: tuple[str, str]
+    rows: tuple[int, int]  # first and last row of mesh axis 0
+    ranks: list[int]
+    mesh_shape: tuple[int, ...]
+    time_per_microbatch_s: float
+    memory_bytes: float
+    plan: "Plan"
+    recompute: list = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"layers": list(self.layers), "layer_names": list(self.layer_names), "rows": list(self.rows),
+                "ranks": list(self.ranks), "mesh_shape": list(self.mesh_shape), "recompute": list(self.recompute),
+                "time_per_microbatch_s": self.time_per_microbatch_s, "memory_bytes": self.memory_bytes,
+                "plan": self.plan.to_json()}
+
+    @staticmethod
+    def from_json(d: dict) -> "StagePlan":
+        return StagePlan(tuple(d["layers"]), tuple(d["layer_names"]), tuple(d["rows"]), list(d["ranks"]),
+                         tuple(d["mesh_shape"]), d["time_per_microbatch_s"], d["memory_bytes"],
+                         Plan.from_json(d["plan"]), list(d.get("recompute", [])))
+
+
+@dataclasses.dataclass
+class PipelinePlan:
+    """The stages, in pipeline order, and how microbatches flow through them."""
+
+    schedule: str
+    microbatches: int
+    stages: list[StagePlan]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of a GPipe/1F1B step: fill and drain over the whole step."""
+        times = [s.time_per_microbatch_s for s in self.stages]
+        total = sum(times) + (self.microbatches - 1) * max(times)
+        return 0.0 if total <= 0 else max(0.0, 1.0 - self.microbatches * max(times) / total)
+
+    def to_json(self) -> dict:
+        return {"schedule": self.schedule, "microbatches": self.microbatches, "stages": [s.to_json() for s in self.stages]}
+
+    @staticmethod
+    def from_json(d: dict) -> "PipelinePlan":
+        return PipelinePlan(d["schedule"], d["microbatches"], [StagePlan.from_json(s) for s in d["stages"]])
+
+
+@dataclasses.dataclass
 class Plan:
     model_name: str
     model_fingerprint: str
@@ -116,8 +168,33 @@ class Plan:
     # Mesh axes the plan leaves unused: every rank along them computes the same thing (redundant
     # compute), so their gradients agree and need no synchronisation.
     idle_axes: tuple[int, ...] = ()
+    # None: one stage (nodes, edges and params above). Else the stages, each with its own plan;
+    # the fields above are then empty and the fingerprint is the microbatch graph's.
+    pipeline: PipelinePlan | None = None
 
     # ---- reading ----------------------------------------------------------------------------
+    def stage_plans(self) -> list["Plan"]:
+        """Each stage's intra-op plan, in pipeline order (this plan itself when it has one stage)."""
+        return [self] if self.pipeline is None else [s.plan for s in self.pipeline.stages]
+
+    def pipeline_summary(self) -> dict:
+        """``summary()["pipeline"]``: stages (layers, ranks, mesh shape, recomputed layers),
+        schedule, microbatches and bubble; one stage over every layer and rank when not pipelined."""
+        if self.pipeline is None:
+            layers = list(dict.fromkeys(n.layer for n in self.nodes.values() if n.layer is not None))
+            size = 1
+            for s in self.mesh["shape"]:
+                size *= s
+            return {"stages": [{"layers": [0, max(len(layers) - 1, 0)], "ranks": list(range(size)),
+                                "mesh_shape": list(self.mesh["shape"]), "recompute": []}],
+                    "schedule": None, "microbatches": 1, "bubble_fraction": 0.0}
+        p = self.pipeline
+        return {"stages": [{"layers": list(s.layers), "layer_names": list(s.layer_names), "ranks": list(s.ranks),
+                            "mesh_shape": list(s.mesh_shape), "recompute": list(s.recompute),
+                            "time_per_microbatch_s": s.time_per_microbatch_s, "memory_bytes": s.memory_bytes}
+                           for s in p.stages],
+                "schedule": p.schedule, "microbatches": p.microbatches, "bubble_fraction": p.bubble_fraction}
+
     @property
     def mesh_obj(self):
         from autopar.sharding_spec.mesh import Mesh
@@ -126,7 +203,9 @@ class Plan:
 
     def collectives(self) -> list[tuple[str, tuple[int, ...], int]]:
         """Every collective of one training step: forward reshards, their backward duals, and
-        gradient synchronisation."""
+        gradient synchronisation (of one microbatch, per stage, for a pipelined plan)."""
+        if self.pipeline is not None:
+            return [c for p in self.stage_plans() for c in p.collectives()]
         out = []
         for e in self.edges:
             for s in e.steps:
@@ -146,15 +225,18 @@ class Plan:
         return out
 
     def summary(self) -> dict:
-        families = Counter(n.family for n in self.nodes.values() if n.target not in ("placeholder", "output"))
+        stages = self.stage_plans()
+        families = Counter(n.family for p in stages for n in p.nodes.values() if n.target not in ("placeholder", "output"))
+        storage = Counter(p.family for plan in stages for p in plan.params.values() if not p.buffer)
         return {
             "step_time_s": self.predicted["step_time_s"],
             "compute_s": self.predicted["compute_s"],
             "comm_s": self.predicted["comm_s"],
             "memory_bytes_per_device": self.predicted["memory_bytes_per_device"],
             "families": dict(families),
-            "param_storage": dict(Counter(p.family for p in self.params.values() if not p.buffer)),
+            "param_storage": dict(storage),
             "collectives": self.collectives(),
+            "pipeline": self.pipeline_summary(),
         }
 
     def explain(self, **kw) -> str:
@@ -195,13 +277,15 @@ class Plan:
             "params": [
                 {**dataclasses.asdict(p), "storage": spec_to_json(p.storage)} for p in self.params.values()
             ],
+            "pipeline": None if self.pipeline is None else self.pipeline.to_json(),
         }
 
     @staticmethod
     def from_json(d: dict) -> "Plan":
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise PlanError(f"plan file has schema version {version}, this autopar reads version {SCHEMA_VERSION}; re-create the plan")
+        if version not in READABLE_VERSIONS:
+            raise PlanError(f"plan file has schema version {version}, this autopar reads versions {list(READABLE_VERSIONS)}; "
+                            "re-create the plan")
         nodes = {}
         for n in d["nodes"]:
             n = dict(n)
@@ -221,8 +305,9 @@ class Plan:
                 kind, axes, nbytes = p["grad_sync"]
                 p["grad_sync"] = (kind, tuple(axes), nbytes)
             params[p["name"]] = ParamPlan(**p)
-        return Plan(d["model_name"], d["model_fingerprint"], d["mesh"], nodes, edges, params, d["predicted"], d["solver"], version,
-                    tuple(d.get("idle_axes", ())))
+        pipeline = PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") else None
+        return Plan(d["model_name"], d["model_fingerprint"], d["mesh"], nodes, edges, params, d["predicted"], d["solver"],
+                    SCHEMA_VERSION, tuple(d.get("idle_axes", ())), pipeline)
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
@@ -247,4 +332,5 @@ class Plan:
             raise PlanError(f"plan file {str(path)!r} is not an autopar plan ({e!r})") from None
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Plan) and self.to_json() == other.to_json()
+        # as JSON: a loaded plan holds lists where a fresh one may hold tuples
+        return isinstance(other, Plan) and json.dumps(self.to_json(), sort_keys=True) == json.dumps(other.to_json(), sort_keys=True)

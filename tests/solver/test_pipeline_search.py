@@ -145,3 +145,43 @@ def test_search_needs_layers():
     model, inputs = torch.nn.Linear(4, 4), (torch.randn(8, 4),)
     with pytest.raises(PlanError, match="no repeated layers"):
         search(model, autopar.Mesh((2,)), inputs)
+
+
+def test_plan_with_pipeline_stages_round_trips_and_explains(tmp_path):
+    model, inputs = models.build("gpt", device="meta", layers=8, width=1024, heads=16, seq=256, vocab=8192, batch=16)
+    mesh = autopar.Mesh((4,), cluster="a100-80g")
+    plan = autopar.plan(model, mesh, inputs, pipeline=autopar.Pipeline(stages=2), memory_budget="800MiB")
+    assert plan.pipeline is not None and len(plan.pipeline.stages) == 2
+    pipe = plan.summary()["pipeline"]
+    assert [s["ranks"] for s in pipe["stages"]] == [[0, 1], [2, 3]]
+    assert [s["layers"] for s in pipe["stages"]][0][0] == 0 and pipe["stages"][-1]["layers"][1] == 7
+    assert pipe["schedule"] in ("1f1b", "gpipe") and pipe["microbatches"] > 1 and 0 <= pipe["bubble_fraction"] < 1
+    assert all(s["memory_bytes"] <= 800 * 2**20 for s in pipe["stages"])
+    # every node of the microbatch graph runs in some stage
+    graph = ir.trace(model, tuple(t[: 16 // pipe["microbatches"]] for t in inputs))
+    ops = {n.name for n in graph.nodes.values() if n.op == "call_function"}
+    assert ops <= {name for s in plan.pipeline.stages for name in s.plan.nodes}
+    path = tmp_path / "pipe.json"
+    plan.save(path)
+    assert autopar.Plan.load(path) == plan
+    text = plan.explain()
+    first, last = pipe["stages"][1]["layers"]
+    assert "2 pipeline stages" in text and f"stage 1: layers {first}-{last}" in text and "--- stage 0 ---" in text
+    with pytest.raises(ConfigError, match="pipeline stages"):
+        autopar.parallelize(model, mesh, inputs, plan=plan)
+
+
+def test_one_stage_plan_reports_one_stage_and_version_1_files_load(tmp_path):
+    import json
+
+    model, inputs = models.build("gpt", layers=2)
+    plan = autopar.plan(model, autopar.Mesh((2,)), inputs)
+    pipe = plan.summary()["pipeline"]
+    assert pipe == {"stages": [{"layers": [0, 1], "ranks": [0, 1], "mesh_shape": [2], "recompute": []}],
+                    "schedule": None, "microbatches": 1, "bubble_fraction": 0.0}
+    old = plan.to_json()
+    old["schema_version"] = 1
+    del old["pipeline"]
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(old))
+    assert autopar.Plan.load(path) == plan
