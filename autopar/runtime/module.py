@@ -152,7 +152,7 @@ class ParallelModule(nn.Module):
             if ap.builder is None:
                 raise ConfigError(f"{ap.graph.model_name} was parallelized without a way to re-trace it; call it in the "
                                   "mode and with the input shapes it was parallelized for")
-            program = ap.builder.build(self.training, args, kwargs, ap.slot_of_fqn, len(ap.programs) + 1)
+            program = ap.builder.build(self.training, args, kwargs, ap.slot_of_fqn, len(ap.programs) + 1) or ap.main
             ap.programs[key] = program
         return program, fx_pytree.tree_flatten_spec((args, kwargs), program.in_spec)
 
@@ -166,8 +166,9 @@ class ParallelModule(nn.Module):
 
     @property
     def programs(self) -> dict:
-        """The programs built beyond the main one, by (mode, input shapes)."""
-        return dict(self._ap.programs)
+        """The programs built beyond the main one, by (mode, input shapes) (a call whose trace was
+        the main program's graph is not listed: it runs the main program)."""
+        return {k: v for k, v in self._ap.programs.items() if v is not self._ap.main}
 
     def _normalize(self, args, kwargs):
         """(args, kwargs) arranged like the traced call: as many positional arguments and the same

@@ -122,7 +122,9 @@ class VariantBuilder:
     device: object
     max_programs: int = DEFAULT_MAX_PROGRAMS
 
-    def build(self, mode: bool, args, kwargs, slot_of_fqn: dict, n_programs: int) -> Program:
+    def build(self, mode: bool, args, kwargs, slot_of_fqn: dict, n_programs: int) -> Program | None:
+        """The program for a call in ``mode`` with these inputs; None when its trace is the main
+        program's own graph (a model whose code does not depend on the mode)."""
         from autopar import ir
         from autopar.codegen.lower import lower
 
@@ -139,6 +141,8 @@ class VariantBuilder:
             graph = ir.trace(self.skeleton, meta_args, meta_kwargs or None)
         except TraceError as err:
             raise ConfigError(f"cannot trace the model in {'train' if mode else 'eval'} mode for these inputs: {err}") from None
+        if graph.fingerprint() == self.main_plan.model_fingerprint:
+            return None
         plan = self._plan(graph)
         lowered = lower(graph, plan, self.mesh, device=self.device)
         fqn_of = {ph: fqn for fqn, ph in {**graph.params, **graph.buffers}.items()}

@@ -98,7 +98,8 @@ def clip_case(tag, mesh, groups, layout, *, norm_type=2.0, use_torch=False, hf=F
 
 
 def clip_errors_case(tag, mesh, groups):
-    """error_if_nonfinite as torch's; mixing a ParallelModule's parameters with others is refused."""
+    """error_if_nonfinite as torch's; mixing a ParallelModule's parameters with others is refused; a model whose
+    code does not depend on the mode runs eval on its main program."""
     model, inputs = _gpt()
     pm = autopar.parallelize(model, mesh, inputs, groups=groups, force=autopar.Layout(dp=mesh.size))
     _loss(pm(*inputs)).backward()
@@ -111,6 +112,12 @@ def clip_errors_case(tag, mesh, groups):
     except RuntimeError as err:
         out["nonfinite"] = str(err)
     out["inf_norm"] = float(pm.clip_grad_norm_(1.0, norm_type="inf"))
+    mlp, mlp_inputs = models.build("mlp")
+    pmlp = autopar.parallelize(mlp, mesh, mlp_inputs, groups=groups)
+    pmlp.eval()
+    with torch.no_grad():
+        out["mode_free_eval_err"] = rel(pmlp(*mlp_inputs), mlp.eval()(*mlp_inputs))
+    out["mode_free_programs"] = len(pmlp.programs)
     try:
         torch.nn.utils.clip_grad_norm_(list(pm.parameters()) + [nn.Parameter(torch.ones(2))], 1.0)
         out["mixed"] = None
@@ -414,6 +421,8 @@ def test_clipping_errors_behave_like_torch(results):
         assert c["nonfinite"] and "non-finite" in c["nonfinite"]
         assert c["inf_norm"] == math.inf
         assert c["mixed"] and "mixed" in c["mixed"]
+        # a model whose code does not depend on the mode runs eval on its main program
+        assert c["mode_free_programs"] == 0 and c["mode_free_eval_err"] <= TOL
 
 
 def test_eval_mode_equals_the_original_eval_and_is_deterministic(results):
