@@ -12,7 +12,9 @@ In order, on every rank (the same calls everywhere, since several are collective
 4. lower the plan to the rank's program (``autopar.codegen.lower``);
 5. build only this rank's parameter shards (``materialize``: from ``state_dict=``, the real model,
    or a meta model plus its init);
-6. wrap them in a ``ParallelModule`` called like the original model.
+6. wrap them in a ``ParallelModule`` called like the original model, with what it needs to build
+   programs for the other mode and other input shapes on first use (a weightless copy of the
+   model, the pricing mesh and the planner's keywords: ``autopar.runtime.programs``).
 """
 from __future__ import annotations
 
