@@ -76,7 +76,7 @@ def plan(
                   time_limit_s=time_limit_s, solver=solver, optimizer_sharding=optimizer_sharding, bucket_bytes=bucket_bytes)
         choice = search(model, mesh, example_inputs, example_kwargs, pipeline=None if pipeline == "auto" else pipeline,
                         memory_budget=budget, plan_kwargs=kw)
-        if len(choice.stages) > 1 or choice.microbatches > 1:
+        if len(choice.stages) > 1 or choice.microbatches > 1 or choice.stages[0].recompute:
             return choice.to_plan()
         # one stage, one microbatch: the plain intra-op plan of the whole batch (below)
     t0 = time.perf_counter()

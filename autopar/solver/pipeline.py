@@ -70,8 +70,6 @@ class Pipeline:
             raise ConfigError(f"Pipeline(schedule={self.schedule!r}) is not priced yet; the search prices {list(SEARCHED_SCHEDULES)}")
         if self.virtual_stages not in (None, 1):
             raise ConfigError("Pipeline(virtual_stages=...) (interleaved stages) is not supported yet")
-        if self.recompute:
-            raise ConfigError("Pipeline(recompute=True) is not supported yet: activation recomputation is not priced")
 
 
 @dataclasses.dataclass
@@ -84,6 +82,18 @@ class UnitPrices:
     activation_bytes: np.ndarray
     boundary_bytes: np.ndarray  # the activation entering unit u from the units before it
     plan: object  # the intra-op Plan these came from
+    forward_s: np.ndarray | None = None  # the forward part of per_microbatch_s's compute
+    recompute: bool = False
+    stage_extra_bytes: float = 0.0  # held once by any stage on these prices
+
+    def recomputed(self) -> "UnitPrices":
+        """These prices with every unit's activations recomputed in backward (as
+        ``torch.utils.checkpoint`` per layer): the forward runs twice; per microbatch in flight a
+        unit keeps only its input; while one unit's backward runs, its whole activations are
+        live again (the largest unit's, held once per stage)."""
+        peak = float(self.activation_bytes.max()) if len(self.activation_bytes) else 0.0
+        return dataclasses.replace(self, per_microbatch_s=self.per_microbatch_s + self.forward_s,
+                                   activation_bytes=self.boundary_bytes.copy(), recompute=True, stage_extra_bytes=peak)
 
 
 @dataclasses.dataclass
@@ -169,7 +179,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     cluster = mesh.resolved_cluster()
     unit = unit_of_nodes(graph)
     n = len(graph.layers)
-    micro, step, static, act, boundary = (np.zeros(n) for _ in range(5))
+    micro, step, static, act, boundary, forward = (np.zeros(n) for _ in range(6))
     readers = _readers(graph)
     crossing: set[tuple[str, int]] = set()
     for name, np_ in plan.nodes.items():
@@ -184,6 +194,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
                 step[uu] += np_.compute_s  # the optimizer's share
         elif node.op == "call_function":
             micro[u] += np_.compute_s + cluster.op_overhead_s + cluster.backward_op_overhead_s
+            forward[u] += np_.compute_s / 3 + cluster.op_overhead_s  # node compute is forward + 2x backward
             act[u] += np_.memory_bytes
             if needs_lowering(np_.family):
                 micro[u] += lowered_comm_s(np_.target, np_.family, np_.inputs, np_.output, mesh)
@@ -202,7 +213,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     for p in plan.params.values():
         if p.grad_sync is not None and p.node in unit:
             step[unit[p.node]] += p.grad_sync_s
-    return UnitPrices(micro, step, static, act, boundary, plan)
+    return UnitPrices(micro, step, static, act, boundary, plan, forward)
 
 
 # ---- sub-meshes --------------------------------------------------------------------------------------------
@@ -267,8 +278,11 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         groups = layer_groups(len(graph.layers), MAX_UNITS)
         variants = []  # (rows, UnitPrices)
         for rows in options:
-            variants += [(rows, p) for p in _variants(model, sub_mesh(mesh, rows), graph, intra_op_plan,
-                                                      {**plan_kwargs, "microbatches": count}, budget)]
+            for p in _variants(model, sub_mesh(mesh, rows), graph, intra_op_plan, {**plan_kwargs, "microbatches": count}, budget):
+                if pipeline.recompute is not True:
+                    variants.append((rows, p))
+                if pipeline.recompute is not False:  # None: both, the DP chooses per stage
+                    variants.append((rows, p.recomputed()))
         t_dp = time.perf_counter()
         timing["intra_op_s"] += t_dp - t_ilp
         found = None
@@ -297,12 +311,12 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         i, j = groups[gi][0], groups[gj][-1]
         rows, prices = variants[m]
         inflight = count if schedule == "gpipe" else min(len(sol.stages) - len(stages), count)
-        mem = prices.static_bytes[i:j + 1].sum() + inflight * prices.activation_bytes[i:j + 1].sum()
+        mem = prices.static_bytes[i:j + 1].sum() + inflight * prices.activation_bytes[i:j + 1].sum() + prices.stage_extra_bytes
         nodes = {name for name, u in unit.items() if i <= u <= j}
         sub = restrict(prices.plan, graph, nodes, t, float(mem))
         stages.append(StagePlan((i, j), (graph.layers[i], graph.layers[j]), (row, row + rows - 1),
                                 list(range(row * per_row, (row + rows) * per_row)), (rows, *mesh.shape[1:]),
-                                t, float(mem), sub))
+                                t, float(mem), sub, list(range(i, j + 1)) if prices.recompute else []))
         row += rows
     return PipelineChoice(PipelinePlan(schedule, count, stages), sol.step_time, graph, time.perf_counter() - t0, timing)
 
@@ -359,7 +373,8 @@ def _grouped(p: UnitPrices, groups) -> UnitPrices:
         return np.asarray([a[g].sum() for g in groups])
 
     return UnitPrices(total(p.per_microbatch_s), total(p.per_step_s), total(p.static_bytes),
-                      total(p.activation_bytes), np.asarray([p.boundary_bytes[g[0]] for g in groups]), p.plan)
+                      total(p.activation_bytes), np.asarray([p.boundary_bytes[g[0]] for g in groups]), p.plan,
+                      total(p.forward_s), p.recompute, p.stage_extra_bytes)
 
 
 def _variants(model, sm, graph, intra_op_plan, plan_kwargs, budget: float):
@@ -401,6 +416,6 @@ def _tables(variants, n_units, count, mesh):
             recv = 0.0 if i == 0 else 2 * (link.alpha + p.boundary_bytes[i] * link.beta)
             j = np.arange(i, n_units)
             time_t[i, i:, m] = c_time[j + 1] - c_time[i] + recv
-            mem_t[i, i:, m] = c_static[j + 1] - c_static[i]
+            mem_t[i, i:, m] = c_static[j + 1] - c_static[i] + p.stage_extra_bytes
             act_t[i, i:, m] = c_act[j + 1] - c_act[i]
     return time_t, mem_t, act_t

@@ -185,3 +185,34 @@ def test_one_stage_plan_reports_one_stage_and_version_1_files_load(tmp_path):
     path = tmp_path / "v1.json"
     path.write_text(json.dumps(old))
     assert autopar.Plan.load(path) == plan
+
+
+def test_recomputation_is_chosen_where_only_it_fits():
+    """Somewhere between the memory the fastest layout needs and what nothing meets, a budget fits
+    only with activations recomputed: the search then recomputes (it says which layers), and with
+    recompute=False the same budget raises PlanError."""
+    model, inputs = models.build("gpt", device="meta", layers=8, width=512, heads=8, seq=1024, vocab=4096, batch=16)
+    mesh = autopar.Mesh((2,), cluster="a100-80g")
+    free = search(model, mesh, inputs, pipeline=Pipeline(recompute=False))
+    assert not any(s.recompute for s in free.stages)
+    top = max(s.memory_bytes for s in free.stages)
+    found = False
+    for f in (0.7, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08):
+        budget = top * f
+        try:
+            search(model, mesh, inputs, memory_budget=budget, pipeline=Pipeline(recompute=False))
+            continue
+        except PlanError:
+            pass
+        try:
+            choice = search(model, mesh, inputs, memory_budget=budget)
+        except PlanError:
+            break
+        assert any(s.recompute for s in choice.stages)
+        for s in choice.stages:
+            assert s.recompute in ([], list(range(s.layers[0], s.layers[1] + 1)))
+            assert s.memory_bytes <= budget
+        assert choice.step_time_s > free.step_time_s  # recomputing costs a forward
+        found = True
+        break
+    assert found, "no budget between 'fits without recomputation' and 'fits with nothing' was found"
