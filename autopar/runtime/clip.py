@@ -59,27 +59,44 @@ def clip_grad_norm_(info: ClipInfo, parameters, max_norm: float, norm_type: floa
     info.synchronize()
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    mine = [p.grad for p in params if p.grad is not None and id(p) in info.counted]
     norm_type = float(norm_type)
     dtype = grads[0].dtype if grads else torch.get_default_dtype()
     device = grads[0].device if grads else (info.device or torch.device("cpu"))
-    if norm_type in (math.inf, -math.inf):
-        if norm_type == math.inf:
-            local = max((g.abs().max().double() for g in mine if g.numel()), default=torch.tensor(0.0, dtype=torch.float64))
+    f64 = dict(dtype=torch.float64, device=device)
+    # the gradients this rank counts (None where another rank counts that part), in the same order
+    # on every rank
+    mine = [p.grad if (p.grad is not None and id(p) in info.counted) else None for p in params]
+    # one SUM all-reduce carries: [sum of |norm|^p (p-norms), NaN seen, gradients, per-parameter nonzero counts]
+    counts = torch.zeros(3 + len(params), **f64)
+    counts[2] = sum(g is not None for g in mine)
+    present = [g for g in mine if g is not None and g.numel()]
+    if present:  # tensor ops only: no host sync per gradient on a GPU
+        counts[1] = torch.stack([torch.isnan(g).any() for g in present]).any().double()
+    if norm_type == 0:  # torch: how many gradients have a nonzero element
+        for i, g in enumerate(mine):
+            if g is not None:
+                counts[3 + i] = torch.count_nonzero(g).double()
+    elif not math.isinf(norm_type) and present:
+        norms = torch._foreach_norm(present, norm_type)
+        counts[0] = torch.stack([n.double() for n in norms]).pow(norm_type).sum()
+    dist.all_reduce(counts, group=info.world_pg)
+    if math.isinf(norm_type):
+        if norm_type > 0:
+            local = torch.stack([g.abs().amax().double() for g in present]).amax() if present else torch.zeros((), **f64)
             op = dist.ReduceOp.MAX
         else:
-            local = min((g.abs().min().double() for g in mine if g.numel()), default=torch.tensor(math.inf, dtype=torch.float64))
+            local = torch.stack([g.abs().amin().double() for g in present]).amin() if present else torch.full((), math.inf, **f64)
             op = dist.ReduceOp.MIN
-        total = torch.as_tensor(local, dtype=torch.float64, device=device).clone()
+        total = local.clone().reshape(())
         dist.all_reduce(total, op=op, group=info.world_pg)
+        if counts[2] == 0:  # no gradient anywhere: torch's norm of nothing
+            total = torch.zeros((), **f64)
+    elif norm_type == 0:
+        total = (counts[3:] > 0).sum().double()
     else:
-        norms = torch._foreach_norm(mine, norm_type) if mine else []
-        local = sum((n.double() ** norm_type if norm_type != 0 else n.double() for n in norms),
-                    torch.zeros((), dtype=torch.float64, device=device))
-        dist.all_reduce(local, group=info.world_pg)
-        total = local if norm_type == 0 else local ** (1.0 / norm_type)
-    if not grads and norm_type in (math.inf, -math.inf) and math.isinf(float(total)):
-        total = torch.zeros((), dtype=torch.float64, device=device)
+        total = counts[0] ** (1.0 / norm_type)
+    if counts[1] > 0:
+        total = torch.full((), math.nan, **f64)
     total = total.to(dtype)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(

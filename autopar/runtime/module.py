@@ -38,7 +38,7 @@ from autopar.codegen import ops
 from autopar.errors import ConfigError
 from autopar.ir.graph import Role
 from autopar.runtime.clip import ClipInfo, attach, clip_grad_norm_, counts_in_norm
-from autopar.runtime.programs import Program, key_of
+from autopar.runtime.programs import Program, call_key
 from autopar.runtime.reducer import GradReducer, SyncEntry, chunk_of, unchunk
 from autopar.runtime.state import device_mesh, local_part, to_dtensor
 
@@ -49,7 +49,7 @@ class ParallelModule(nn.Module):
 
     def __init__(self, *, graph, plan, lowered, groups, shards: dict, state_keys: list[str],
                  signature: inspect.Signature | None, requires_grad: dict[str, bool], constants: dict,
-                 order: list[str] | None = None, builder=None, mode: bool = True, device=None,
+                 order: list[str] | None = None, builder=None, mode: bool = True, device=None, example=None,
                  bucket_bytes: int | None = None, first_bucket_bytes: int | None = None):
         super().__init__()
         object.__setattr__(self, "_ap", _State(graph, plan, lowered, groups, state_keys, signature))
@@ -102,6 +102,10 @@ class ParallelModule(nn.Module):
         self._ap.main = main
         self._ap.mode = bool(mode)
         self._ap.programs = {}
+        # What decides that a call runs the main program: the traced mode, structure, tensor shapes
+        # and dtypes, and non-tensor values (export bakes those in).
+        ex_args, ex_kwargs = example if example is not None else ((), {})
+        self._ap.main_key = call_key(mode, *self._normalize(tuple(ex_args), dict(ex_kwargs)))
         self._ap.clip = ClipInfo(counted, groups.handle(tuple(range(groups.mesh.ndim))).pg,
                                  self._ap.reducer.synchronize, device)
         attach(self.parameters(), self._ap.clip)
@@ -115,7 +119,7 @@ class ParallelModule(nn.Module):
         for part in path:
             child = mod._modules.get(part)
             if child is None:
-                child = nn.Module()
+                child = _Holder()
                 mod.add_module(part, child)
             mod = child
         return mod, attr
@@ -139,30 +143,18 @@ class ParallelModule(nn.Module):
         """The program for this call's mode and inputs, and the inputs flattened for it: the main
         program, or one built (and cached) on first use; see ``autopar.runtime.programs``."""
         ap = self._ap
-        leaves, _ = pytree.tree_flatten((args, kwargs))
-        try:
-            flat = fx_pytree.tree_flatten_spec((args, kwargs), ap.in_spec)
-        except Exception:
-            flat = None  # another structure (e.g. an optional input left out): its own program
-        if flat is not None and self.training == ap.mode and self._fits_main(flat):
-            return ap.main, flat
-        key = key_of(self.training, leaves) + (repr(pytree.tree_structure((args, kwargs))),)
+        key = call_key(self.training, args, kwargs)
+        if key == ap.main_key:
+            return ap.main, fx_pytree.tree_flatten_spec((args, kwargs), ap.in_spec)
         program = ap.programs.get(key)
         if program is None:
             if ap.builder is None:
                 raise ConfigError(f"{ap.graph.model_name} was parallelized without a way to re-trace it; call it in the "
                                   "mode and with the input shapes it was parallelized for")
-            program = ap.builder.build(self.training, args, kwargs, ap.slot_of_fqn, len(ap.programs) + 1) or ap.main
+            built = sum(p is not ap.main for p in ap.programs.values())
+            program = ap.builder.build(self.training, args, kwargs, ap.slot_of_fqn, built) or ap.main
             ap.programs[key] = program
         return program, fx_pytree.tree_flatten_spec((args, kwargs), program.in_spec)
-
-    def _fits_main(self, flat) -> bool:
-        graph = self._ap.graph
-        for x, name in zip(flat, self._ap.lowered.inputs):
-            meta = graph.nodes[name].meta
-            if isinstance(x, torch.Tensor) and hasattr(meta, "shape") and (tuple(x.shape) != tuple(meta.shape) or str(x.dtype).removeprefix("torch.") != meta.dtype):
-                return False
-        return True
 
     @property
     def programs(self) -> dict:
@@ -317,32 +309,57 @@ class ParallelModule(nn.Module):
             out[prefix + key] = made[canon]
         return out
 
-    @torch.no_grad()
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load DTensors (of this plan, or of any other: gathered, then sliced) or full tensors
         under the original model's keys; a tied weight needs one of its names. Returns torch's
         ``(missing_keys, unexpected_keys)``; with ``strict`` either raises a ConfigError. Every
-        rank must call it (a DTensor of another layout is gathered)."""
+        rank must call it (a DTensor of another layout is gathered). A module holding this one
+        loads it through ``_load_from_state_dict`` the same way."""
         from torch.nn.modules.module import _IncompatibleKeys
 
         if assign:
             raise ConfigError("load_state_dict(assign=True) would replace the shards the program reads; use assign=False")
+        missing, unexpected = self._keys_against(state_dict)
+        if strict and (missing or unexpected):
+            raise ConfigError(
+                f"error loading the state dict of {self._ap.graph.model_name}: missing keys {missing[:8]}"
+                f"{'...' if len(missing) > 8 else ''}, unexpected keys {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+            )
+        self._load(state_dict)
+        return _IncompatibleKeys(missing, unexpected)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        """torch's per-module hook, for a parent's ``load_state_dict``: this module's keys are
+        under ``prefix``; the containers holding the shards load nothing themselves."""
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        missing, unexpected = self._keys_against(mine)
+        missing_keys += [prefix + k for k in missing]
+        unexpected_keys += [prefix + k for k in unexpected]
+        try:
+            self._load(mine)
+        except ConfigError as err:
+            error_msgs.append(str(err))
+
+    def _keys_against(self, state_dict) -> tuple[list[str], list[str]]:
         ap = self._ap
         known = set(ap.state_keys)
         unexpected = [k for k in state_dict if k not in known]
-        groups_of: dict[str, list[str]] = {}
+        missing = [names[0] for names in self._names_by_canonical().values() if not any(n in state_dict for n in names)]
+        return missing, unexpected
+
+    def _names_by_canonical(self) -> dict[str, list[str]]:
+        ap = self._ap
+        out: dict[str, list[str]] = {}
         for key in ap.state_keys:
-            groups_of.setdefault(ap.canonical.get(key, key), []).append(key)
-        missing = [names[0] for names in groups_of.values() if not any(n in state_dict for n in names)]
-        if strict and (missing or unexpected):
-            raise ConfigError(
-                f"error loading the state dict of {ap.graph.model_name}: missing keys {missing[:8]}"
-                f"{'...' if len(missing) > 8 else ''}, unexpected keys {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
-            )
+            out.setdefault(ap.canonical.get(key, key), []).append(key)
+        return out
+
+    @torch.no_grad()
+    def _load(self, state_dict) -> None:
+        ap = self._ap
         dm = device_mesh(ap.groups, ap.device)
         shards = self._storage_shards()
-        slot_of = ap.slot_of_fqn
-        for canon, names in groups_of.items():
+        for canon, names in self._names_by_canonical().items():
             present = [n for n in names if n in state_dict]
             if not present or canon not in shards:
                 continue
@@ -352,11 +369,17 @@ class ParallelModule(nn.Module):
             if local.dtype != target.dtype and not (local.is_floating_point() and target.is_floating_point()):
                 raise ConfigError(f"{present[0]} has dtype {local.dtype}, the model's is {target.dtype}")
             target.copy_(local.to(target.device))
-            entry = ap.zero2.get(slot_of[canon])
+            entry = ap.zero2.get(ap.slot_of_fqn[canon])
             if entry is not None:  # the optimizer's chunk follows the loaded working copy
                 g = ap.groups.handle(entry.axes)
                 entry.param.copy_(chunk_of(target, g.index, g.size))
-        return _IncompatibleKeys(missing, unexpected)
+
+
+class _Holder(nn.Module):
+    """A container on the path of an original name; the ParallelModule loads its tensors."""
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        pass
 
 
 class _State:

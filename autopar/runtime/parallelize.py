@@ -134,7 +134,7 @@ def parallelize(
         graph=graph, plan=plan, lowered=lowered, groups=groups, shards=shards,
         state_keys=list(model.state_dict(keep_vars=True).keys()), signature=_signature(model),
         requires_grad=requires_grad, constants=constants, order=order, builder=builder, mode=model.training,
-        device=device, bucket_bytes=bucket_bytes,
+        device=device, example=(inputs, example_kwargs or {}), bucket_bytes=bucket_bytes,
     )
 
 

@@ -51,11 +51,12 @@ class Program:
         return [slot_values[s] if s is not None else self.constants[i] for i, s in enumerate(self.state_slots)]
 
 
-def key_of(training: bool, flat: list) -> tuple:
-    """What decides which program runs a call: the mode, and each input's shape and dtype (other
-    leaves by value, since export specializes on them)."""
-    return (bool(training),) + tuple(
-        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in flat
+def call_key(training: bool, args, kwargs) -> tuple:
+    """What decides which program runs a call: the mode, the inputs' structure, each tensor's shape
+    and dtype, and every other leaf by value (export bakes those into the graph)."""
+    leaves, structure = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    return (bool(training), repr(structure)) + tuple(
+        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", repr(x)) for x in leaves
     )
 
 
@@ -124,7 +125,8 @@ class VariantBuilder:
 
     def build(self, mode: bool, args, kwargs, slot_of_fqn: dict, n_programs: int) -> Program | None:
         """The program for a call in ``mode`` with these inputs; None when its trace is the main
-        program's own graph (a model whose code does not depend on the mode)."""
+        program's own graph (a model whose code does not depend on the mode). ``n_programs``: how
+        many are built already."""
         from autopar import ir
         from autopar.codegen.lower import lower
 

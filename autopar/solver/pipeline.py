@@ -144,21 +144,21 @@ class PipelineChoice:
 
 # ---- units ---------------------------------------------------------------------------------------------
 def unit_of_nodes(graph) -> dict[str, int]:
-    """Node name -> unit index: its layer's position; before the first layer -> 0, after -> last."""
+    """Node name -> unit index: its layer's position; an op outside every layer joins the latest
+    layer before it (0 before the first: embeddings; the last after it: head and loss)."""
     if not graph.layers:
         raise PlanError(f"{graph.model_name} has no repeated layers to cut into pipeline stages")
     index = {layer: i for i, layer in enumerate(graph.layers)}
-    last = len(graph.layers) - 1
-    out, seen_layer = {}, False
+    out, latest = {}, 0  # latest: the layer of the most recent layer op (ops between layers join it)
     for name, node in graph.nodes.items():
         if node.layer in index:
             out[name] = index[node.layer]
             if node.op == "call_function":
-                seen_layer = True
+                latest = max(latest, index[node.layer])
         elif node.op == "placeholder":
             continue  # parameters without a layer: placed by their readers below
         else:
-            out[name] = last if seen_layer else 0
+            out[name] = latest
     for name, node in graph.nodes.items():
         if name not in out:
             readers = [out[n] for n, other in graph.nodes.items() if name in other.inputs and n in out]
@@ -409,7 +409,7 @@ def _tables(variants, n_units, count, mesh):
     act_t = np.zeros_like(time_t)
     link = mesh.links()[0]
     for m, (rows, p) in enumerate(variants):
-        per_unit = p.per_microbatch_s + p.per_step_s / count
+        per_unit = p.per_microbatch_s + p.per_step_s  # per-step prices are already 1 / count (plan(microbatches=))
         c_time, c_static, c_act = (np.concatenate([[0.0], np.cumsum(a)]) for a in (per_unit, p.static_bytes, p.activation_bytes))
         for i in range(n_units):
             # the activation entering the stage (forward) and its gradient leaving it (backward)

@@ -112,6 +112,18 @@ def clip_errors_case(tag, mesh, groups):
     except RuntimeError as err:
         out["nonfinite"] = str(err)
     out["inf_norm"] = float(pm.clip_grad_norm_(1.0, norm_type="inf"))
+    pm.zero_grad()
+    _loss(pm(*inputs)).backward()
+    ref = copy.deepcopy(model)
+    _loss(ref(*inputs)).backward()
+    out["zero_norm"] = (float(pm.clip_grad_norm_(1e9, norm_type=0)), float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, norm_type=0)))
+    last = list(pm.parameters())[-1]
+    last.grad.view(-1)[-1] = math.nan  # a NaN in a later gradient: the inf norm must see it on every rank
+    try:
+        pm.clip_grad_norm_(1.0, norm_type=math.inf, error_if_nonfinite=True)
+        out["nan_inf"] = None
+    except RuntimeError as err:
+        out["nan_inf"] = str(err)
     mlp, mlp_inputs = models.build("mlp")
     pmlp = autopar.parallelize(mlp, mesh, mlp_inputs, groups=groups)
     pmlp.eval()
@@ -123,6 +135,41 @@ def clip_errors_case(tag, mesh, groups):
         out["mixed"] = None
     except AutoparError as err:
         out["mixed"] = str(err)
+    return out
+
+
+class Scaled(nn.Module):
+    """A forward with a Python number argument (export bakes it into the graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, y, scale: float = 1.0):
+        return F.mse_loss(self.lin(x) * scale, y)
+
+
+def call_values_case(tag, mesh, groups):
+    """Another value of a non-tensor argument runs a program of its own (not the traced value);
+    a module holding the ParallelModule saves and loads it through torch's own recursion."""
+    torch.manual_seed(0)
+    model = Scaled()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pm = autopar.parallelize(model, mesh, (x, y), example_kwargs={"scale": 2.0}, groups=groups)
+    out = {"tag": tag, "same_value": rel(pm(x, y, scale=2.0), ref(x, y, scale=2.0)),
+           "other_value": rel(pm(x, y, scale=5.0), ref(x, y, scale=5.0)), "programs": len(pm.programs)}
+    outer = nn.ModuleDict({"inner": pm})
+    sd = outer.state_dict()
+    out["outer_keys"] = sorted(sd) == sorted("inner." + k for k in ref.state_dict())
+    full = {"inner." + k: v + 1 for k, v in ref.state_dict().items()}
+    outer.load_state_dict(full)
+    out["outer_load_err"] = max(rel(v, full["inner." + k]) for k, v in pm.full_state_dict().items())
+    try:
+        outer.load_state_dict({"inner.lin.weight": full["inner.lin.weight"]})
+        out["outer_strict"] = None
+    except RuntimeError as err:  # torch's own strict error, naming our missing key
+        out["outer_strict"] = str(err)
     return out
 
 
@@ -358,6 +405,7 @@ def rank_2(rank, world_size):
     out.append(run_case("clip inf tp", clip_case, "clip inf tp", mesh, groups, autopar.Layout(tp=2), norm_type=math.inf))
     out.append(run_case("clip transformers", clip_case, "clip transformers", mesh, groups, None, hf=True, use_torch=True))
     out.append(run_case("clip errors", clip_errors_case, "clip errors", mesh, groups))
+    out.append(run_case("call values", call_values_case, "call values", mesh, groups))
     return out
 
 
@@ -420,9 +468,19 @@ def test_clipping_errors_behave_like_torch(results):
         _ok(c)
         assert c["nonfinite"] and "non-finite" in c["nonfinite"]
         assert c["inf_norm"] == math.inf
+        assert c["zero_norm"][0] == c["zero_norm"][1]  # torch: how many gradients are nonzero
+        assert c["nan_inf"] and "non-finite" in c["nan_inf"]
         assert c["mixed"] and "mixed" in c["mixed"]
         # a model whose code does not depend on the mode runs eval on its main program
         assert c["mode_free_programs"] == 0 and c["mode_free_eval_err"] <= TOL
+
+
+def test_non_tensor_arguments_and_a_wrapping_module(results):
+    for c in results["call values"]:
+        _ok(c)
+        assert c["same_value"] <= TOL and c["other_value"] <= TOL and c["programs"] == 1, c
+        assert c["outer_keys"] and c["outer_load_err"] == 0.0, c
+        assert c["outer_strict"] and "lin.bias" in c["outer_strict"]
 
 
 def test_eval_mode_equals_the_original_eval_and_is_deterministic(results):

@@ -216,3 +216,34 @@ def test_recomputation_is_chosen_where_only_it_fits():
         found = True
         break
     assert found, "no budget between 'fits without recomputation' and 'fits with nothing' was found"
+
+
+def test_one_stage_without_memory_pressure_takes_one_microbatch():
+    """More microbatches on one stage only add per-microbatch costs (gradient sync and optimizer are
+    paid once per step, priced once)."""
+    model, inputs = models.build("gpt", layers=2, batch=8)
+    choice = search(model, autopar.Mesh((2,), cluster="cpu-gloo"), inputs, pipeline=Pipeline(stages=1))
+    assert choice.microbatches == 1
+
+
+class _BetweenLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 0:
+                x = torch.tanh(x) * 0.5  # root-level ops between layer 0 and layer 1
+        return self.head(x).mean()
+
+
+def test_ops_between_layers_join_the_layer_before_them():
+    graph = ir.trace(_BetweenLayers(), (torch.randn(4, 8),))
+    unit = unit_of_nodes(graph)
+    tanh = next(n for n in graph.nodes.values() if n.op == "call_function" and "tanh" in n.target)
+    assert unit[tanh.name] == 0
+    head = next(n for n in graph.nodes.values() if n.module_path == "head" and n.op == "call_function")
+    assert unit[head.name] == len(graph.layers) - 1
