@@ -72,3 +72,10 @@ def test_explain_code_prints_the_rank_program(capsys):
     program = out.split("# the program every rank runs")[1]
     assert "def forward(" in program and "torch.ops.aten.linear.default" in program
     assert "autopar_backward_seed" in program
+
+
+def test_explain_a_published_shape_by_name(capsys):
+    """A published shape by name (two of its layers, to stay quick), on an A100 mesh."""
+    code, out, _ = run(capsys, "explain", "gpt2-xl:layers=2,batch=16", "--mesh", "2x4", "--cluster", "a100-80g")
+    assert code == 0
+    assert "plan for GPT on mesh 2x4" in out and "predicted step time" in out

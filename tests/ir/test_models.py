@@ -96,3 +96,22 @@ def test_config_errors(name, overrides, words):
         autopar.models.build(name, **overrides)
     for word in words:
         assert word in str(info.value)
+
+
+# published parameter counts (papers / model cards), in billions
+PUBLISHED_PARAMS = {"gpt2-xl": 1.56, "gpt3-175b": 175.0, "llama2-7b": 6.74, "llama3-8b": 8.03, "llama3-70b": 70.6}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_published_shapes_by_name(name):
+    """Built on the meta device in bfloat16 by default, with the published parameter count (within
+    1%) and a training-run batch."""
+    model, inputs = autopar.models.build(name)
+    p = next(model.parameters())
+    assert p.is_meta and p.dtype == torch.bfloat16 and all(t.is_meta for t in inputs)
+    billions = sum(t.numel() for t in model.parameters()) / 1e9
+    assert abs(billions - PUBLISHED_PARAMS[name]) <= 0.01 * PUBLISHED_PARAMS[name]
+    assert inputs[0].shape[0] >= 512
+    assert name in autopar.models.names()
+    small = autopar.models.config(name, layers=2)
+    assert small.layers == 2 and small.width == autopar.models.config(name).width
