@@ -35,9 +35,13 @@ def parse_mesh(text: str) -> tuple[int, ...]:
 
 
 def load_model(spec: str):
-    """(model, example_inputs, example_kwargs) from a built-in name or `pkg.module:factory`."""
+    """(model, example_inputs, example_kwargs) from a built-in or published name (with overrides),
+    `hf:path/to/config.json[:batch=8,seq=512]` or `pkg.module:factory`."""
     from autopar import models
 
+    if spec.startswith("hf:"):
+        path, _, opts = spec[3:].partition(":")
+        return hf_model_from_config(path, **_options(opts))
     name, sep, opts = spec.partition(":")
     if sep and opts and "=" not in opts:  # pkg.module:factory
         mod_name, fn_name = name, opts
@@ -50,14 +54,46 @@ def load_model(spec: str):
             raise ConfigError(f"{spec} must return (model, example_inputs) or (model, example_inputs, example_kwargs)")
         model, inputs, *rest = result
         return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), rest[0] if rest else None
+    model, inputs = models.build(name, **_options(opts))
+    return model, inputs, None
+
+
+def _options(opts: str) -> dict:
     overrides = {}
     for item in filter(None, opts.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
             raise ConfigError(f"model option {item!r} must look like key=value")
         overrides[key] = _literal(value)
-    model, inputs = models.build(name, **overrides)
-    return model, inputs, None
+    return overrides
+
+
+def hf_model_from_config(path: str, batch: int = 8, seq: int | None = None, dtype: str | None = None):
+    """A transformers causal LM from a config file (no weights: built on the meta device), called
+    as ``model(input_ids=..., labels=..., use_cache=False)`` with a (batch, seq) batch; seq defaults
+    to the model's context length, capped at 2048; dtype to the config's (else float32)."""
+    import torch
+
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("hf:... models need the transformers package: pip install transformers") from None
+    if not os.path.exists(path):
+        raise ConfigError(f"hf:{path}: no such config file (give a config.json or a folder holding one)")
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"hf:{path}: transformers cannot read this config ({err})") from None
+    cfg.use_cache = False
+    context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
+    seq = int(seq) if seq is not None else min(int(context), 2048)
+    want = getattr(torch, dtype) if dtype else (getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32)
+    if isinstance(want, str):
+        want = getattr(torch, want)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(want)
+    ids = torch.zeros((int(batch), seq), dtype=torch.long, device="meta")
+    return model, (), {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
 
 
 def _literal(v: str):
@@ -127,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     e = sub.add_parser("explain", help="plan a model on a mesh and print the plan, layer by layer")
-    e.add_argument("model", help="built-in name (mlp, gpt, llama) or pkg.module:factory")
+    e.add_argument("model", help="built-in name (mlp, gpt, llama), published shape (gpt3-175b, llama3-8b, ...), "
+                   "hf:path/to/config.json, or pkg.module:factory")
     e.add_argument("--mesh", type=parse_mesh, required=True, help="mesh shape, e.g. 8 or 2x4")
     e.add_argument("--cluster", default=None, help="preset (a100-80g, h100-80g, cpu-gloo) or JSON file")
     e.add_argument("--memory-budget", default=None, help="per-device memory, e.g. 40GB")

@@ -79,3 +79,15 @@ def test_explain_a_published_shape_by_name(capsys):
     code, out, _ = run(capsys, "explain", "gpt2-xl:layers=2,batch=16", "--mesh", "2x4", "--cluster", "a100-80g")
     assert code == 0
     assert "plan for GPT on mesh 2x4" in out and "predicted step time" in out
+
+
+def test_explain_a_transformers_config_file(capsys, tmp_path):
+    """hf:config.json builds the model without weights (meta device) and plans it."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64).to_json_file(path)
+    code, out, _ = run(capsys, "explain", f"hf:{path}:batch=4,seq=32", "--mesh", "2", "--cluster", "a100-80g")
+    assert code == 0, out
+    assert "plan for GPT2LMHeadModel on mesh 2" in out
+    code, out, err = run(capsys, "explain", f"hf:{tmp_path}/missing.json", "--mesh", "2")
+    assert code == 2 and "no such config file" in (out + err)
