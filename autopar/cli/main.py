@@ -105,15 +105,20 @@ def _literal(v: str):
     return {"true": True, "false": False}.get(v.lower(), v)
 
 
-def cmd_explain(args) -> int:
+def _is_plan_file(model: str) -> bool:
+    return model.endswith(".json") and not model.startswith("hf:")
+
+
+def _make_plan(args):
+    """(plan, graph or None, model, inputs, kwargs, mesh) for ``explain``/``plan``'s arguments."""
     import autopar
     from autopar import ir
 
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise ConfigError(f"cannot write the plan to {args.json!r}: its folder does not exist")
+    if args.mesh is None:
+        raise ConfigError("--mesh is required to plan a model (e.g. --mesh 2x4)")
     model, inputs, kwargs = load_model(args.model)
     cluster, op_table = args.cluster, None
-    if args.profiled:
+    if getattr(args, "profiled", False):
         from autopar.cost_model.profile_comm import load_profile
         from autopar.cost_model.profile_ops import load_op_table
 
@@ -127,22 +132,62 @@ def cmd_explain(args) -> int:
     graph = ir.trace(model, inputs, kwargs) if pipeline is None else None
     plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, memory_budget=args.memory_budget,
                         op_table=op_table, graph=graph, pipeline=pipeline)
+    return plan, graph, model, inputs, kwargs, mesh
+
+
+def _save(plan, path) -> None:
+    try:
+        plan.save(path)
+    except OSError as e:
+        raise ConfigError(f"cannot write the plan to {path!r}: {e.strerror or e}") from None
+
+
+def _check_folder(path) -> None:
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ConfigError(f"cannot write the plan to {path!r}: its folder does not exist")
+
+
+def cmd_explain(args) -> int:
+    from autopar import ir
+    from autopar.solver.plan import Plan
+
+    _check_folder(args.json)
+    if _is_plan_file(args.model):  # a saved plan: explain it as it is
+        print(Plan.load(args.model).explain())
+        return 0
+    plan, graph, model, inputs, kwargs, mesh = _make_plan(args)
     print(plan.explain())
     if args.code and plan.pipeline is not None:
         print("\n# --code: pipelined plans are not lowered yet")
     elif args.code:
-        if graph is None:
-            graph = ir.trace(model, inputs, kwargs)
         from autopar.codegen.lower import lower
 
+        if graph is None:
+            graph = ir.trace(model, inputs, kwargs)
         print("\n# the program every rank runs (its shard and groups are bound at run time)")
         print(lower(graph, plan, mesh).code)
     if args.json:
-        try:
-            plan.save(args.json)
-        except OSError as e:
-            raise ConfigError(f"cannot write the plan to {args.json!r}: {e.strerror or e}") from None
+        _save(plan, args.json)
         print(f"\nplan written to {args.json}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    _check_folder(args.output)
+    plan = _make_plan(args)[0]
+    _save(plan, args.output)
+    s = plan.summary()
+    stages = len(s["pipeline"]["stages"])
+    print(f"plan written to {args.output}: predicted step {s['step_time_s'] * 1e3:.2f} ms, "
+          f"{s['memory_bytes_per_device'] / 2**20:.1f} MiB per device, {stages} stage(s)")
+    return 0
+
+
+def cmd_diff(args) -> int:
+    from autopar.solver.plan import Plan
+
+    a, b = Plan.load(args.a), Plan.load(args.b)
+    print("\n".join(a.diff(b).lines()))
     return 0
 
 
@@ -158,23 +203,38 @@ def cmd_demo(args) -> int:
     return demo.run(mesh_shape=args.mesh, model=args.model, steps=args.steps)
 
 
+def _planning_arguments(parser) -> None:
+    parser.add_argument("--mesh", type=parse_mesh, default=None, help="mesh shape, e.g. 8 or 2x4 (needed unless MODEL is a plan file)")
+    parser.add_argument("--cluster", default=None, help="preset (a100-80g, h100-80g, cpu-gloo) or JSON file")
+    parser.add_argument("--memory-budget", default=None, help="per-device memory, e.g. 40GB")
+    parser.add_argument("--pipeline", choices=("off", "auto"), default="off",
+                        help="auto: also search pipeline stages (microbatches, schedule, sub-meshes); default off")
+    parser.add_argument("--profiled", action="store_true",
+                        help="price with this machine's cached profiles (`autopar profile --mesh ...` / `--ops ...`)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="autopar", description="compiler-style auto-parallel planner for PyTorch")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     e = sub.add_parser("explain", help="plan a model on a mesh and print the plan, layer by layer")
     e.add_argument("model", help="built-in name (mlp, gpt, llama), published shape (gpt3-175b, llama3-8b, ...), "
-                   "hf:path/to/config.json, or pkg.module:factory")
-    e.add_argument("--mesh", type=parse_mesh, required=True, help="mesh shape, e.g. 8 or 2x4")
-    e.add_argument("--cluster", default=None, help="preset (a100-80g, h100-80g, cpu-gloo) or JSON file")
-    e.add_argument("--memory-budget", default=None, help="per-device memory, e.g. 40GB")
+                   "hf:path/to/config.json, pkg.module:factory, or a plan file (plan.json)")
+    _planning_arguments(e)
     e.add_argument("--json", default=None, help="also write the plan to this JSON file")
-    e.add_argument("--pipeline", choices=("off", "auto"), default="off",
-                   help="auto: also search pipeline stages (microbatches, schedule, sub-meshes); default off")
     e.add_argument("--code", action="store_true", help="also print the rewritten program a rank runs")
-    e.add_argument("--profiled", action="store_true",
-                   help="price with this machine's cached profiles (`autopar profile --mesh ...` / `--ops ...`)")
     e.set_defaults(func=cmd_explain)
+
+    pl = sub.add_parser("plan", help="plan a model on a mesh and write the plan to a JSON file")
+    pl.add_argument("model", help="as for explain")
+    _planning_arguments(pl)
+    pl.add_argument("-o", "--output", required=True, help="the plan file to write")
+    pl.set_defaults(func=cmd_plan)
+
+    df = sub.add_parser("diff", help="what differs between two plan files, and what each change costs")
+    df.add_argument("a")
+    df.add_argument("b")
+    df.set_defaults(func=cmd_diff)
 
     pr = sub.add_parser("profile", help="profile ops on this device, or collectives on a live CPU mesh")
     pr.add_argument("--mesh", type=parse_mesh, default=None, help="spawn this many local gloo ranks and fit alpha/beta per axis")

@@ -244,6 +244,12 @@ class Plan:
 
         return explain(self, **kw)
 
+    def diff(self, other: "Plan"):
+        """What changes from this plan to ``other`` (``autopar.solver.diff.PlanDiff``; ``.lines()``)."""
+        from autopar.solver.diff import diff
+
+        return diff(self, other)
+
     def check_model(self, fingerprint: str, model_name: str = "") -> None:
         if fingerprint != self.model_fingerprint:
             raise PlanError(

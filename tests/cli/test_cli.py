@@ -91,3 +91,23 @@ def test_explain_a_transformers_config_file(capsys, tmp_path):
     assert "plan for GPT2LMHeadModel on mesh 2" in out
     code, out, err = run(capsys, "explain", f"hf:{tmp_path}/missing.json", "--mesh", "2")
     assert code == 2 and "no such config file" in (out + err)
+
+
+def test_plan_files_explain_and_diff(capsys, tmp_path):
+    """`autopar plan -o`, `autopar explain plan.json`, `autopar diff`: a plan against itself has no
+    differences; a memory-bound plan against the free one lists the storage it changed and what
+    that costs."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    model = "gpt:layers=2,width=128"
+    code, out, _ = run(capsys, "plan", model, "--mesh", "2x2", "--cluster", "a100-80g", "-o", str(a))
+    assert code == 0 and a.exists() and "1 stage(s)" in out
+    code, out, _ = run(capsys, "plan", model, "--mesh", "2x2", "--cluster", "a100-80g", "--memory-budget", "4MiB", "-o", str(b))
+    assert code == 0
+    code, out, _ = run(capsys, "explain", str(a))
+    assert code == 0 and "plan for GPT on mesh 2x2" in out
+    code, out, _ = run(capsys, "diff", str(a), str(a))
+    assert code == 0 and out.strip() == "no differences"
+    code, out, _ = run(capsys, "diff", str(a), str(b))
+    assert code == 0 and "stored replicated" in out and "predicted step time" in out and "MiB ->" in out
+    code, out, err = run(capsys, "plan", model, "-o", str(a))
+    assert code == 2 and "--mesh is required" in err

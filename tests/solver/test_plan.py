@@ -108,3 +108,18 @@ def ilp_objective(plan) -> float:
     optimizer step), edge reshards (forward and backward) and the parameters' gradient sync."""
     return (sum(n.compute_s for n in plan.nodes.values()) + sum(e.cost_s for e in plan.edges)
             + sum(p.grad_sync_s for p in plan.params.values()))
+
+
+def test_diff_of_a_plan_with_itself_is_empty_and_a_forced_layout_differs(gpt_plan):
+    assert gpt_plan.diff(gpt_plan).empty and gpt_plan.diff(gpt_plan).lines() == ["no differences"]
+    model, inputs = models.build("gpt", layers=2)
+    other = autopar.plan(model, autopar.Mesh((2, 2)), inputs, force=autopar.Layout(dp=2, tp=2))
+    d = gpt_plan.diff(other)
+    assert not d.empty and d.same_model
+    assert d.nodes or d.storage
+    changed = {c.name for c in d.nodes}
+    for c in d.nodes:
+        assert gpt_plan.nodes[c.name].family in c.before and other.nodes[c.name].family in c.after
+    assert all(gpt_plan.nodes[n].family != other.nodes[n].family or gpt_plan.nodes[n].output != other.nodes[n].output
+               or gpt_plan.nodes[n].inputs != other.nodes[n].inputs for n in changed)
+    assert d.step_time_s == (gpt_plan.predicted["step_time_s"], other.predicted["step_time_s"])
