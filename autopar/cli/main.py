@@ -203,6 +203,18 @@ def cmd_demo(args) -> int:
     return demo.run(mesh_shape=args.mesh, model=args.model, steps=args.steps)
 
 
+def progress_handler(stream, quiet: bool):
+    """A logging handler that shows autopar's progress on ``stream``: only on a terminal and
+    without ``--quiet`` (None otherwise)."""
+    import logging
+
+    if quiet or not (hasattr(stream, "isatty") and stream.isatty()):
+        return None
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("autopar: %(message)s"))
+    return handler
+
+
 def _planning_arguments(parser) -> None:
     parser.add_argument("--mesh", type=parse_mesh, default=None, help="mesh shape, e.g. 8 or 2x4 (needed unless MODEL is a plan file)")
     parser.add_argument("--cluster", default=None, help="preset (a100-80g, h100-80g, cpu-gloo) or JSON file")
@@ -211,6 +223,7 @@ def _planning_arguments(parser) -> None:
                         help="auto: also search pipeline stages (microbatches, schedule, sub-meshes); default off")
     parser.add_argument("--profiled", action="store_true",
                         help="price with this machine's cached profiles (`autopar profile --mesh ...` / `--ops ...`)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines (they show only on a terminal)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,13 +263,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    import logging
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    handler = progress_handler(sys.stderr, getattr(args, "quiet", False))
+    logger = logging.getLogger("autopar")
+    if handler is not None:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     try:
         return args.func(args)
     except AutoparError as e:
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if handler is not None:
+            logger.removeHandler(handler)
 
 
 if __name__ == "__main__":

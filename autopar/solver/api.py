@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 
@@ -16,6 +17,8 @@ from autopar.solver.layout import Layout, layout_force
 from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
 from autopar.solver.problem import build_problem, edge_itemsize, node_choices, produced_spec
 from autopar.solver.simplify import block_ties, eliminate, prune, recover
+
+log = logging.getLogger(__name__)
 
 
 def plan(
@@ -84,6 +87,8 @@ def plan(
         if not isinstance(example_inputs, (tuple, list)):
             example_inputs = (example_inputs,)
         graph = ir.trace(model, tuple(example_inputs), example_kwargs)
+        log.info("traced %s: %d nodes, %d layers (%.1f s)", graph.model_name, len(graph.nodes), len(graph.layers),
+                 time.perf_counter() - t0)
     t_trace = time.perf_counter()
     layout = force if isinstance(force, Layout) else None
     if layout is not None:
@@ -112,6 +117,8 @@ def plan(
     idle, (view, built, full, stats, memory) = best
     stats.update(trace_s=t_trace - t0, total_s=time.perf_counter() - t0, idle_axes=list(idle),
                  layout=layout.name if layout is not None else None)
+    log.info("planned %s on %s: objective %.3g s, %d ILP variables (%.1f s)", graph.model_name, mesh,
+             stats["objective_s"], stats.get("ilp_variables", 0), stats["total_s"])
     return make_plan(graph, view, built, full, memory, stats, real_mesh=mesh, idle_axes=idle, bucket_bytes=bucket_bytes)
 
 
@@ -158,6 +165,7 @@ def _plan_on(graph, mesh, budget, optimizer, op_table, optimizer_sharding, force
     # column- then row-parallel when each copy is a single linear). The cheaper one wins.
     periods = (1, 2) if reuse_blocks else (0,)
     t_build = time.perf_counter()
+    log.info("strategies of %d nodes on %s priced (%.1f s); solving", len(choices), mesh, t_build - t0)
     best = None
     for period in periods:
         problem.tie = block_ties(graph, choices, period) if period else {}

@@ -29,6 +29,7 @@ stages on that sub-mesh shared it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 
@@ -42,6 +43,8 @@ from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
 from autopar.solver.plan import PipelinePlan, Plan, StagePlan
 from autopar.solver.stage_dp import solve_stages
+
+log = logging.getLogger(__name__)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 SEARCHED_SCHEDULES = ("1f1b", "gpipe")  # the ones the stage DP prices today
@@ -297,6 +300,10 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                     found = (sol, count, schedule, variants, graph, groups)
         timing["dp_s"] += time.perf_counter() - t_dp
         results[count] = found
+        log.info("pipeline search, %d microbatches: %s (%d sub-mesh options, %.1f s)", count,
+                 "nothing fits" if found is None else
+                 f"{len(found[0].stages)} stage(s), {found[2]}, step {found[0].step_time:.3g} s",
+                 len(variants), time.perf_counter() - t_trace)
         return found
 
     best = _search_counts(microbatch_candidates(batch, pipeline.microbatches), evaluate)

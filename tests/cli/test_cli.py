@@ -111,3 +111,33 @@ def test_plan_files_explain_and_diff(capsys, tmp_path):
     assert code == 0 and "stored replicated" in out and "predicted step time" in out and "MiB ->" in out
     code, out, err = run(capsys, "plan", model, "-o", str(a))
     assert code == 2 and "--mesh is required" in err
+
+
+def test_progress_shows_only_on_a_terminal_and_not_when_quiet():
+    """The library logs its steps (logging, never print); the CLI shows them on a terminal unless
+    --quiet, and stays silent when stderr is a file or pipe."""
+    import io
+    import logging
+
+    from autopar.cli.main import progress_handler
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert progress_handler(io.StringIO(), quiet=False) is None
+    assert progress_handler(Tty(), quiet=True) is None
+    stream = Tty()
+    handler = progress_handler(stream, quiet=False)
+    logger = logging.getLogger("autopar")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        model, inputs = autopar.models.build("gpt", layers=1)
+        autopar.plan(model, autopar.Mesh((2,)), inputs)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    text = stream.getvalue()
+    assert "autopar: traced GPT" in text and "autopar: planned GPT" in text
