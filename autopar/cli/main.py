@@ -153,10 +153,10 @@ def cmd_explain(args) -> int:
 
     _check_folder(args.json)
     if _is_plan_file(args.model):  # a saved plan: explain it as it is
-        print(Plan.load(args.model).explain())
+        print(Plan.load(args.model).explain(all=args.all))
         return 0
     plan, graph, model, inputs, kwargs, mesh = _make_plan(args)
-    print(plan.explain())
+    print(plan.explain(all=args.all))
     if args.code and plan.pipeline is not None:
         print("\n# --code: pipelined plans are not lowered yet")
     elif args.code:
@@ -236,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     _planning_arguments(e)
     e.add_argument("--json", default=None, help="also write the plan to this JSON file")
     e.add_argument("--code", action="store_true", help="also print the rewritten program a rank runs")
+    e.add_argument("--all", action="store_true", help="also list views, reshapes and getitems in the per-layer table")
     e.set_defaults(func=cmd_explain)
 
     pl = sub.add_parser("plan", help="plan a model on a mesh and write the plan to a JSON file")

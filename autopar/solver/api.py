@@ -245,8 +245,31 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
                 idle_axes=tuple(idle_axes))
     # The ILP's objective ranks plans; the prediction prices what the runtime runs (buckets,
     # overheads, optimizer): see autopar.cost_model.step.
-    plan.predicted = dict(step_time(plan, graph, mesh, bucket_bytes=bucket_bytes), memory_bytes_per_device=memory)
+    plan.predicted = dict(step_time(plan, graph, mesh, bucket_bytes=bucket_bytes), memory_bytes_per_device=memory,
+                          memory_parts=memory_parts(plan, graph, mesh, memory))
     return plan
+
+
+def memory_parts(plan, graph, mesh, total: float) -> dict:
+    """Memory per device by kind: parameters (their stored shards), gradients (the same shards),
+    optimizer states (and fp32 master copies), and activations (the rest of the total)."""
+    from autopar.sharding_spec.reshard import local_bytes
+
+    params = grads = held = 0.0
+    for p in plan.params.values():
+        node = plan.nodes.get(p.node)
+        if node is None:
+            continue
+        if p.buffer:
+            params += node.memory_bytes
+            held += node.memory_bytes
+            continue
+        shard = local_bytes(p.storage, mesh.shape, graph.nodes[p.node].meta.itemsize)
+        params += shard
+        grads += shard
+        held += node.memory_bytes
+    return {"parameters": params, "gradients": grads, "optimizer_states": max(0.0, held - params - grads),
+            "activations": max(0.0, total - held)}
 
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -1,10 +1,17 @@
-"""A readable account of a Plan: per layer, each op's strategy, the collectives autopar inserts
-in front of it (with bytes), and its predicted time; then the totals. Reads the Plan only."""
+"""A readable account of a Plan. Summary first: the layout in the field's words (data / tensor /
+sequence / pipeline parallel degrees, Megatron column/row, ZeRO stage or FSDP, vocabulary-parallel
+embedding and loss), the predicted step by part, memory per device by kind, and the costliest
+collectives; then, per layer, each op's strategy, the collectives autopar inserts in front of it
+(with bytes) and its predicted time (views and getitems only with ``all=True``). Reads the Plan only."""
 from __future__ import annotations
+
+from collections import Counter
 
 from autopar.solver.plan import Plan, spec_str
 
 _HIDE_TARGETS = ("output",)
+_PLUMBING = ("view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze",
+             "contiguous", "alias", "slice", "select", "split", "getitem", "clone", "detach", "flatten", "unflatten")
 
 
 def _fmt_s(s: float) -> str:
@@ -26,10 +33,15 @@ def _short_target(t: str) -> str:
     return t.removeprefix("aten.").removesuffix(".default")
 
 
-def _rows(plan: Plan, incoming):
+def _is_plumbing(target: str) -> bool:
+    name = target.removeprefix("aten.").split(".")[0]
+    return name in _PLUMBING or target.endswith("getitem")
+
+
+def _rows(plan: Plan, incoming, show_all: bool = True):
     rows = []
     for node in plan.nodes.values():
-        if node.target in _HIDE_TARGETS:
+        if node.target in _HIDE_TARGETS or (not show_all and node.target != "placeholder" and _is_plumbing(node.target)):
             continue
         colls = []
         comm = 0.0
@@ -49,19 +61,25 @@ def _rows(plan: Plan, incoming):
     return rows
 
 
-def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repeats: bool = True) -> str:
+def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repeats: bool = True,
+            all: bool = False) -> str:
+    """``all``: also the rows of views, reshapes and getitems (hidden by default)."""
     if plan.pipeline is not None:
-        return _explain_pipeline(plan, max_rows_per_layer=max_rows_per_layer, collapse_repeats=collapse_repeats)
+        return _explain_pipeline(plan, max_rows_per_layer=max_rows_per_layer, collapse_repeats=collapse_repeats, all=all)
     incoming: dict[str, list] = {}
     for e in plan.edges:
         if e.steps:
             incoming.setdefault(e.dst, []).append(e)
-    rows = _rows(plan, incoming)
+    rows = _rows(plan, incoming, show_all=all)
     mesh = plan.mesh
     cluster = (mesh.get("cluster") or {}).get("name", "cpu-gloo")
     out = [
         f"plan for {plan.model_name} on mesh {'x'.join(map(str, mesh['shape']))} "
         f"(axes {', '.join(mesh['axis_names'])}; cluster {cluster})",
+        "layout: " + layout_words(plan),
+        _step_line(plan.predicted),
+        _memory_line(plan.predicted),
+        "costliest collectives per step:" + ("".join(f"\n  {line}" for line in costliest_collectives(plan)) or " none"),
         "",
     ]
     header = ("layer", "op", "family", "inputs", "output", "collectives inserted", "time")
@@ -131,7 +149,9 @@ def _explain_pipeline(plan: Plan, **kw) -> str:
     out = [
         f"plan for {plan.model_name} on mesh {'x'.join(map(str, mesh['shape']))} (axes {', '.join(mesh['axis_names'])}; "
         f"cluster {cluster}): {len(p.stages)} pipeline stages, {p.schedule}, {p.microbatches} microbatches",
-        f"predicted step time {_fmt_s(plan.predicted['step_time_s'])}, bubble {p.bubble_fraction:.0%}, "
+        "layout: " + layout_words(plan),
+        f"predicted step time {_fmt_s(plan.predicted['step_time_s'])}, of which bubble "
+        f"{_fmt_s(p.bubble_fraction * plan.predicted['step_time_s'])} ({p.bubble_fraction:.0%}); "
         f"memory per device up to {_fmt_b(plan.predicted['memory_bytes_per_device'])}",
         "",
     ]
@@ -151,3 +171,117 @@ def plan_families(plan: Plan) -> str:
         if n.target not in ("placeholder", "output"):
             counts[n.family] = counts.get(n.family, 0) + 1
     return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:4])
+
+
+# ---- the summary ------------------------------------------------------------------------------------
+def axis_roles(plan: Plan) -> dict[int, str]:
+    """Mesh axis -> "data", "tensor", "sequence" or "idle", read from the blocks' linear layers:
+    an axis splitting their weights is tensor parallel, one splitting only the batch dim data
+    parallel, one splitting only the sequence dim sequence parallel."""
+    shape = plan.mesh["shape"]
+    votes = {a: Counter() for a in range(len(shape)) if shape[a] > 1}
+    for n in plan.nodes.values():
+        if n.layer is None or "linear" not in n.target or len(n.inputs) < 2:
+            continue
+        x, w = n.inputs[0], n.inputs[1]
+        for a in votes:
+            if w is not None and (a in w.used_axes or a in w.partial):
+                votes[a]["tensor"] += 1
+            elif x is not None and x.dim_axes and a in x.dim_axes[0]:
+                votes[a]["data"] += 1
+            elif x is not None and len(x.dim_axes) > 2 and a in x.dim_axes[1]:
+                votes[a]["sequence"] += 1
+            else:
+                votes[a]["none"] += 1
+    roles = {}
+    for a, v in votes.items():
+        if a in plan.idle_axes:
+            roles[a] = "idle"
+        elif v:
+            roles[a] = v.most_common(1)[0][0]
+        else:  # no block linears: the batch split of any op decides
+            roles[a] = "data" if any(n.output is not None and not isinstance(n.output, tuple) and n.output.dim_axes
+                                     and a in n.output.dim_axes[0] for n in plan.nodes.values()) else "none"
+    return roles
+
+
+def layout_words(plan: Plan) -> str:
+    """The layout as people say it, e.g. "data parallel 2 x tensor parallel 2 (Megatron column/row
+    in the blocks), ZeRO-2, vocabulary-parallel loss"."""
+    stages = plan.stage_plans()
+    first = stages[0]
+    shape = first.mesh["shape"]
+    roles = axis_roles(first)
+    names = {"data": "data parallel", "tensor": "tensor parallel", "sequence": "sequence parallel",
+             "idle": "replicated (idle axis)", "none": "unused"}
+    parts = []
+    if plan.pipeline is not None:
+        parts.append(f"pipeline parallel {len(plan.pipeline.stages)}")
+    parts += [f"{names[r]} {shape[a]}" for a, r in sorted(roles.items())]
+    words = " x ".join(parts) or "one device"
+    extras = []
+    fam = Counter(n.family for p in stages for n in p.nodes.values() if n.layer is not None)
+    if any(r == "tensor" for r in roles.values()):
+        col = sum(v for k, v in fam.items() if k in ("1d-col", "2d"))
+        row = sum(v for k, v in fam.items() if k in ("1d-row", "2d-mk"))
+        if col and row:
+            extras.append("Megatron column/row in the blocks")
+        if any("heads" in k for k in fam):
+            extras.append("attention split by heads")
+    storage = Counter(p.family for q in stages for p in q.params.values() if not p.buffer)
+    if any("zero2" in k for k in storage):
+        extras.append("ZeRO-2 (gradients and optimizer states sharded)")
+    # ZeRO-3 / FSDP: parameters stored split and gathered whole before use (tensor-parallel
+    # weights are stored split too, but read split)
+    params = {q.node for p in stages for q in p.params.values() if not q.buffer}
+    if any(e.src in params and any(st.kind == "all_gather" for st in e.steps) for p in stages for e in p.edges):
+        extras.append("ZeRO-3 / FSDP parameter sharding")
+    all_fams = Counter(n.family for q in stages for n in q.nodes.values())
+    if any("embedding-vocab-parallel" in k for k in all_fams):
+        extras.append("vocabulary-parallel embedding")
+    if any("loss-vocab-parallel" in k for k in all_fams):
+        extras.append("vocabulary-parallel loss")
+    if plan.pipeline is not None:
+        p = plan.pipeline
+        recomputed = sum(1 for s in p.stages if s.recompute)
+        extras.append(f"{p.schedule}, {p.microbatches} microbatches" + (f", recomputation in {recomputed} stage(s)" if recomputed else ""))
+    return words + (", " + ", ".join(extras) if extras else "")
+
+
+def _memory_line(p: dict) -> str:
+    total = p["memory_bytes_per_device"]
+    parts = p.get("memory_parts")
+    if not parts:
+        return f"memory per device {_fmt_b(total)} (parameters, gradients, optimizer states, saved activations)"
+    return (f"memory per device {_fmt_b(total)} = parameters {_fmt_b(parts['parameters'])} + gradients "
+            f"{_fmt_b(parts['gradients'])} + optimizer states {_fmt_b(parts['optimizer_states'])} + activations "
+            f"{_fmt_b(parts['activations'])}")
+
+
+def costliest_collectives(plan: Plan, k: int = 5) -> list[str]:
+    """The ``k`` costliest kinds of collective of a step: resharding steps (forward and their
+    backward duals) grouped by (collective, axes, bytes, the op they feed), and gradient syncs."""
+    groups: dict[tuple, list] = {}  # key -> [seconds, count]
+    for p in plan.stage_plans():
+        for e in p.edges:
+            dst = p.nodes.get(e.dst)
+            op = _short_target(dst.target) if dst is not None else e.dst
+            for st in e.steps:
+                if st.kind in ("slice", "to_partial"):
+                    continue
+                key = (st.kind, tuple(st.axes), int(st.nbytes), f"before {op}")
+                g = groups.setdefault(key, [0.0, 0])
+                g[0] += st.cost_s * (2 if e.backward else 1)
+                g[1] += 1
+        for q in p.params.values():
+            if q.grad_sync is not None:
+                key = (f"gradient {q.grad_sync[0]}", tuple(q.grad_sync[1]), 0, "parameter sync")
+                g = groups.setdefault(key, [0.0, 0, 0])
+                g[0] += q.grad_sync_s
+                g[1] += 1
+    top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:k]
+    out = []
+    for (kind, axes, nbytes, where), (seconds, count, *_) in top:
+        size = f" {_fmt_b(nbytes)}" if nbytes else ""
+        out.append(f"{kind}[{''.join(map(str, axes))}]{size} {where} x{count}: {_fmt_s(seconds)}")
+    return out

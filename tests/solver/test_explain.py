@@ -1,0 +1,69 @@
+"""explain's summary: the layout in the field's words for hand-checked plans, memory by kind, the
+costliest collectives, and views hidden unless asked for."""
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar import models
+from autopar.solver.explain import axis_roles, costliest_collectives, layout_words
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return models.build("gpt", layers=2)
+
+
+@pytest.mark.parametrize("layout, shape, words, absent", [
+    (autopar.Layout(dp=4), (4,), ["data parallel 4"], ["tensor parallel", "ZeRO", "vocabulary-parallel"]),
+    (autopar.Layout(tp=4, vocab_parallel=True), (4,),
+     ["tensor parallel 4", "Megatron column/row in the blocks", "vocabulary-parallel loss"], ["data parallel", "ZeRO"]),
+    (autopar.Layout(dp=2, tp=2), (2, 2), ["data parallel 2 x tensor parallel 2", "Megatron column/row"], ["ZeRO"]),
+    (autopar.Layout(dp=2, tp=2, zero=2), (2, 2), ["data parallel 2 x tensor parallel 2", "ZeRO-2"], ["ZeRO-3"]),
+    (autopar.Layout(dp=4, zero=3), (4,), ["data parallel 4", "ZeRO-3 / FSDP"], ["tensor parallel", "ZeRO-2"]),
+])
+def test_layout_in_words_for_hand_checked_plans(gpt, layout, shape, words, absent):
+    model, inputs = gpt
+    plan = autopar.plan(model, autopar.Mesh(shape), inputs, force=layout)
+    text = layout_words(plan)
+    for w in words:
+        assert w in text, text
+    for w in absent:
+        assert w not in text, text
+    head = plan.explain().splitlines()
+    assert head[1] == "layout: " + text  # summary first
+    assert head[2].startswith("predicted step time") and head[3].startswith("memory per device")
+
+
+def test_pipelined_plan_in_words():
+    model, inputs = models.build("gpt", device="meta", layers=8, width=1024, heads=16, seq=256, vocab=8192, batch=16)
+    plan = autopar.plan(model, autopar.Mesh((4,), cluster="a100-80g"), inputs, pipeline=autopar.Pipeline(stages=2),
+                        memory_budget="800MiB")
+    text = layout_words(plan)
+    assert text.startswith("pipeline parallel 2 x ")
+    assert f"{plan.pipeline.schedule}, {plan.pipeline.microbatches} microbatches" in text
+    assert "of which bubble" in plan.explain()
+
+
+def test_memory_parts_add_up_and_collectives_are_listed(gpt):
+    model, inputs = gpt
+    plan = autopar.plan(model, autopar.Mesh((2, 2)), inputs, force=autopar.Layout(dp=2, tp=2))
+    parts = plan.predicted["memory_parts"]
+    assert sum(parts.values()) == pytest.approx(plan.predicted["memory_bytes_per_device"])
+    assert parts["gradients"] == parts["parameters"] > 0 and parts["optimizer_states"] > 0
+    lines = costliest_collectives(plan)
+    assert 1 <= len(lines) <= 5 and all(": " in line for line in lines)
+    roles = axis_roles(plan)
+    assert roles == {0: "data", 1: "tensor"}
+
+
+def test_views_are_hidden_unless_asked(gpt):
+    model, inputs = gpt
+    plan = autopar.plan(model, autopar.Mesh((2,)), inputs)
+    short, full = plan.explain(), plan.explain(all=True)
+    assert len(full.splitlines()) > len(short.splitlines())
+    import re
+
+    row = re.compile(r"\bview {3,}")  # a table row of a view op (its name padded to the column)
+    assert any(row.search(line) for line in full.splitlines())
+    assert not any(row.search(line) for line in short.splitlines())
