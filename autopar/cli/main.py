@@ -166,6 +166,12 @@ def cmd_explain(args) -> int:
             graph = ir.trace(model, inputs, kwargs)
         print("\n# the program every rank runs (its shard and groups are bound at run time)")
         print(lower(graph, plan, mesh).code)
+    if args.compare:
+        from autopar.solver.compare import compare, table
+
+        rows = compare(model, mesh, inputs, args.compare, plan=plan, example_kwargs=kwargs, memory_budget=args.memory_budget)
+        print("\nwhat-ifs, priced by the same cost model:")
+        print(table(rows))
     if args.json:
         _save(plan, args.json)
         print(f"\nplan written to {args.json}")
@@ -237,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", default=None, help="also write the plan to this JSON file")
     e.add_argument("--code", action="store_true", help="also print the rewritten program a rank runs")
     e.add_argument("--all", action="store_true", help="also list views, reshapes and getitems in the per-layer table")
+    e.add_argument("--compare", nargs="+", default=None, metavar="CONFIG",
+                   help='hand-written configurations to price beside the plan, e.g. "tp=8,dp=16" "tp=8,pp=4,dp=4,mb=16"')
     e.set_defaults(func=cmd_explain)
 
     pl = sub.add_parser("plan", help="plan a model on a mesh and write the plan to a JSON file")

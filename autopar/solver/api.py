@@ -76,7 +76,8 @@ def plan(
         if pipeline != "auto" and not isinstance(pipeline, Pipeline):
             raise ConfigError(f"pipeline={pipeline!r}: use None/False (one stage), 'auto' or autopar.Pipeline(...)")
         kw = dict(optimizer=optimizer, op_table=op_table, reuse_blocks=reuse_blocks, simplify=simplify,
-                  time_limit_s=time_limit_s, solver=solver, optimizer_sharding=optimizer_sharding, bucket_bytes=bucket_bytes)
+                  time_limit_s=time_limit_s, solver=solver, optimizer_sharding=optimizer_sharding, bucket_bytes=bucket_bytes,
+                  force=force)
         choice = search(model, mesh, example_inputs, example_kwargs, pipeline=None if pipeline == "auto" else pipeline,
                         memory_budget=budget, plan_kwargs=kw)
         if len(choice.stages) > 1 or choice.microbatches > 1 or choice.stages[0].recompute:

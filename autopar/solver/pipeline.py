@@ -390,7 +390,7 @@ def _variants(model, sm, graph, intra_op_plan, plan_kwargs, budget: float):
     out = []
     try:
         fastest = intra_op_plan(model, sm, graph=graph, **plan_kwargs)
-    except PlanError:
+    except (PlanError, ConfigError):  # no plan here, or a forced layout that does not fit this sub-mesh
         return out
     out.append(unit_prices(fastest, graph, sm))
     memory = fastest.predicted["memory_bytes_per_device"]

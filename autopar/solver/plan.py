@@ -244,6 +244,15 @@ class Plan:
 
         return explain(self, **kw)
 
+    def compare(self, model, example_inputs, *configs, example_kwargs=None, memory_budget=None, **plan_kwargs):
+        """This plan beside hand-written configurations (``"tp=8,dp=16"``, ``"tp=8,pp=4,dp=4,mb=16"``)
+        priced by the same cost model on this plan's mesh: ``autopar.solver.compare.WhatIf`` rows,
+        this plan first (``autopar.solver.compare.table(rows)`` prints them)."""
+        from autopar.solver.compare import compare
+
+        return compare(model, self.mesh_obj, example_inputs, configs, plan=self, example_kwargs=example_kwargs,
+                       memory_budget=memory_budget, **plan_kwargs)
+
     def diff(self, other: "Plan"):
         """What changes from this plan to ``other`` (``autopar.solver.diff.PlanDiff``; ``.lines()``)."""
         from autopar.solver.diff import diff

@@ -141,3 +141,11 @@ def test_progress_shows_only_on_a_terminal_and_not_when_quiet():
         logger.setLevel(old)
     text = stream.getvalue()
     assert "autopar: traced GPT" in text and "autopar: planned GPT" in text
+
+
+def test_explain_with_what_ifs(capsys):
+    code, out, _ = run(capsys, "explain", "gpt:layers=2", "--mesh", "2x2", "--cluster", "a100-80g",
+                       "--compare", "dp=2,tp=2", "dp=4,zero=3")
+    assert code == 0
+    assert "what-ifs, priced by the same cost model:" in out
+    assert "dp=2,tp=2" in out and "dp=4,zero=3" in out and out.count(" ms ") >= 3

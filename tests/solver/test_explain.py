@@ -67,3 +67,39 @@ def test_views_are_hidden_unless_asked(gpt):
     row = re.compile(r"\bview {3,}")  # a table row of a view op (its name padded to the column)
     assert any(row.search(line) for line in full.splitlines())
     assert not any(row.search(line) for line in short.splitlines())
+
+
+def test_what_ifs_price_like_the_plan_and_say_what_does_not_fit(gpt):
+    from autopar.errors import ConfigError
+    from autopar.solver.compare import parse_config, table
+
+    model, inputs = gpt
+    mesh = autopar.Mesh((2, 2), cluster="a100-80g")
+    own = autopar.plan(model, mesh, inputs, force=autopar.Layout(dp=2, tp=2))
+    budget = 0.9 * own.predicted["memory_bytes_per_device"]
+    rows = own.compare(model, inputs, "dp=2,tp=2", "dp=4,zero=3", "tp=4", memory_budget=budget)
+    assert [r.name for r in rows] == ["autopar", "dp=2,tp=2", "dp=4,zero=3", "tp=4"]
+    same = rows[1]
+    assert same.step_time_s == pytest.approx(own.predicted["step_time_s"], rel=1e-9)
+    assert same.memory_bytes == pytest.approx(own.predicted["memory_bytes_per_device"])
+    assert not same.fits and "does not fit: needs" in same.note
+    zero3 = rows[2]
+    assert zero3.memory_bytes < same.memory_bytes and zero3.plan.mesh["shape"] == [4]
+    text = table(rows)
+    assert "dp=4,zero=3" in text and "vs first" in text
+    assert parse_config("tp=8,pp=4,dp=4,mb=16") == {"tp": 8, "pp": 4, "dp": 4, "mb": 16}
+    with pytest.raises(ConfigError, match="keys"):
+        parse_config("tensor=8")
+    with pytest.raises(ConfigError, match="mesh has 4 devices"):
+        own.compare(model, inputs, "dp=8")
+
+
+def test_what_if_with_pipeline_stages():
+    model, inputs = models.build("gpt", device="meta", layers=4, width=512, heads=8, seq=128, vocab=4096, batch=16)
+    mesh = autopar.Mesh((2, 2), cluster="a100-80g")
+    plan = autopar.plan(model, mesh, inputs)
+    rows = plan.compare(model, inputs, "tp=2,pp=2,mb=4")
+    r = rows[1]
+    assert r.step_time_s is not None and r.plan.pipeline is not None
+    assert len(r.plan.pipeline.stages) == 2 and r.plan.pipeline.microbatches == 4
+    assert all(s.mesh_shape == (1, 2) for s in r.plan.pipeline.stages)

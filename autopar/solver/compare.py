@@ -1,0 +1,133 @@
+"""What-ifs: hand-written hybrid configurations priced by the same cost model as autopar's plan.
+
+A configuration is written as people write them: ``"tp=8,dp=16"``, ``"tp=8,pp=4,dp=4,mb=16"``,
+``"dp=8,zero=3"``, ``"tp=4,vocab=1"`` (keys: dp, tp, pp, mb (microbatches), zero (0-3), vocab
+(vocabulary-parallel loss, 0/1)). The mesh's devices are viewed as (pp x dp, tp) when its shape
+differs (the cluster prices the links of that view). Without ``pp`` it is
+``autopar.plan(..., force=Layout(...))``; with ``pp`` it is a pipeline of ``pp`` equal stages (``Pipeline(stages=pp,
+microbatches=mb)``) whose stages run ``Layout(dp, tp, zero)`` on their sub-meshes. Each row says
+the predicted step time, memory per device and bytes moved per step; one that does not fit the
+budget says how much memory it needs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from autopar.errors import ConfigError, PlanError
+
+KEYS = ("dp", "tp", "pp", "mb", "zero", "vocab")
+
+
+@dataclasses.dataclass
+class WhatIf:
+    name: str
+    step_time_s: float | None
+    memory_bytes: float | None
+    bytes_moved: float | None
+    fits: bool
+    note: str = ""
+    plan: object = None
+
+
+def parse_config(text: str) -> dict:
+    """``"tp=8,pp=4,dp=4,mb=16"`` -> {"tp": 8, "pp": 4, "dp": 4, "mb": 16}."""
+    out = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip().lower()
+        if not eq or key not in KEYS:
+            raise ConfigError(f"what-if {text!r}: write items like tp=8,dp=16 (keys {', '.join(KEYS)}); got {item!r}")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ConfigError(f"what-if {text!r}: {key} must be a whole number, got {value!r}") from None
+        if out[key] < 0 or (out[key] == 0 and key not in ("zero", "vocab")):
+            raise ConfigError(f"what-if {text!r}: {key} must be positive")
+    return out
+
+
+def config_mesh(mesh, rows: int, tp: int):
+    """The devices of ``mesh`` viewed as (pipeline x data rows, tensor) - the shape a hand-written
+    configuration names - unless ``mesh`` has that shape already. The view keeps the hardware: the
+    tensor axis takes the innermost ``tp`` devices (the slowest link among the axes it spans), the
+    rows axis the rest (the slowest link among the axes it spans)."""
+    from autopar.cost_model.comm import group_link
+    from autopar.sharding_spec.mesh import Mesh
+
+    want = tuple(d for d in (rows, tp) if d > 1) or (1,)
+    active = tuple(s for s in mesh.shape if s > 1) or (1,)
+    if active == want:
+        return mesh
+    links = mesh.links()
+    inner, p = [], 1
+    for a in reversed(range(mesh.ndim)):
+        if p >= tp:
+            break
+        inner.append(a)
+        p *= mesh.shape[a]
+    outer = [a for a in range(mesh.ndim) if a not in inner or p > tp]
+    tp_link = group_link([links[a] for a in inner]) if inner else links[-1]
+    rows_link = group_link([links[a] for a in outer if mesh.shape[a] > 1] or [links[0]])
+    view_links = [link for d, link in ((rows, rows_link), (tp, tp_link)) if d > 1] or [links[0]]
+    return Mesh(want, cluster=mesh.resolved_cluster().with_axis_links(view_links))
+
+
+def _bytes_moved(plan) -> float:
+    return float(sum(c[2] for c in plan.summary()["collectives"]))
+
+
+def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memory_budget=None,
+          **plan_kwargs) -> WhatIf:
+    """One configuration, priced (see the module docstring)."""
+    from autopar.solver.api import parse_bytes, plan as make_plan
+    from autopar.solver.layout import Layout
+    from autopar.solver.pipeline import Pipeline
+
+    c = parse_config(config)
+    dp, tp, pp = c.get("dp", 1), c.get("tp", 1), c.get("pp", 1)
+    if dp * tp * pp != mesh.size:
+        raise ConfigError(f"what-if {config!r}: dp x tp x pp = {dp * tp * pp}, but the mesh has {mesh.size} devices")
+    vocab = c.get("vocab")
+    layout = Layout(dp=dp, tp=tp, zero=c.get("zero", 0), vocab_parallel=None if vocab is None else bool(vocab))
+    budget = parse_bytes(memory_budget) if memory_budget is not None else math.inf
+    mesh = config_mesh(mesh, pp * dp, tp)
+    try:
+        if pp == 1:
+            plan = make_plan(model, mesh, example_inputs, example_kwargs=example_kwargs, force=layout, **plan_kwargs)
+        else:
+            plan = make_plan(model, mesh, example_inputs, example_kwargs=example_kwargs, force=layout,
+                             pipeline=Pipeline(stages=pp, microbatches=c.get("mb")), **plan_kwargs)
+    except (PlanError, ConfigError) as err:
+        return WhatIf(config, None, None, None, False, f"cannot be planned: {err}")
+    memory = plan.predicted["memory_bytes_per_device"]
+    fits = memory <= budget
+    note = "" if fits else f"does not fit: needs {memory / 2**30:.1f} GiB per device, the budget is {budget / 2**30:.1f} GiB"
+    return WhatIf(config, plan.predicted["step_time_s"], memory, _bytes_moved(plan), fits, note, plan)
+
+
+def compare(model, mesh, example_inputs, configs, *, plan=None, example_kwargs=None, memory_budget=None,
+            **plan_kwargs) -> list[WhatIf]:
+    """autopar's ``plan`` (first, when given) and each configuration, priced alike."""
+    rows = []
+    if plan is not None:
+        rows.append(WhatIf("autopar", plan.predicted["step_time_s"], plan.predicted["memory_bytes_per_device"],
+                           _bytes_moved(plan), True, "", plan))
+    for config in configs:
+        rows.append(price(model, mesh, example_inputs, config, example_kwargs=example_kwargs,
+                          memory_budget=memory_budget, **plan_kwargs))
+    return rows
+
+
+def table(rows: list[WhatIf]) -> str:
+    """The rows side by side, with each one's step time against the first row's."""
+    base = next((r.step_time_s for r in rows if r.step_time_s is not None), None)
+    out = [f"{'configuration':<28} {'step time':>12} {'vs first':>9} {'memory/device':>14} {'moved/step':>12}  note"]
+    for r in rows:
+        if r.step_time_s is None:
+            out.append(f"{r.name:<28} {'-':>12} {'-':>9} {'-':>14} {'-':>12}  {r.note}")
+            continue
+        ratio = f"{r.step_time_s / base:.2f}x" if base else "-"
+        out.append(f"{r.name:<28} {r.step_time_s * 1e3:>9.2f} ms {ratio:>9} {r.memory_bytes / 2**20:>10.1f} MiB "
+                   f"{r.bytes_moved / 2**20:>8.1f} MiB  {r.note}")
+    return "\n".join(out)
