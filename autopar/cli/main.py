@@ -153,7 +153,10 @@ def cmd_explain(args) -> int:
 
     _check_folder(args.json)
     if _is_plan_file(args.model):  # a saved plan: explain it as it is
-        print(Plan.load(args.model).explain(all=args.all))
+        plan = Plan.load(args.model)
+        print(plan.explain(all=args.all))
+        if args.html:
+            _write_html(plan, None, args.html)
         return 0
     plan, graph, model, inputs, kwargs, mesh = _make_plan(args)
     print(plan.explain(all=args.all))
@@ -166,16 +169,31 @@ def cmd_explain(args) -> int:
             graph = ir.trace(model, inputs, kwargs)
         print("\n# the program every rank runs (its shard and groups are bound at run time)")
         print(lower(graph, plan, mesh).code)
+    rows = None
     if args.compare:
         from autopar.solver.compare import compare, table
 
         rows = compare(model, mesh, inputs, args.compare, plan=plan, example_kwargs=kwargs, memory_budget=args.memory_budget)
         print("\nwhat-ifs, priced by the same cost model:")
         print(table(rows))
+    if args.html:
+        _write_html(plan, rows, args.html)
     if args.json:
         _save(plan, args.json)
         print(f"\nplan written to {args.json}")
     return 0
+
+
+def _write_html(plan, rows, path) -> None:
+    from autopar.solver.report import html_report
+
+    _check_folder(path)
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(html_report(plan, rows))
+    except OSError as e:
+        raise ConfigError(f"cannot write the report to {path!r}: {e.strerror or e}") from None
+    print(f"\nreport written to {path}")
 
 
 def cmd_plan(args) -> int:
@@ -243,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", default=None, help="also write the plan to this JSON file")
     e.add_argument("--code", action="store_true", help="also print the rewritten program a rank runs")
     e.add_argument("--all", action="store_true", help="also list views, reshapes and getitems in the per-layer table")
+    e.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML report")
     e.add_argument("--compare", nargs="+", default=None, metavar="CONFIG",
                    help='hand-written configurations to price beside the plan, e.g. "tp=8,dp=16" "tp=8,pp=4,dp=4,mb=16"')
     e.set_defaults(func=cmd_explain)
