@@ -47,6 +47,28 @@ def parse_config(text: str) -> dict:
     return out
 
 
+def config_of(plan) -> str | None:
+    """The plan's own layout as a configuration (``"dp=4,zero=2,vocab=0"``) when it is one a
+    hand-written configuration can state - each mesh axis either data or tensor parallel, at most
+    one of each, one stage - else None."""
+    from autopar.solver.explain import axis_roles, layout_words
+
+    if plan.pipeline is not None:
+        return None
+    shape = plan.mesh["shape"]
+    roles = axis_roles(plan)
+    if any(r not in ("data", "tensor") for r in roles.values()) or \
+            sum(r == "data" for r in roles.values()) > 1 or sum(r == "tensor" for r in roles.values()) > 1:
+        return None
+    dp = next((shape[a] for a, r in roles.items() if r == "data"), 1)
+    tp = next((shape[a] for a, r in roles.items() if r == "tensor"), 1)
+    words = layout_words(plan)
+    zero = 2 if "ZeRO-2" in words else 3 if "ZeRO-3" in words else 0
+    vocab = int("vocabulary-parallel loss" in words)
+    parts = ([f"dp={dp}"] if dp > 1 else []) + ([f"tp={tp}"] if tp > 1 else [])
+    return ",".join(parts + ([f"zero={zero}"] if zero else []) + [f"vocab={vocab}"])
+
+
 def config_mesh(mesh, rows: int, tp: int):
     """The devices of ``mesh`` viewed as (pipeline x data rows, tensor) - the shape a hand-written
     configuration names - unless ``mesh`` has that shape already. The view keeps the hardware: the
@@ -111,7 +133,8 @@ def compare(model, mesh, example_inputs, configs, *, plan=None, example_kwargs=N
     """autopar's ``plan`` (first, when given) and each configuration, priced alike."""
     rows = []
     if plan is not None:
-        rows.append(WhatIf("autopar", plan.predicted["step_time_s"], plan.predicted["memory_bytes_per_device"],
+        own = config_of(plan)
+        rows.append(WhatIf("autopar" + (f" ({own})" if own else ""), plan.predicted["step_time_s"], plan.predicted["memory_bytes_per_device"],
                            _bytes_moved(plan), True, "", plan))
     for config in configs:
         rows.append(price(model, mesh, example_inputs, config, example_kwargs=example_kwargs,

@@ -213,7 +213,7 @@ def layout_words(plan: Plan) -> str:
     shape = first.mesh["shape"]
     roles = axis_roles(first)
     names = {"data": "data parallel", "tensor": "tensor parallel", "sequence": "sequence parallel",
-             "idle": "replicated (idle axis)", "none": "unused"}
+             "idle": "replicated (idle axis)", "none": "replicated compute"}
     parts = []
     if plan.pipeline is not None:
         parts.append(f"pipeline parallel {len(plan.pipeline.stages)}")

@@ -78,7 +78,8 @@ def test_what_ifs_price_like_the_plan_and_say_what_does_not_fit(gpt):
     own = autopar.plan(model, mesh, inputs, force=autopar.Layout(dp=2, tp=2))
     budget = 0.9 * own.predicted["memory_bytes_per_device"]
     rows = own.compare(model, inputs, "dp=2,tp=2", "dp=4,zero=3", "tp=4", memory_budget=budget)
-    assert [r.name for r in rows] == ["autopar", "dp=2,tp=2", "dp=4,zero=3", "tp=4"]
+    assert rows[0].name == "autopar (dp=2,tp=2,vocab=0)"
+    assert [r.name for r in rows[1:]] == ["dp=2,tp=2", "dp=4,zero=3", "tp=4"]
     same = rows[1]
     assert same.step_time_s == pytest.approx(own.predicted["step_time_s"], rel=1e-9)
     assert same.memory_bytes == pytest.approx(own.predicted["memory_bytes_per_device"])
@@ -103,3 +104,16 @@ def test_what_if_with_pipeline_stages():
     assert r.step_time_s is not None and r.plan.pipeline is not None
     assert len(r.plan.pipeline.stages) == 2 and r.plan.pipeline.microbatches == 4
     assert all(s.mesh_shape == (1, 2) for s in r.plan.pipeline.stages)
+
+
+def test_the_auto_plans_own_configuration_prices_the_same(gpt):
+    """Read the auto plan's configuration from the plan itself, price it as a what-if: same step."""
+    from autopar.solver.compare import config_of
+
+    model, inputs = models.build("gpt", layers=2, batch=16)
+    plan = autopar.plan(model, autopar.Mesh((4,), cluster="cpu-gloo"), inputs, idle_axes=())
+    config = config_of(plan)
+    assert config is not None, layout_words(plan)
+    rows = plan.compare(model, inputs, config)
+    assert rows[1].step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+    assert rows[1].memory_bytes == pytest.approx(plan.predicted["memory_bytes_per_device"], rel=1e-9)
