@@ -81,7 +81,9 @@ def plan(
         choice = search(model, mesh, example_inputs, example_kwargs, pipeline=None if pipeline == "auto" else pipeline,
                         memory_budget=budget, plan_kwargs=kw)
         if len(choice.stages) > 1 or choice.microbatches > 1 or choice.stages[0].recompute:
-            return choice.to_plan()
+            pplan = choice.to_plan()
+            pplan.solver["memory_budget"] = budget
+            return pplan
         # one stage, one microbatch: the plain intra-op plan of the whole batch (below)
     t0 = time.perf_counter()
     if graph is None:
@@ -116,7 +118,7 @@ def plan(
     if best is None:
         raise first_error
     idle, (view, built, full, stats, memory) = best
-    stats.update(trace_s=t_trace - t0, total_s=time.perf_counter() - t0, idle_axes=list(idle),
+    stats.update(trace_s=t_trace - t0, total_s=time.perf_counter() - t0, idle_axes=list(idle), memory_budget=budget,
                  layout=layout.name if layout is not None else None)
     log.info("planned %s on %s: objective %.3g s, %d ILP variables (%.1f s)", graph.model_name, mesh,
              stats["objective_s"], stats.get("ilp_variables", 0), stats["total_s"])

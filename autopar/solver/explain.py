@@ -78,7 +78,7 @@ def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repea
         f"(axes {', '.join(mesh['axis_names'])}; cluster {cluster})",
         "layout: " + layout_words(plan),
         _step_line(plan.predicted),
-        _memory_line(plan.predicted),
+        _memory_line(plan.predicted, plan.solver.get("memory_budget")),
         "costliest collectives per step:" + ("".join(f"\n  {line}" for line in costliest_collectives(plan)) or " none"),
         "",
     ]
@@ -152,7 +152,8 @@ def _explain_pipeline(plan: Plan, **kw) -> str:
         "layout: " + layout_words(plan),
         f"predicted step time {_fmt_s(plan.predicted['step_time_s'])}, of which bubble "
         f"{_fmt_s(p.bubble_fraction * plan.predicted['step_time_s'])} ({p.bubble_fraction:.0%}); "
-        f"memory per device up to {_fmt_b(plan.predicted['memory_bytes_per_device'])}",
+        f"memory per device up to {_fmt_b(plan.predicted['memory_bytes_per_device'])}"
+        + (f" (budget {_fmt_b(plan.solver['memory_budget'])})" if plan.solver.get("memory_budget") else ""),
         "",
     ]
     for i, s in enumerate(p.stages):
@@ -248,14 +249,15 @@ def layout_words(plan: Plan) -> str:
     return words + (", " + ", ".join(extras) if extras else "")
 
 
-def _memory_line(p: dict) -> str:
+def _memory_line(p: dict, budget=None) -> str:
     total = p["memory_bytes_per_device"]
     parts = p.get("memory_parts")
+    against = f", budget {_fmt_b(budget)} ({total / budget:.0%} used)" if budget else ", no budget given"
     if not parts:
-        return f"memory per device {_fmt_b(total)} (parameters, gradients, optimizer states, saved activations)"
+        return f"memory per device {_fmt_b(total)} (parameters, gradients, optimizer states, saved activations){against}"
     return (f"memory per device {_fmt_b(total)} = parameters {_fmt_b(parts['parameters'])} + gradients "
             f"{_fmt_b(parts['gradients'])} + optimizer states {_fmt_b(parts['optimizer_states'])} + activations "
-            f"{_fmt_b(parts['activations'])}")
+            f"{_fmt_b(parts['activations'])}{against}")
 
 
 def costliest_collectives(plan: Plan, k: int = 5) -> list[str]:
