@@ -40,8 +40,14 @@ def load_model(spec: str):
     from autopar import models
 
     if spec.startswith("hf:"):
-        path, _, opts = spec[3:].partition(":")
-        return hf_model_from_config(path, **_options(opts))
+        path, sep, opts = spec[3:].rpartition(":")
+        if not sep or "=" not in opts:  # no options: the whole rest is the path (it may hold ':')
+            path, opts = spec[3:], ""
+        options = _options(opts)
+        unknown = sorted(set(options) - {"batch", "seq", "dtype"})
+        if unknown:
+            raise ConfigError(f"hf:... options are batch, seq and dtype; got {', '.join(unknown)}")
+        return hf_model_from_config(path, **options)
     name, sep, opts = spec.partition(":")
     if sep and opts and "=" not in opts:  # pkg.module:factory
         mod_name, fn_name = name, opts
@@ -54,8 +60,23 @@ def load_model(spec: str):
             raise ConfigError(f"{spec} must return (model, example_inputs) or (model, example_inputs, example_kwargs)")
         model, inputs, *rest = result
         return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), rest[0] if rest else None
-    model, inputs = models.build(name, **_options(opts))
+    options = _options(opts)
+    if "dtype" in options:
+        options["dtype"] = _dtype(options["dtype"])
+    try:
+        model, inputs = models.build(name, **options)
+    except TypeError as err:
+        raise ConfigError(f"model {spec!r}: {err}") from None
     return model, inputs, None
+
+
+def _dtype(name):
+    import torch
+
+    value = getattr(torch, str(name), None)
+    if not isinstance(value, torch.dtype):
+        raise ConfigError(f"dtype {name!r} is not a torch dtype (e.g. float32, bfloat16, float16)")
+    return value
 
 
 def _options(opts: str) -> dict:
@@ -87,11 +108,14 @@ def hf_model_from_config(path: str, batch: int = 8, seq: int | None = None, dtyp
     cfg.use_cache = False
     context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
     seq = int(seq) if seq is not None else min(int(context), 2048)
-    want = getattr(torch, dtype) if dtype else (getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32)
+    want = _dtype(dtype) if dtype else (getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32)
     if isinstance(want, str):
-        want = getattr(torch, want)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg).to(want)
+        want = _dtype(want)
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg).to(want)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"hf:{path}: transformers cannot build a causal LM from this config ({err})") from None
     ids = torch.zeros((int(batch), seq), dtype=torch.long, device="meta")
     return model, (), {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
 
@@ -132,7 +156,7 @@ def _make_plan(args):
     graph = ir.trace(model, inputs, kwargs) if pipeline is None else None
     plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, memory_budget=args.memory_budget,
                         op_table=op_table, graph=graph, pipeline=pipeline)
-    return plan, graph, model, inputs, kwargs, mesh
+    return plan, graph, model, inputs, kwargs, mesh, op_table
 
 
 def _save(plan, path) -> None:
@@ -158,7 +182,12 @@ def cmd_explain(args) -> int:
         if args.html:
             _write_html(plan, None, args.html)
         return 0
-    plan, graph, model, inputs, kwargs, mesh = _make_plan(args)
+    if args.compare and args.mesh:  # a bad configuration fails before anything is planned
+        import autopar
+        from autopar.solver.compare import check_configs
+
+        check_configs(args.compare, autopar.Mesh(args.mesh))
+    plan, graph, model, inputs, kwargs, mesh, op_table = _make_plan(args)
     print(plan.explain(all=args.all))
     if args.code and plan.pipeline is not None:
         print("\n# --code: pipelined plans are not lowered yet")
@@ -173,7 +202,8 @@ def cmd_explain(args) -> int:
     if args.compare:
         from autopar.solver.compare import compare, table
 
-        rows = compare(model, mesh, inputs, args.compare, plan=plan, example_kwargs=kwargs, memory_budget=args.memory_budget)
+        rows = compare(model, mesh, inputs, args.compare, plan=plan, example_kwargs=kwargs, memory_budget=args.memory_budget,
+                       op_table=op_table)
         print("\nwhat-ifs, priced by the same cost model:")
         print(table(rows))
     if args.html:

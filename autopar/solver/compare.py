@@ -64,6 +64,11 @@ def config_of(plan) -> str | None:
     tp = next((shape[a] for a, r in roles.items() if r == "tensor"), 1)
     words = layout_words(plan)
     zero = 2 if "ZeRO-2" in words else 3 if "ZeRO-3" in words else 0
+    if zero and dp == 1:  # sharded over the tensor axis: no hand-written configuration says that
+        return None
+    storage = [p.family for p in plan.params.values() if not p.buffer]
+    if zero == 2 and sum("zero2" in f for f in storage) * 2 < len(storage):
+        return None  # mixed storage
     vocab = int("vocabulary-parallel loss" in words)
     parts = ([f"dp={dp}"] if dp > 1 else []) + ([f"tp={tp}"] if tp > 1 else [])
     return ",".join(parts + ([f"zero={zero}"] if zero else []) + [f"vocab={vocab}"])
@@ -81,6 +86,9 @@ def config_mesh(mesh, rows: int, tp: int):
     active = tuple(s for s in mesh.shape if s > 1) or (1,)
     if active == want:
         return mesh
+    cluster = mesh.resolved_cluster()
+    if cluster.axis_links is None:  # the cluster's node rule places the view's axes itself
+        return Mesh(want, cluster=mesh.cluster)
     links = mesh.links()
     inner, p = [], 1
     for a in reversed(range(mesh.ndim)):
@@ -96,7 +104,9 @@ def config_mesh(mesh, rows: int, tp: int):
 
 
 def _bytes_moved(plan) -> float:
-    return float(sum(c[2] for c in plan.summary()["collectives"]))
+    from autopar.solver.explain import bytes_per_step
+
+    return bytes_per_step(plan)
 
 
 def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memory_budget=None,
@@ -110,11 +120,13 @@ def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memo
     dp, tp, pp = c.get("dp", 1), c.get("tp", 1), c.get("pp", 1)
     if dp * tp * pp != mesh.size:
         raise ConfigError(f"what-if {config!r}: dp x tp x pp = {dp * tp * pp}, but the mesh has {mesh.size} devices")
+    if "mb" in c and pp == 1:
+        raise ConfigError(f"what-if {config!r}: mb (microbatches) needs pp > 1")
     vocab = c.get("vocab")
-    layout = Layout(dp=dp, tp=tp, zero=c.get("zero", 0), vocab_parallel=None if vocab is None else bool(vocab))
     budget = parse_bytes(memory_budget) if memory_budget is not None else math.inf
     mesh = config_mesh(mesh, pp * dp, tp)
     try:
+        layout = Layout(dp=dp, tp=tp, zero=c.get("zero", 0), vocab_parallel=None if vocab is None else bool(vocab))
         if pp == 1:
             plan = make_plan(model, mesh, example_inputs, example_kwargs=example_kwargs, force=layout, **plan_kwargs)
         else:
@@ -128,9 +140,21 @@ def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memo
     return WhatIf(config, plan.predicted["step_time_s"], memory, _bytes_moved(plan), fits, note, plan)
 
 
+def check_configs(configs, mesh) -> None:
+    """Raise the ConfigError a configuration would raise, before anything is planned."""
+    for config in configs:
+        c = parse_config(config)
+        dp, tp, pp = c.get("dp", 1), c.get("tp", 1), c.get("pp", 1)
+        if dp * tp * pp != mesh.size:
+            raise ConfigError(f"what-if {config!r}: dp x tp x pp = {dp * tp * pp}, but the mesh has {mesh.size} devices")
+        if "mb" in c and pp == 1:
+            raise ConfigError(f"what-if {config!r}: mb (microbatches) needs pp > 1")
+
+
 def compare(model, mesh, example_inputs, configs, *, plan=None, example_kwargs=None, memory_budget=None,
             **plan_kwargs) -> list[WhatIf]:
     """autopar's ``plan`` (first, when given) and each configuration, priced alike."""
+    check_configs(configs, mesh)
     rows = []
     if plan is not None:
         own = config_of(plan)

@@ -9,6 +9,7 @@ listed with it). The totals are the plans' predicted step time and memory per de
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from autopar.solver.plan import Plan, spec_str
 
@@ -34,9 +35,13 @@ class PlanDiff:
     step_time_s: tuple[float, float]
     memory_bytes: tuple[float, float]
 
+    cluster: tuple | None = None  # (before, after) cluster names when only they differ
+
     @property
     def empty(self) -> bool:
-        return not (self.mesh or self.stages or self.nodes or self.storage) and self.same_model
+        (t0, t1), (m0, m1) = self.step_time_s, self.memory_bytes
+        same_totals = abs(t1 - t0) <= 1e-12 * max(abs(t0), 1e-30) and abs(m1 - m0) <= 1e-9 * max(abs(m0), 1.0)
+        return not (self.mesh or self.cluster or self.stages or self.nodes or self.storage) and self.same_model and same_totals
 
     def lines(self, max_nodes: int = 40) -> list[str]:
         if self.empty:
@@ -46,6 +51,8 @@ class PlanDiff:
             out.append("the plans are for different models (fingerprints differ): node names may not correspond")
         if self.mesh:
             out.append(f"mesh: {self.mesh[0]} -> {self.mesh[1]}")
+        if self.cluster:
+            out.append(f"cluster: {self.cluster[0]} -> {self.cluster[1]}")
         if self.stages:
             out.append(f"stages: {self.stages[0]} -> {self.stages[1]}")
         for name, a, b in self.storage:
@@ -79,9 +86,11 @@ def _stage_key(plan: Plan) -> list:
 
 def diff(a: Plan, b: Plan) -> PlanDiff:
     """What changes from plan ``a`` to plan ``b``."""
-    mesh = None
-    if list(a.mesh["shape"]) != list(b.mesh["shape"]) or a.mesh.get("cluster") != b.mesh.get("cluster"):
+    mesh = cluster = None
+    if list(a.mesh["shape"]) != list(b.mesh["shape"]):
         mesh = (tuple(a.mesh["shape"]), tuple(b.mesh["shape"]))
+    elif json.dumps(a.mesh.get("cluster"), sort_keys=True) != json.dumps(b.mesh.get("cluster"), sort_keys=True):
+        cluster = ((a.mesh.get("cluster") or {}).get("name", "cpu-gloo"), (b.mesh.get("cluster") or {}).get("name", "cpu-gloo"))
     ka, kb = _stage_key(a), _stage_key(b)
     stages = None
     if ka != kb or (a.pipeline and b.pipeline and (a.pipeline.schedule, a.pipeline.microbatches) != (b.pipeline.schedule, b.pipeline.microbatches)):
@@ -104,5 +113,5 @@ def diff(a: Plan, b: Plan) -> PlanDiff:
     return PlanDiff(
         a.model_fingerprint == b.model_fingerprint, mesh, stages, nodes, storage,
         (a.predicted["step_time_s"], b.predicted["step_time_s"]),
-        (a.predicted["memory_bytes_per_device"], b.predicted["memory_bytes_per_device"]),
+        (a.predicted["memory_bytes_per_device"], b.predicted["memory_bytes_per_device"]), cluster,
     )

@@ -232,11 +232,14 @@ def layout_words(plan: Plan) -> str:
     storage = Counter(p.family for q in stages for p in q.params.values() if not p.buffer)
     if any("zero2" in k for k in storage):
         extras.append("ZeRO-2 (gradients and optimizer states sharded)")
-    # ZeRO-3 / FSDP: parameters stored split and gathered whole before use (tensor-parallel
+    # ZeRO-3 / FSDP: most parameters stored split and gathered whole before use (tensor-parallel
     # weights are stored split too, but read split)
     params = {q.node for p in stages for q in p.params.values() if not q.buffer}
-    if any(e.src in params and any(st.kind == "all_gather" for st in e.steps) for p in stages for e in p.edges):
+    gathered = {e.src for p in stages for e in p.edges if e.src in params and any(st.kind == "all_gather" for st in e.steps)}
+    if params and len(gathered) * 2 >= len(params):
         extras.append("ZeRO-3 / FSDP parameter sharding")
+    elif gathered:
+        extras.append(f"{len(gathered)} parameter(s) gathered before use")
     all_fams = Counter(n.family for q in stages for n in q.nodes.values())
     if any("embedding-vocab-parallel" in k for k in all_fams):
         extras.append("vocabulary-parallel embedding")
@@ -260,9 +263,29 @@ def _memory_line(p: dict, budget=None) -> str:
             f"{_fmt_b(parts['activations'])}{against}")
 
 
+def _per_step(plan: Plan) -> int:
+    """How many times a step runs each stage plan's reshards: its microbatches (1 unpipelined)."""
+    return 1 if plan.pipeline is None else plan.pipeline.microbatches
+
+
+def bytes_per_step(plan: Plan) -> float:
+    """Bytes the collectives of one step move: every microbatch's reshards, and the gradient sync
+    once."""
+    m = _per_step(plan)
+    total = 0.0
+    for p in plan.stage_plans():
+        sync = sum(int(q.grad_sync[2]) * len(q.grad_sync[0].split("+")) for q in p.params.values() if q.grad_sync is not None)
+        reshard = sum(c[2] for c in p.collectives()) - sync
+        total += m * reshard + sync
+    return float(total)
+
+
 def costliest_collectives(plan: Plan, k: int = 5) -> list[str]:
     """The ``k`` costliest kinds of collective of a step: resharding steps (forward and their
-    backward duals) grouped by (collective, axes, bytes, the op they feed), and gradient syncs."""
+    backward duals) grouped by (collective, axes, bytes, the op they feed), and gradient syncs
+    (of a pipeline: every microbatch's reshards; the sync, priced at 1 / microbatches by the stage
+    plans, once in full)."""
+    m = _per_step(plan)
     groups: dict[tuple, list] = {}  # key -> [seconds, count]
     for p in plan.stage_plans():
         for e in p.edges:
@@ -273,13 +296,13 @@ def costliest_collectives(plan: Plan, k: int = 5) -> list[str]:
                     continue
                 key = (st.kind, tuple(st.axes), int(st.nbytes), f"before {op}")
                 g = groups.setdefault(key, [0.0, 0])
-                g[0] += st.cost_s * (2 if e.backward else 1)
-                g[1] += 1
+                g[0] += st.cost_s * (2 if e.backward else 1) * m
+                g[1] += m
         for q in p.params.values():
             if q.grad_sync is not None:
                 key = (f"gradient {q.grad_sync[0]}", tuple(q.grad_sync[1]), 0, "parameter sync")
                 g = groups.setdefault(key, [0.0, 0, 0])
-                g[0] += q.grad_sync_s
+                g[0] += q.grad_sync_s * m
                 g[1] += 1
     top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:k]
     out = []

@@ -320,7 +320,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         inflight = count if schedule == "gpipe" else min(len(sol.stages) - len(stages), count)
         mem = prices.static_bytes[i:j + 1].sum() + inflight * prices.activation_bytes[i:j + 1].sum() + prices.stage_extra_bytes
         nodes = {name for name, u in unit.items() if i <= u <= j}
-        sub = restrict(prices.plan, graph, nodes, t, float(mem))
+        sub = restrict(prices.plan, graph, nodes, t, float(mem), budget)
         stages.append(StagePlan((i, j), (graph.layers[i], graph.layers[j]), (row, row + rows - 1),
                                 list(range(row * per_row, (row + rows) * per_row)), (rows, *mesh.shape[1:]),
                                 t, float(mem), sub, list(range(i, j + 1)) if prices.recompute else []))
@@ -328,7 +328,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
     return PipelineChoice(PipelinePlan(schedule, count, stages), sol.step_time, graph, time.perf_counter() - t0, timing)
 
 
-def restrict(plan: Plan, graph, nodes: set[str], time_s: float, memory: float) -> Plan:
+def restrict(plan: Plan, graph, nodes: set[str], time_s: float, memory: float, budget: float | None = None) -> Plan:
     """``plan`` (a whole-graph plan on a stage's sub-mesh) cut to the nodes the stage runs: those
     nodes, the parameters and inputs they read, the edges between them."""
     readers = _readers(graph)
@@ -340,8 +340,9 @@ def restrict(plan: Plan, graph, nodes: set[str], time_s: float, memory: float) -
     compute = sum(v.compute_s for k, v in node_plans.items() if graph.nodes[k].op == "call_function")
     predicted = {"step_time_s": time_s, "compute_s": compute, "comm_s": max(0.0, time_s - compute),
                  "memory_bytes_per_device": memory}
+    solver = dict(plan.solver, memory_budget=None if budget is None or math.isinf(budget) else budget)
     return Plan(plan.model_name, plan.model_fingerprint, plan.mesh, node_plans, edges, params, predicted,
-                dict(plan.solver), idle_axes=plan.idle_axes)
+                solver, idle_axes=plan.idle_axes)
 
 
 def _search_counts(counts: list[int], evaluate):

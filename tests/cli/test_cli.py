@@ -149,3 +149,22 @@ def test_explain_with_what_ifs(capsys):
     assert code == 0
     assert "what-ifs, priced by the same cost model:" in out
     assert "dp=2,tp=2" in out and "dp=4,zero=3" in out and out.count(" ms ") >= 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["explain", "hf:cfg.json:layers=2", "--mesh", "2"], "options are batch, seq and dtype"),
+    (["explain", "gpt:dtype=float99", "--mesh", "2"], "not a torch dtype"),
+    (["explain", "gpt:layers=1", "--mesh", "2", "--compare", "dp=2", "tp=2,mb=4"], "mb (microbatches) needs pp > 1"),
+    (["explain", "gpt:layers=1", "--mesh", "2", "--compare", "dp=4"], "the mesh has 2 devices"),
+])
+def test_cli_model_and_what_if_errors_are_one_line(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.json").write_text("{}")
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert "plan for" not in out  # what-ifs are checked before anything is planned
+
+
+def test_explain_with_a_dtype_option(capsys):
+    code, out, _ = run(capsys, "explain", "gpt:layers=1,dtype=bfloat16", "--mesh", "2", "--cluster", "a100-80g")
+    assert code == 0 and "plan for GPT" in out

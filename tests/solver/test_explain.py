@@ -117,3 +117,21 @@ def test_the_auto_plans_own_configuration_prices_the_same(gpt):
     rows = plan.compare(model, inputs, config)
     assert rows[1].step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
     assert rows[1].memory_bytes == pytest.approx(plan.predicted["memory_bytes_per_device"], rel=1e-9)
+
+
+def test_what_if_views_keep_the_hardware_and_pipelines_count_every_microbatch():
+    from autopar.solver.compare import config_mesh
+    from autopar.solver.explain import bytes_per_step
+
+    mesh = autopar.Mesh((4, 4), cluster="h100-80g")
+    assert config_mesh(mesh, 2, 8).links() == autopar.Mesh((2, 8), cluster="h100-80g").links()
+    model, inputs = models.build("gpt", device="meta", layers=4, width=512, heads=8, seq=128, vocab=4096, batch=16)
+    plan = autopar.plan(model, autopar.Mesh((2, 2), cluster="a100-80g"), inputs,
+                        pipeline=autopar.Pipeline(stages=2, microbatches=4))
+    m = plan.pipeline.microbatches
+    per_micro = sync = 0
+    for p in plan.stage_plans():
+        s = sum(int(q.grad_sync[2]) * len(q.grad_sync[0].split("+")) for q in p.params.values() if q.grad_sync is not None)
+        per_micro += sum(c[2] for c in p.collectives()) - s
+        sync += s
+    assert bytes_per_step(plan) == pytest.approx(m * per_micro + sync)

@@ -123,3 +123,15 @@ def test_diff_of_a_plan_with_itself_is_empty_and_a_forced_layout_differs(gpt_pla
     assert all(gpt_plan.nodes[n].family != other.nodes[n].family or gpt_plan.nodes[n].output != other.nodes[n].output
                or gpt_plan.nodes[n].inputs != other.nodes[n].inputs for n in changed)
     assert d.step_time_s == (gpt_plan.predicted["step_time_s"], other.predicted["step_time_s"])
+
+
+def test_diff_sees_totals_and_cluster_changes():
+    model, inputs = models.build("gpt", layers=2)
+    a = autopar.plan(model, autopar.Mesh((4,)), inputs, force=autopar.Layout(dp=4))
+    b = autopar.plan(model, autopar.Mesh((4,)), inputs, force=autopar.Layout(dp=4), optimizer="sgd")
+    d = a.diff(b)
+    assert not d.empty and d.memory_bytes[1] < d.memory_bytes[0]
+    c = autopar.plan(model, autopar.Mesh((4,), cluster="a100-80g"), inputs, force=autopar.Layout(dp=4))
+    lines = a.diff(c).lines()
+    assert any(line.startswith("cluster: cpu-gloo -> a100-80g") for line in lines)
+    assert not any(line.startswith("mesh:") for line in lines)
