@@ -116,12 +116,7 @@ def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memo
     from autopar.solver.layout import Layout
     from autopar.solver.pipeline import Pipeline
 
-    c = parse_config(config)
-    dp, tp, pp = c.get("dp", 1), c.get("tp", 1), c.get("pp", 1)
-    if dp * tp * pp != mesh.size:
-        raise ConfigError(f"what-if {config!r}: dp x tp x pp = {dp * tp * pp}, but the mesh has {mesh.size} devices")
-    if "mb" in c and pp == 1:
-        raise ConfigError(f"what-if {config!r}: mb (microbatches) needs pp > 1")
+    c, dp, tp, pp = _degrees(config, mesh)
     vocab = c.get("vocab")
     budget = parse_bytes(memory_budget) if memory_budget is not None else math.inf
     mesh = config_mesh(mesh, pp * dp, tp)
@@ -140,15 +135,21 @@ def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memo
     return WhatIf(config, plan.predicted["step_time_s"], memory, _bytes_moved(plan), fits, note, plan)
 
 
+def _degrees(config: str, mesh) -> tuple[dict, int, int, int]:
+    """(parsed configuration, dp, tp, pp), or the ConfigError of a configuration ``mesh`` cannot run."""
+    c = parse_config(config)
+    dp, tp, pp = c.get("dp", 1), c.get("tp", 1), c.get("pp", 1)
+    if dp * tp * pp != mesh.size:
+        raise ConfigError(f"what-if {config!r}: dp x tp x pp = {dp * tp * pp}, but the mesh has {mesh.size} devices")
+    if "mb" in c and pp == 1:
+        raise ConfigError(f"what-if {config!r}: mb (microbatches) needs pp > 1")
+    return c, dp, tp, pp
+
+
 def check_configs(configs, mesh) -> None:
     """Raise the ConfigError a configuration would raise, before anything is planned."""
     for config in configs:
-        c = parse_config(config)
-        dp, tp, pp = c.get("dp", 1), c.get("tp", 1), c.get("pp", 1)
-        if dp * tp * pp != mesh.size:
-            raise ConfigError(f"what-if {config!r}: dp x tp x pp = {dp * tp * pp}, but the mesh has {mesh.size} devices")
-        if "mb" in c and pp == 1:
-            raise ConfigError(f"what-if {config!r}: mb (microbatches) needs pp > 1")
+        _degrees(config, mesh)
 
 
 def compare(model, mesh, example_inputs, configs, *, plan=None, example_kwargs=None, memory_budget=None,

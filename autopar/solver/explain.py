@@ -38,6 +38,37 @@ def _is_plumbing(target: str) -> bool:
     return name in _PLUMBING or target.endswith("getitem")
 
 
+def _header(plan: Plan) -> str:
+    mesh = plan.mesh
+    cluster = (mesh.get("cluster") or {}).get("name", "cpu-gloo")
+    return (f"plan for {plan.model_name} on mesh {'x'.join(map(str, mesh['shape']))} "
+            f"(axes {', '.join(mesh['axis_names'])}; cluster {cluster})")
+
+
+def collapsed_rows(plan: Plan, *, show_all: bool = False, collapse_repeats: bool = True,
+                   max_rows_per_layer: int | None = None) -> tuple[list, dict[str, list[str]]]:
+    """The per-layer table's rows, a layer whose rows equal an earlier layer's (a repeated block
+    with the same choices) left out; and first layer -> the layers left out as its repeats."""
+    incoming: dict[str, list] = {}
+    for e in plan.edges:
+        if e.steps:
+            incoming.setdefault(e.dst, []).append(e)
+    by_layer: dict[str, list] = {}
+    for r in _rows(plan, incoming, show_all=show_all):
+        by_layer.setdefault(r[0], []).append(r)
+    seen: dict[tuple, str] = {}
+    shown, repeats = [], {}
+    for layer, lr in by_layer.items():
+        # a parameter's row names it; compare layers by the name relative to the layer
+        key = tuple((r[1].removeprefix(layer + "."), *r[2:]) for r in lr)
+        if collapse_repeats and layer and key in seen:
+            repeats.setdefault(seen[key], []).append(layer)
+            continue
+        seen[key] = layer
+        shown += lr[:max_rows_per_layer] if max_rows_per_layer else lr
+    return shown, repeats
+
+
 def _rows(plan: Plan, incoming, show_all: bool = True):
     rows = []
     for node in plan.nodes.values():
@@ -66,16 +97,10 @@ def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repea
     """``all``: also the rows of views, reshapes and getitems (hidden by default)."""
     if plan.pipeline is not None:
         return _explain_pipeline(plan, max_rows_per_layer=max_rows_per_layer, collapse_repeats=collapse_repeats, all=all)
-    incoming: dict[str, list] = {}
-    for e in plan.edges:
-        if e.steps:
-            incoming.setdefault(e.dst, []).append(e)
-    rows = _rows(plan, incoming, show_all=all)
-    mesh = plan.mesh
-    cluster = (mesh.get("cluster") or {}).get("name", "cpu-gloo")
+    shown, repeats = collapsed_rows(plan, show_all=all, collapse_repeats=collapse_repeats,
+                                    max_rows_per_layer=max_rows_per_layer)
     out = [
-        f"plan for {plan.model_name} on mesh {'x'.join(map(str, mesh['shape']))} "
-        f"(axes {', '.join(mesh['axis_names'])}; cluster {cluster})",
+        _header(plan),
         "layout: " + layout_words(plan),
         _step_line(plan.predicted),
         _memory_line(plan.predicted, plan.solver.get("memory_budget")),
@@ -83,20 +108,6 @@ def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repea
         "",
     ]
     header = ("layer", "op", "family", "inputs", "output", "collectives inserted", "time")
-    # Collapse layers whose rows equal an earlier layer's (repeated blocks with the same choices).
-    by_layer: dict[str, list] = {}
-    for r in rows:
-        by_layer.setdefault(r[0], []).append(r)
-    seen: dict[tuple, str] = {}
-    shown, notes = [], []
-    for layer, lr in by_layer.items():
-        # a parameter's row names it; compare layers by the name relative to the layer
-        key = tuple((r[1].removeprefix(layer + "."), *r[2:]) for r in lr)
-        if collapse_repeats and layer and key in seen:
-            notes.append((seen[key], layer))
-            continue
-        seen[key] = layer
-        shown += lr[:max_rows_per_layer] if max_rows_per_layer else lr
     widths = [max(len(str(x)) for x in col) for col in zip(header, *[(*r[:6], _fmt_s(r[6])) for r in shown])]
     widths = [min(w, 60) for w in widths]
 
@@ -107,18 +118,13 @@ def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repea
     out.append(line(["-" * w for w in widths]))
     for r in shown:
         out.append(line((*r[:6], _fmt_s(r[6]))))
-    if notes:
-        groups: dict[str, list[str]] = {}
-        for first, layer in notes:
-            groups.setdefault(first, []).append(layer)
+    if repeats:
         out.append("")
-        for first, layers in groups.items():
+        for first, layers in repeats.items():
             out.append(f"{len(layers)} more layer(s) with the same choices as {first}: {', '.join(layers)}")
     s = plan.summary()
     out += [
-        "",
-        _step_line(plan.predicted),
-        f"memory per device {_fmt_b(s['memory_bytes_per_device'])} (parameters, gradients, optimizer states, saved activations)",
+        "",  # the step and memory lead the summary above; the totals of the table close it
         "families: " + ", ".join(f"{k} x{v}" for k, v in sorted(s["families"].items(), key=lambda kv: -kv[1])),
         "parameter storage: " + ", ".join(f"{k} x{v}" for k, v in sorted(s["param_storage"].items())),
         f"collectives per step: {len(s['collectives'])}, {_fmt_b(sum(c[2] for c in s['collectives']))} in all",
@@ -144,11 +150,8 @@ def _step_line(p: dict) -> str:
 def _explain_pipeline(plan: Plan, **kw) -> str:
     """A pipelined plan: the pipeline first, then each stage's own table."""
     p = plan.pipeline
-    mesh = plan.mesh
-    cluster = (mesh.get("cluster") or {}).get("name", "cpu-gloo")
     out = [
-        f"plan for {plan.model_name} on mesh {'x'.join(map(str, mesh['shape']))} (axes {', '.join(mesh['axis_names'])}; "
-        f"cluster {cluster}): {len(p.stages)} pipeline stages, {p.schedule}, {p.microbatches} microbatches",
+        f"{_header(plan)}: {len(p.stages)} pipeline stages, {p.schedule}, {p.microbatches} microbatches",
         "layout: " + layout_words(plan),
         f"predicted step time {_fmt_s(plan.predicted['step_time_s'])}, of which bubble "
         f"{_fmt_s(p.bubble_fraction * plan.predicted['step_time_s'])} ({p.bubble_fraction:.0%}); "

@@ -162,10 +162,11 @@ def unit_of_nodes(graph) -> dict[str, int]:
             continue  # parameters without a layer: placed by their readers below
         else:
             out[name] = latest
-    for name, node in graph.nodes.items():
+    readers = _readers(graph)
+    for name in graph.nodes:
         if name not in out:
-            readers = [out[n] for n, other in graph.nodes.items() if name in other.inputs and n in out]
-            out[name] = min(readers) if readers else 0
+            units = [out[n] for n in readers.get(name, ()) if n in out]
+            out[name] = min(units) if units else 0
     return out
 
 

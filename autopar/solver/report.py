@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 
 from autopar.solver.explain import (
-    _fmt_b, _fmt_s, _is_plumbing, _memory_line, _rows, _step_line, costliest_collectives, layout_words,
+    _fmt_b, _fmt_s, _is_plumbing, _memory_line, _step_line, collapsed_rows, costliest_collectives, layout_words,
 )
 from autopar.solver.plan import Plan, spec_str
 
@@ -213,23 +213,8 @@ def _whatif_svg(rows) -> str:
 
 
 def _table(plan: Plan) -> str:
-    incoming: dict = {}
-    for e in plan.edges:
-        if e.steps:
-            incoming.setdefault(e.dst, []).append(e)
-    rows = _rows(plan, incoming, show_all=False)
-    seen, out, skipped = {}, [], {}
-    by_layer: dict = {}
-    for r in rows:
-        by_layer.setdefault(r[0], []).append(r)
-    for layer, lr in by_layer.items():
-        key = tuple((r[1].removeprefix(layer + "."), *r[2:]) for r in lr)
-        if layer and key in seen:
-            skipped.setdefault(seen[key], []).append(layer)
-            continue
-        seen[key] = layer
-        out += lr
+    rows, repeats = collapsed_rows(plan)
     head = "<tr>" + "".join(f"<th>{h}</th>" for h in ("layer", "op", "family", "inputs", "output", "collectives", "time")) + "</tr>"
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in (*r[:6], _fmt_s(r[6]))) + "</tr>" for r in out)
-    notes = "".join(f"<p class='muted'>{len(v)} more layer(s) with the same choices as {_e(k)}</p>" for k, v in skipped.items())
+    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in (*r[:6], _fmt_s(r[6]))) + "</tr>" for r in rows)
+    notes = "".join(f"<p class='muted'>{len(v)} more layer(s) with the same choices as {_e(k)}</p>" for k, v in repeats.items())
     return f"<table>{head}{body}</table>{notes}"
