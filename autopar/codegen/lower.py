@@ -21,6 +21,9 @@ A later pipeline pass cuts the graph into stages on sub-meshes: ``nodes=`` lower
 the subset reads from outside become extra placeholders (``Lowered.boundary_inputs``, in their
 producer's layout) and values read outside it extra outputs (``Lowered.boundary_outputs``), after
 the user outputs when the subset holds the output node. The whole graph is the special case.
+A pipeline stage's plan has no strategy for the values it receives: ``received=`` names the spec
+each arrives in (its producer's, in the sending stage's plan), and every read of it reshards from
+there to the spec its reader wants (the planner's cheapest steps on the stage's mesh).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from autopar.codegen.lowerings import lowering
 from autopar.cost_model.step import param_gather_groups
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.graph import NodeRef, Role
+from autopar.sharding_spec.reshard import plan_reshard
 from autopar.sharding_spec.rules._common import localize_args, norm_dim
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import needs_lowering
@@ -66,18 +70,21 @@ class Lowered:
         return self.gm.code
 
 
-def lower(graph, plan, mesh, *, nodes=None, device: torch.device | None = None) -> Lowered:
+def lower(graph, plan, mesh, *, nodes=None, device: torch.device | None = None, received: dict | None = None) -> Lowered:
     """The program of ``plan`` for ``graph`` on ``mesh``, over ``nodes`` (names; default all).
-    ``device``: where factory ops put new tensors (the traced device otherwise)."""
+    ``device``: where factory ops put new tensors (the traced device otherwise). ``received``:
+    boundary value -> the spec it arrives in (default: the plan's spec of its producer)."""
     if tuple(plan.mesh["shape"]) != tuple(mesh.shape):
         raise PlanError(f"the plan is for a mesh of shape {tuple(plan.mesh['shape'])}, not {mesh}")
     subset = list(graph.nodes) if nodes is None else [n for n in graph.nodes if n in set(nodes)]
-    return _Emitter(graph, plan, mesh, subset, device).run()
+    return _Emitter(graph, plan, mesh, subset, device, dict(received or {})).run()
 
 
 class _Emitter:
-    def __init__(self, graph, plan, mesh, subset, device):
+    def __init__(self, graph, plan, mesh, subset, device, received):
         self.graph, self.plan, self.mesh, self.device = graph, plan, mesh, device
+        self.received = received
+        self.rereads: dict = {}  # (boundary value, wanted spec) -> its resharded node
         self.subset = subset
         self.inside = set(subset)
         self.fx = fx.Graph()
@@ -157,7 +164,7 @@ class _Emitter:
 
     def _boundary(self, name) -> None:
         ph = self.fx.placeholder(name)
-        self._note(ph, self._plan_of(name).output)
+        self._note(ph, self.received[name] if name in self.received else self._plan_of(name).output)
         self.env[name] = ph
         self.boundary.append(name)
 
@@ -165,6 +172,8 @@ class _Emitter:
     def _reshard(self, value: fx.Node, src: str, dst: str, pos: int, want) -> fx.Node:
         """``value`` (``src``'s output as ``dst`` reads it) after the plan's steps on that edge."""
         edge = self.edges.get((dst, pos))
+        if edge is None and src in self.received:
+            return self._reread(value, src, want)
         if edge is None:
             have = self.specs.get(value.name)
             if isinstance(want, ShardingSpec) and isinstance(have, ShardingSpec) and have != want:
@@ -187,6 +196,21 @@ class _Emitter:
         if spec != edge.dst_spec:
             raise PlanError(f"edge {src} -> {dst}: the plan's steps end at {spec}, not at {edge.dst_spec}")
         return value
+
+    def _reread(self, value: fx.Node, src: str, want) -> fx.Node:
+        """A received value resharded to ``want`` (once per wanted spec)."""
+        have = self.specs.get(value.name)
+        if not isinstance(want, ShardingSpec) or not isinstance(have, ShardingSpec) or have == want:
+            return value
+        if (src, want) not in self.rereads:
+            itemsize = getattr(self.graph.nodes[src].meta, "itemsize", 4)
+            spec = have
+            for step in plan_reshard(have, want, self.mesh, itemsize).steps:
+                spec = _after(spec, step)
+                value = self._emit(ops.STEP_FUNCTIONS[step.kind], (value,), ops.step_kwargs(step),
+                                   name=f"{src}_{step.kind}", spec=spec)
+            self.rereads[(src, want)] = value
+        return self.rereads[(src, want)]
 
     def _gathered_param(self, key, param: str) -> fx.Node:
         """``param`` gathered whole along ``key``'s axes, by the one collective that gathers every

@@ -49,7 +49,9 @@ def _is_meta(t) -> bool:
 
 def meta_shards(model: nn.Module, wanted: dict[int, tuple], mesh, rank: int, init_fn=None) -> dict[int, torch.Tensor]:
     """Shards of the meta tensors of ``model`` named in ``wanted`` (id(tensor) -> storage spec),
-    keyed by id, materialized module by module (see the module docstring)."""
+    keyed by id, materialized module by module (see the module docstring). A spec of None
+    initializes the tensor without keeping it, so that the random stream, and so the kept values,
+    are those of initializing the whole model (a pipeline stage keeps only its own layers)."""
     out: dict[int, torch.Tensor] = {}
     for path, module in _post_order(model):
         own = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
@@ -76,6 +78,8 @@ def meta_shards(model: nn.Module, wanted: dict[int, tuple], mesh, rank: int, ini
             if init_fn is not None:
                 init_fn(work)
         for k, t in own.items():
+            if wanted[id(t)] is None:
+                continue
             value = work._parameters[k] if k in work._parameters else work._buffers[k]
             out[id(t)] = shard_of(value, wanted[id(t)], mesh, rank)  # a tied tensor: the last init wins
         del work
@@ -83,18 +87,24 @@ def meta_shards(model: nn.Module, wanted: dict[int, tuple], mesh, rank: int, ini
 
 
 def local_state(model: nn.Module, graph, plan, mesh, rank: int, *, state_dict=None, init_fn=None,
-                device=None) -> dict[str, torch.Tensor]:
+                device=None, placeholders=None) -> dict[str, torch.Tensor]:
     """Placeholder name -> this rank's shard, for every parameter and buffer placeholder of
-    ``graph``, under the storage specs of ``plan``."""
+    ``graph`` (or those in ``placeholders``: a pipeline stage's), under the storage specs of ``plan``."""
     named = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     by_placeholder = {ph: fqn for fqn, ph in {**graph.params, **graph.buffers}.items()}
+    if placeholders is not None:
+        others = [_source(fqn, graph, named, None) for ph, fqn in by_placeholder.items() if ph not in placeholders]
+        by_placeholder = {ph: fqn for ph, fqn in by_placeholder.items() if ph in placeholders}
+    else:
+        others = []
     specs, sources = {}, {}
     for ph, fqn in by_placeholder.items():
         if fqn not in plan.params:
             raise ConfigError(f"the plan has no storage for {fqn}; it was made for another model")
         specs[ph] = plan.params[fqn].storage
         sources[ph] = _source(fqn, graph, named, state_dict)
-    wanted = {id(t): specs[ph] for ph, t in sources.items() if _is_meta(t)}
+    wanted = {id(t): None for t in others if _is_meta(t)}
+    wanted.update({id(t): specs[ph] for ph, t in sources.items() if _is_meta(t)})
     from_meta = meta_shards(model, wanted, mesh, rank, init_fn) if wanted else {}
     out = {}
     for ph, t in sources.items():

@@ -50,7 +50,8 @@ class ParallelModule(nn.Module):
     def __init__(self, *, graph, plan, lowered, groups, shards: dict, state_keys: list[str],
                  signature: inspect.Signature | None, requires_grad: dict[str, bool], constants: dict,
                  order: list[str] | None = None, builder=None, mode: bool = True, device=None, example=None,
-                 bucket_bytes: int | None = None, first_bucket_bytes: int | None = None):
+                 bucket_bytes: int | None = None, first_bucket_bytes: int | None = None, norm_group=None,
+                 not_in_norm: frozenset = frozenset()):
         super().__init__()
         object.__setattr__(self, "_ap", _State(graph, plan, lowered, groups, state_keys, signature))
         self._ap.device = device
@@ -86,7 +87,7 @@ class ParallelModule(nn.Module):
                     param = nn.Parameter(shard, requires_grad=trainable)
                     if sync is not None:
                         entries.append(SyncEntry(slot, param, "all_reduce", sync[1], first_use.get(ph, 0)))
-                if counts_in_norm(split, groups.coordinate, groups.mesh.shape):
+                if counts_in_norm(split, groups.coordinate, groups.mesh.shape) and ph not in not_in_norm:
                     counted.add(id(param))
                 owner.register_parameter(attr, param)
             else:
@@ -106,8 +107,9 @@ class ParallelModule(nn.Module):
         # and dtypes, and non-tensor values (export bakes those in).
         ex_args, ex_kwargs = example if example is not None else ((), {})
         self._ap.main_key = call_key(mode, *self._normalize(tuple(ex_args), dict(ex_kwargs)))
-        self._ap.clip = ClipInfo(counted, groups.handle(tuple(range(groups.mesh.ndim))).pg,
-                                 self._ap.reducer.synchronize, device)
+        if norm_group is None:
+            norm_group = groups.handle(tuple(range(groups.mesh.ndim))).pg
+        self._ap.clip = ClipInfo(counted, norm_group, self._ap.reducer.synchronize, device)
         attach(self.parameters(), self._ap.clip)
         self.train(mode)
 
@@ -127,6 +129,9 @@ class ParallelModule(nn.Module):
     # ---- calling -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         ap = self._ap
+        if ap.pipeline is not None:
+            raise ConfigError(f"{ap.graph.model_name} runs as a {len(ap.plan_full.pipeline.stages)}-stage pipeline: call "
+                              "pmodel.train_step(*inputs) (forward and backward of the whole batch, returns the loss)")
         args, kwargs = self._normalize(args, kwargs)
         program, flat = self._program(args, kwargs)
         flat = [x.to(ap.device) if isinstance(x, torch.Tensor) and ap.device is not None else x for x in flat]
@@ -138,6 +143,21 @@ class ParallelModule(nn.Module):
         with ops.bind(ap.groups):
             out = program.lowered.gm(*program.state_inputs(state), *flat)
         return pytree.tree_unflatten(list(out), program.out_spec)
+
+    def train_step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward of the whole batch, gradients synchronised and ready for
+        ``optimizer.step()``; returns the (detached) loss, on every rank. The model must compute
+        its loss (return it, or a tuple / ModelOutput holding it). For every plan, pipelined or not."""
+        ap = self._ap
+        if ap.pipeline is None:
+            loss = _loss_of(self(*args, **kwargs), ap.graph.model_name)
+            loss.backward()
+            return loss.detach()
+        args, kwargs = self._normalize(args, kwargs)
+        flat = fx_pytree.tree_flatten_spec((args, kwargs), ap.in_spec)
+        ap.pipeline.check_call(self.training, flat)
+        flat = [x.to(ap.device) if isinstance(x, torch.Tensor) and ap.device is not None else x for x in flat]
+        return ap.pipeline.step(flat)
 
     def _program(self, args, kwargs):
         """The program for this call's mode and inputs, and the inputs flattened for it: the main
@@ -182,7 +202,18 @@ class ParallelModule(nn.Module):
     # ---- views ---------------------------------------------------------------------------------
     @property
     def plan(self):
+        """The plan this module runs (with every pipeline stage; ``stage_plan`` is this rank's)."""
+        return self._ap.plan_full or self._ap.plan
+
+    @property
+    def stage_plan(self):
+        """The intra-op plan of this rank's pipeline stage (the plan itself when it has one stage)."""
         return self._ap.plan
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (0 for a plan of one stage)."""
+        return 0 if self._ap.pipeline is None else self._ap.pipeline.sg.stage
 
     @property
     def code(self) -> str:
@@ -253,9 +284,11 @@ class ParallelModule(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict with the original model's keys (tied aliases included), on
-        every rank. A collective: call it on every rank."""
+        every rank (of every pipeline stage). A collective: call it on every rank."""
         ap = self._ap
         full = {fqn: ops.gather_full(t.detach(), self.storage_spec(fqn), ap.groups) for fqn, t in self._storage_shards().items()}
+        if ap.pipeline is not None:
+            return ap.pipeline.across_stages(full, ap.all_state_keys, ap.canonical)
         out = {}
         for key in ap.state_keys:
             canon = ap.canonical.get(key, key)
@@ -277,6 +310,9 @@ class ParallelModule(nn.Module):
                     out[fqn] = None
                 else:
                     out[fqn] = ops.gather_full(g, self.storage_spec(fqn), ap.groups)
+        if ap.pipeline is not None:
+            names = [f for f, ph in ap.graph.params.items() if ap.graph.nodes[ph].role == Role.PARAMETER]
+            return ap.pipeline.across_stages(out, names, {})
         return out
 
 
@@ -396,6 +432,22 @@ class _State:
         self.kw_keys = list(self.in_spec.children_specs[1].context)
         self.device = None
         self.slots: list = []
+        self.pipeline = None  # a PipelineRunner when the plan has stages (this module is one stage's)
+        self.plan_full = None  # the plan with every stage (``plan`` is this stage's)
+        self.all_state_keys = self.state_keys  # every stage's keys (full_state_dict)
+
+
+def _loss_of(out, model_name: str) -> torch.Tensor:
+    """The loss in a model's output: the output itself, its ``loss`` entry, or its first scalar."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+        return out["loss"]
+    for x in pytree.tree_leaves(out):
+        if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point():
+            return x
+    raise ConfigError(f"train_step needs a loss: {model_name} returned no scalar (compute the loss in forward, e.g. pass "
+                      "labels to a transformers model)")
 
 
 def _grad_sync(param_plan) -> tuple[str, tuple[int, ...]] | None:

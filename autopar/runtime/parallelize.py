@@ -62,7 +62,9 @@ def parallelize(
     plan: a Plan (or a path to a plan JSON) to run instead of planning; checked against the model.
     cluster: cluster preset/spec to price the plan with (default: the mesh's, else a profile of
         the live groups, see ``live_cluster``, else cpu-gloo).
-    pipeline: only None/"auto"/False for now (one stage; pipelines are not built yet).
+    pipeline: None/False: one stage; "auto": the planner may cut pipeline stages; an
+        ``autopar.Pipeline(...)`` fixes what it gives. A pipelined module trains with
+        ``pmodel.train_step(*inputs)`` (``autopar.runtime.pipeline``).
     state_dict: full (unsharded) tensors to load, original keys; else the model's own values, or
         for a meta-device model its modules' ``reset_parameters()`` then ``init_fn(module)``.
     device: where the shards live (default: the model's device; for a meta model cuda:LOCAL_RANK
@@ -87,11 +89,12 @@ def parallelize(
     from autopar.runtime.process_groups import MeshGroups
     from autopar.solver.plan import Plan
 
+    from autopar.solver.pipeline import Pipeline
+
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
-    if pipeline not in (None, False, "auto"):
-        raise ConfigError(f"pipeline={pipeline!r}: parallelize cannot run pipeline stages yet (autopar.plan can plan "
-                          "them); use pipeline=None")
+    if pipeline not in (None, False, "auto") and not isinstance(pipeline, Pipeline):
+        raise ConfigError(f"pipeline={pipeline!r}: use None/False (one stage), 'auto' or autopar.Pipeline(...)")
     on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     trace_inputs, trace_kwargs = tuple(inputs), dict(example_kwargs or {})
@@ -101,9 +104,6 @@ def parallelize(
     _check_outputs(graph)
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
-    if plan is not None and plan.pipeline is not None:
-        raise ConfigError(f"this plan has {len(plan.pipeline.stages)} pipeline stages; parallelize cannot run pipeline "
-                          "stages yet: plan with pipeline=None")
     if plan is not None:
         check_plan(plan, graph, mesh)  # before any collective: a bad plan fails on every rank alike
 
@@ -119,10 +119,19 @@ def parallelize(
         plan_mesh = _pricing_mesh(mesh, cluster, groups, profile, device)
         if plan_mesh.cluster is not None and is_live(plan_mesh) and "op_table" not in plan_kwargs:
             plan_kwargs["op_table"] = live_op_table(graph, plan_mesh, device, force)
-        plan = plan_on_rank0(model, plan_mesh, graph, memory_budget, force, plan_kwargs, rank)
+        main_kwargs = dict(plan_kwargs)
+        if pipeline not in (None, False):
+            main_kwargs.update(pipeline=pipeline, example_inputs=trace_inputs, example_kwargs=trace_kwargs or None)
+        plan = plan_on_rank0(model, plan_mesh, graph, memory_budget, force, main_kwargs, rank)
         check_plan(plan, graph, mesh)
     else:
         plan_mesh = mesh.with_cluster(cluster) if cluster is not None else mesh
+    if plan.pipeline is not None:
+        from autopar.runtime.pipeline import build_stage
+
+        return build_stage(model, graph, plan, mesh, (trace_inputs, trace_kwargs), (inputs, example_kwargs or {}),
+                           device=device, timeout=timeout, state_dict=state_dict, init_fn=init_fn,
+                           bucket_bytes=bucket_bytes, signature=_signature(model), requires_grad=_requires_grad)
 
     lowered = lower(graph, plan, mesh, device=device)
     shards = local_state(model, graph, plan, mesh, rank, state_dict=state_dict, init_fn=init_fn, device=device)
@@ -140,11 +149,15 @@ def parallelize(
 
 # ---- steps ------------------------------------------------------------------------------------------
 def check_plan(plan, graph, mesh) -> None:
-    """The plan is for this graph and mesh, and the runtime can run every choice in it."""
-    plan.check_model(graph.fingerprint(), graph.model_name)
+    """The plan is for this graph and mesh, and the runtime can run every choice in it (a
+    pipelined plan's fingerprint is its microbatch graph's: checked when that is traced)."""
+    if plan.pipeline is None:
+        plan.check_model(graph.fingerprint(), graph.model_name)
+    elif plan.model_name != graph.model_name:
+        raise PlanError(f"this plan is for {plan.model_name}, not {graph.model_name}")
     if tuple(plan.mesh["shape"]) != mesh.shape:
         raise PlanError(f"the plan is for a mesh of shape {tuple(plan.mesh['shape'])}, not {mesh}")
-    for p in plan.params.values():
+    for p in (p for sp in plan.stage_plans() for p in sp.params.values()):
         if p.grad_sync is not None and p.grad_sync[0] not in ("all_reduce", "reduce_scatter+all_gather"):
             raise ConfigError(f"parameter {p.name}: gradient sync {p.grad_sync[0]!r} is not supported by the runtime")
 

@@ -18,6 +18,11 @@ calls it for every group, in the same order. A size-1 mesh axis changes no group
 is dropped before caching: one torch group per distinct set of ranks (a frozenset of the axes of
 size > 1). The set of all such axes is the whole world and reuses the default group; when the mesh
 has size-1 axes, singleton groups are made too so that ``group(axes)`` always answers.
+
+A pipeline stage runs on a sub-mesh: ``MeshGroups(mesh, ranks=[...])`` lays the mesh over those
+global ranks (row-major) instead of 0..N-1. ``rank`` and ``coordinate`` are then the position in
+the sub-mesh; group handles list global ranks. Every rank of the world makes every stage's groups
+(``new_group`` is collective); a rank outside ``ranks`` gets an object with ``member`` False.
 """
 from __future__ import annotations
 
@@ -91,16 +96,25 @@ class MeshGroups:
     whole-mesh group is the default group itself, unless ``timeout`` differs from its timeout; then
     a group of every rank is made with ``timeout``. ``.timeout`` is the timeout the groups got."""
 
-    def __init__(self, mesh, *, timeout=None):
+    def __init__(self, mesh, *, timeout=None, ranks=None):
         if not dist.is_available() or not dist.is_initialized():
             raise MeshError(
                 "MeshGroups needs a default process group; call torch.distributed.init_process_group "
                 "(or run under autopar.runtime.launch.spawn / torchrun) first"
             )
-        mesh.check_world_size(dist.get_world_size())
+        world = dist.get_world_size()
+        if ranks is None:
+            mesh.check_world_size(world)
+            ranks = range(world)
+        ranks = tuple(int(r) for r in ranks)
+        if len(ranks) != mesh.size or len(set(ranks)) != len(ranks) or not all(0 <= r < world for r in ranks):
+            raise MeshError(f"a sub-mesh {mesh} needs {mesh.size} distinct ranks of the world's {world}; got {list(ranks)}")
         self.mesh = mesh
-        self.rank = dist.get_rank()
-        self.coordinate = mesh.coordinate(self.rank)
+        self.global_ranks = ranks  # global rank of each mesh position (row-major)
+        self.global_rank = dist.get_rank()
+        self.member = self.global_rank in ranks
+        self.rank = ranks.index(self.global_rank) if self.member else -1  # position in the mesh
+        self.coordinate = mesh.coordinate(self.rank) if self.member else None
         self._pgs: dict[frozenset[int], object] = {}
         self._handles: dict[tuple[int, ...], GroupHandle] = {}
         world_timeout = default_group_timeout()
@@ -111,9 +125,10 @@ class MeshGroups:
 
     # ---- construction -----------------------------------------------------------------------
     def _create(self, timeout, own_world: bool) -> None:
-        mesh = self.mesh
+        mesh, g = self.mesh, self.global_ranks
         real = [a for a in range(mesh.ndim) if mesh.shape[a] > 1]
-        world = dist.new_group(ranks=list(range(mesh.size)), timeout=timeout) if own_world else dist.group.WORLD
+        whole = g == tuple(range(dist.get_world_size()))
+        world = dist.group.WORLD if whole and not own_world else dist.new_group(ranks=sorted(g), timeout=timeout)
         # Every rank walks the same subsets in the same order and calls new_group for each group.
         for k in range(1, len(real) + 1):
             for subset in itertools.combinations(real, k):
@@ -121,15 +136,15 @@ class MeshGroups:
                 if len(subset) == len(real):
                     self._pgs[key] = world
                     continue
-                for ranks in mesh.groups(subset):
-                    pg = dist.new_group(ranks=sorted(ranks), timeout=timeout)
-                    if self.rank in ranks:
+                for members in mesh.groups(subset):
+                    pg = dist.new_group(ranks=sorted(g[m] for m in members), timeout=timeout)
+                    if self.rank in members:
                         self._pgs[key] = pg
-        if not real:  # a one-rank world
+        if not real:  # a one-rank mesh
             self._pgs[frozenset()] = world
         elif len(real) < mesh.ndim:
             for r in range(mesh.size):
-                pg = dist.new_group(ranks=[r], timeout=timeout)
+                pg = dist.new_group(ranks=[g[r]], timeout=timeout)
                 if r == self.rank:
                     self._pgs[frozenset()] = pg
 
@@ -149,10 +164,12 @@ class MeshGroups:
         key = self._key(axes)
         h = self._handles.get(key)
         if h is None:
-            ranks = tuple(self.mesh.group_of(self.rank, key))
+            if not self.member:
+                raise MeshError(f"rank {self.global_rank} is not in the sub-mesh over ranks {list(self.global_ranks)}")
+            ranks = tuple(self.global_ranks[m] for m in self.mesh.group_of(self.rank, key))
             pg = self._pgs[frozenset(a for a in key if self.mesh.shape[a] > 1)]
             pg_ranks = tuple(sorted(ranks, key=lambda r: dist.get_group_rank(pg, r)))
-            h = GroupHandle(key, ranks, ranks.index(self.rank), pg, pg_ranks)
+            h = GroupHandle(key, ranks, ranks.index(self.global_rank), pg, pg_ranks)
             self._handles[key] = h
         return h
 

@@ -35,7 +35,7 @@ def device_mesh(groups, device: torch.device | None):
 
     mesh = groups.mesh
     device_type = device.type if device is not None else "cpu"
-    ranks = torch.arange(mesh.size).reshape(mesh.shape)
+    ranks = torch.tensor(groups.global_ranks).reshape(mesh.shape)
     pgs = [groups.handle(a).pg for a in range(mesh.ndim)]
     dm = DeviceMesh.from_group(pgs[0] if mesh.ndim == 1 else pgs, device_type, mesh=ranks,
                                mesh_dim_names=tuple(mesh.axis_names))

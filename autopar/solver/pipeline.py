@@ -244,11 +244,37 @@ def microbatch_candidates(batch: int, fixed: int | None, max_count: int = 512) -
     return sorted({1} | {batch // b for b in sizes if batch // b <= max_count})
 
 
-def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: Pipeline | None = None,
-           memory_budget: float | None = None, plan_kwargs: dict | None = None, tolerance: float = 0.01) -> PipelineChoice:
-    """The fastest pipeline for ``model`` on ``mesh`` within ``memory_budget`` bytes per device."""
+def batch_size(example_inputs, example_kwargs=None) -> int:
+    """The batch: dim 0 of the first tensor input (what microbatches split)."""
     import torch
 
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    tensors = [t for t in inputs + tuple((example_kwargs or {}).values()) if isinstance(t, torch.Tensor) and t.dim()]
+    if not tensors:
+        raise ConfigError("a pipeline splits the batch into microbatches: pass the batch as tensor inputs")
+    return tensors[0].shape[0]
+
+
+def microbatch_inputs(example_inputs, example_kwargs, count: int):
+    """One microbatch of the example inputs: every tensor whose dim 0 is the batch, cut to
+    ``batch // count`` rows (others, like a shared mask, whole)."""
+    import torch
+
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    batch = batch_size(inputs, example_kwargs)
+
+    def cut(t):
+        return t[: batch // count] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t
+
+    return tuple(cut(t) for t in inputs), {k: cut(v) for k, v in (example_kwargs or {}).items()}
+
+
+def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: Pipeline | None = None,
+           memory_budget: float | None = None, plan_kwargs: dict | None = None, tolerance: float = 0.01,
+           equal_stages: bool = True) -> PipelineChoice:
+    """The fastest pipeline for ``model`` on ``mesh`` within ``memory_budget`` bytes per device.
+    ``equal_stages``: every stage takes as many rows (what torch's schedules run: each rank talks
+    to one rank per stage); False lets the DP size each stage on its own, as Alpa does."""
     from autopar import ir
     from autopar.solver.api import plan as intra_op_plan
 
@@ -256,13 +282,12 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
     t0 = time.perf_counter()
     plan_kwargs = dict(plan_kwargs or {})
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    tensors = [t for t in inputs + tuple((example_kwargs or {}).values()) if isinstance(t, torch.Tensor)]
-    if not tensors:
-        raise ConfigError("a pipeline splits the batch into microbatches: pass the batch as tensor inputs")
-    batch = tensors[0].shape[0]
+    batch = batch_size(inputs, example_kwargs)
     budget = math.inf if memory_budget is None else float(memory_budget)
     schedules = [pipeline.schedule] if pipeline.schedule else list(SEARCHED_SCHEDULES)
     options = row_options(mesh)
+    if equal_stages:  # only stage sizes that tile the rows (and give the fixed stage count)
+        options = [k for k in options if mesh.shape[0] % k == 0 and pipeline.stages in (None, mesh.shape[0] // k)]
     timing = {"trace_s": 0.0, "intra_op_s": 0.0, "dp_s": 0.0}
     results: dict[int, tuple | None] = {}
 
@@ -272,9 +297,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         if count in results:
             return results[count]
         t_trace = time.perf_counter()
-        micro_in = tuple(t[: batch // count] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t for t in inputs)
-        micro_kw = {k: (v[: batch // count] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch else v)
-                    for k, v in (example_kwargs or {}).items()}
+        micro_in, micro_kw = microbatch_inputs(inputs, example_kwargs, count)
         graph = ir.trace(model, micro_in, micro_kw or None)
         t_ilp = time.perf_counter()
         timing["trace_s"] += t_ilp - t_trace
@@ -292,13 +315,15 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         found = None
         if variants:
             time_t, mem_t, act_t = _tables([(rows, _grouped(p, groups)) for rows, p in variants], len(groups), count, mesh)
-            devices = [rows for rows, _ in variants]
+            devices = np.array([rows for rows, _ in variants])
             for schedule in schedules:
-                sol = solve_stages(time_t, devices, mesh.shape[0], count, mem=mem_t, act=act_t, budget=budget,
-                                   schedule=schedule, stage_counts={pipeline.stages} if pipeline.stages else None,
-                                   tolerance=tolerance)
-                if sol is not None and (found is None or sol.step_time < found[0].step_time - 1e-15):
-                    found = (sol, count, schedule, variants, graph, groups)
+                for keep, counts in _stage_shapes(devices, mesh.shape[0], pipeline.stages, equal_stages):
+                    sol = solve_stages(time_t[:, :, keep], devices[keep], mesh.shape[0], count, mem=mem_t[:, :, keep],
+                                       act=act_t[:, :, keep], budget=budget, schedule=schedule, stage_counts=counts,
+                                       tolerance=tolerance)
+                    if sol is not None and (found is None or sol.step_time < found[0].step_time - 1e-15):
+                        sol.stages = [(i, j, int(np.flatnonzero(keep)[m])) for i, j, m in sol.stages]
+                        found = (sol, count, schedule, variants, graph, groups)
         timing["dp_s"] += time.perf_counter() - t_dp
         results[count] = found
         log.info("pipeline search, %d microbatches: %s (%d sub-mesh options, %.1f s)", count,
@@ -344,6 +369,17 @@ def restrict(plan: Plan, graph, nodes: set[str], time_s: float, memory: float, b
     solver = dict(plan.solver, memory_budget=None if budget is None or math.isinf(budget) else budget)
     return Plan(plan.model_name, plan.model_fingerprint, plan.mesh, node_plans, edges, params, predicted,
                 solver, idle_axes=plan.idle_axes)
+
+
+def _stage_shapes(devices: np.ndarray, rows: int, stages: int | None, equal: bool):
+    """(variant mask, allowed stage counts) pairs the DP runs: all variants and any count, or per
+    stage size ``k`` (dividing ``rows``) the variants of ``k`` rows and ``rows // k`` stages."""
+    if not equal:
+        yield np.ones(len(devices), dtype=bool), ({stages} if stages else None)
+        return
+    for k in sorted(set(devices.tolist())):
+        if rows % k == 0 and (stages is None or stages == rows // k):
+            yield devices == k, {rows // k}
 
 
 def _search_counts(counts: list[int], evaluate):

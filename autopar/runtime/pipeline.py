@@ -1,0 +1,439 @@
+"""Run a pipelined plan: this rank's stage, driven by torch's pipeline schedules.
+
+A plan with stages (``Plan.pipeline``) was made on the *microbatch* graph. Every rank cuts that
+graph the same way (``cut_stages``): stage ``s`` runs the ops of its layers, reads the parameters
+and user inputs those ops read, and exchanges with its neighbours the values that cross its edges:
+
+    stage 0 receives     the user inputs (one microbatch of each, whole), from the schedule
+    stage s sends        every value made by stages <= s (or a user input) that a later stage reads,
+                         in graph order: values a stage does not read pass through it untouched
+    the last stage       returns the model's outputs; the schedule's loss function picks the loss
+
+Each stage runs on a block of mesh rows (a sub-mesh with its own ``MeshGroups``); rank ``c`` of
+every stage (its position inside the stage) forms a pipeline group with the rank ``c`` of the
+others, so activations travel point to point between ranks at the same position, each as the
+local shard it is in (its producer's spec in the sending stage's plan; the receiving program
+reshards it to what its readers want, see ``lower(received=...)``).
+
+Execution is ``torch.distributed.pipelining``: a ``PipelineStage`` over a module that runs the
+stage's program, and ``ScheduleGPipe`` / ``Schedule1F1B``. Static shapes are given, so no
+metadata round trips happen. A step (``train_step``) runs every microbatch under the reducer's
+``no_sync`` and synchronises gradients once at its end; a parameter read by several stages (a tied
+embedding and head) then sums its gradient over them. The loss is each microbatch's loss over the
+microbatch count (the schedule does not scale again), summed over microbatches and sent to every
+rank. A stage the plan recomputes runs under ``torch.utils.checkpoint`` (its whole program: its
+activations are kept only as its inputs while other microbatches run).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.codegen import ops
+from autopar.errors import ConfigError, PlanError
+from autopar.ir.graph import Role
+from autopar.runtime.process_groups import MeshGroups
+from autopar.sharding_spec.mesh import Mesh
+from autopar.sharding_spec.spec import ShardingSpec
+
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+@dataclasses.dataclass
+class StageCut:
+    """What stage ``index`` runs (``nodes``, for ``lower``), receives (``receives``: from the
+    previous stage, or the user inputs for stage 0) and sends on (``sends``: empty for the last)."""
+
+    index: int
+    nodes: list[str]
+    receives: list[str]
+    sends: list[str]
+
+
+def cut_stages(graph, plan) -> list[StageCut]:
+    """The stages of ``plan`` over ``graph`` (its microbatch graph); see the module docstring."""
+    from autopar.solver.pipeline import unit_of_nodes
+
+    stages = plan.pipeline.stages
+    unit = unit_of_nodes(graph)
+    stage_of_unit = {}
+    for s, st in enumerate(stages):
+        for u in range(st.layers[0], st.layers[1] + 1):
+            stage_of_unit[u] = s
+    if sorted(stage_of_unit) != list(range(len(graph.layers))):
+        raise PlanError(f"the plan's stages cover layers {sorted(stage_of_unit)}, the model has {len(graph.layers)}")
+    made: dict[str, int] = {}  # value -> the stage that makes it (user inputs: -1, before stage 0)
+    readers: dict[str, set[int]] = {}
+    nodes: list[list[str]] = [[] for _ in stages]
+    for name, node in graph.nodes.items():
+        if node.op == "placeholder":
+            if node.role == Role.INPUT:
+                made[name] = -1
+            continue
+        s = stage_of_unit[unit[name]]
+        made[name] = s
+        nodes[s].append(name)
+        for src in node.inputs:
+            src_node = graph.nodes[src]
+            if src_node.op == "placeholder" and src_node.role != Role.INPUT:
+                readers.setdefault(src, set()).add(s)
+            if src_node.op == "placeholder":
+                if src not in nodes[s]:
+                    nodes[s].append(src)
+                if src_node.role != Role.INPUT:
+                    continue
+            if src_node.op != "placeholder" and made.get(src, s) > s:
+                raise PlanError(f"{name} (stage {s}) reads {src}, made by a later stage {made[src]}")
+            readers.setdefault(src, set()).add(s)
+    for name, node in graph.nodes.items():  # state nothing reads: held by stage 0
+        if node.op == "placeholder" and node.role != Role.INPUT and name not in readers:
+            nodes[0].append(name)
+    order = list(graph.inputs) + [n for n in graph.nodes if graph.nodes[n].op != "placeholder"]
+    cuts = []
+    for s in range(len(stages)):
+        receives = list(graph.inputs) if s == 0 else cuts[-1].sends
+        sends = [] if s == len(stages) - 1 else [
+            v for v in order if made.get(v, len(stages)) <= s and any(r > s for r in readers.get(v, ()))]
+        for v in sends:
+            meta = graph.nodes[v].meta
+            if meta is None or isinstance(meta, tuple):
+                raise PlanError(f"{v} crosses from stage {s} to stage {s + 1} but is not a tensor; cut elsewhere")
+        cuts.append(StageCut(s, [n for n in graph.nodes if n in set(nodes[s])], list(receives), sends))
+    return cuts
+
+
+def sent_specs(graph, plan, cuts: list[StageCut]) -> dict[str, object]:
+    """Value -> the spec it travels in between stages: user inputs whole, activations as their
+    producer's output in its stage's plan."""
+    out = {}
+    for cut, stage in zip(cuts, plan.pipeline.stages):
+        for v in cut.sends:
+            if v in out:
+                continue
+            node = graph.nodes[v]
+            if node.op == "placeholder":
+                out[v] = ShardingSpec.replicate(node.meta.shape, len(stage.mesh_shape))
+            else:
+                out[v] = stage.plan.nodes[v].output
+    return out
+
+
+def stage_meshes(plan, mesh: Mesh) -> list[Mesh]:
+    return [Mesh(tuple(st.mesh_shape), mesh.axis_names, mesh.cluster) for st in plan.pipeline.stages]
+
+
+@dataclasses.dataclass
+class StageGroups:
+    """This rank's process groups under a pipelined plan: its stage's ``MeshGroups``, the pipeline
+    group (the rank at the same position in every stage), and groups over the stages that share a
+    tied parameter."""
+
+    stage: int
+    groups: MeshGroups
+    pp_group: object
+    pp_ranks: list[int]
+    shared: dict  # frozenset of stages -> the group of this rank's position in them (None if not in it)
+
+
+def make_stage_groups(plan, mesh: Mesh, shared_sets, timeout=None) -> StageGroups:
+    """Every stage's groups, made by every rank in the same order (``new_group`` is collective)."""
+    stages = plan.pipeline.stages
+    sizes = {len(st.ranks) for st in stages}
+    if len(sizes) != 1:
+        raise ConfigError(f"the plan's stages have {[len(st.ranks) for st in stages]} devices; torch's pipeline schedules "
+                          "pair each rank with one per stage, so every stage needs as many devices (plan with "
+                          "autopar.plan(..., pipeline=...) for parallelize: it plans equal stages)")
+    me = dist.get_rank()
+    mine = None
+    for s, (st, m) in enumerate(zip(stages, stage_meshes(plan, mesh))):
+        g = MeshGroups(m, ranks=st.ranks, timeout=timeout)
+        if g.member:
+            mine = (s, g)
+    if mine is None:
+        raise ConfigError(f"rank {me} is in no stage of the plan (stages cover ranks "
+                          f"{[r for st in stages for r in st.ranks]})")
+    s, groups = mine
+    position = groups.rank
+    pp_group, pp_ranks = None, []
+    for c in range(sizes.pop()):
+        ranks = [st.ranks[c] for st in stages]
+        pg = dist.new_group(ranks=ranks, timeout=groups.timeout)
+        if c == position:
+            pp_group, pp_ranks = pg, ranks
+    shared = {}
+    for members in sorted(shared_sets, key=sorted):
+        for c in range(len(stages[0].ranks)):
+            ranks = [stages[t].ranks[c] for t in sorted(members)]
+            pg = dist.new_group(ranks=ranks, timeout=groups.timeout)
+            if c == position:
+                shared[members] = pg if s in members else None
+    return StageGroups(s, groups, pp_group, pp_ranks, shared)
+
+
+def shared_params(graph, cuts: list[StageCut]) -> dict[str, frozenset]:
+    """Parameter placeholder -> the stages that read it, for those read by more than one."""
+    out: dict[str, set] = {}
+    for cut in cuts:
+        for n in cut.nodes:
+            if graph.nodes[n].op == "placeholder" and graph.nodes[n].role == Role.PARAMETER:
+                out.setdefault(n, set()).add(cut.index)
+    return {k: frozenset(v) for k, v in out.items() if len(v) > 1}
+
+
+class _StageProgram(nn.Module):
+    """The module a ``PipelineStage`` runs: this stage's program over the received values. It owns
+    no parameters (the ParallelModule does; gradients reach them through its reducer's taps)."""
+
+    def __init__(self, pmodel, cut: StageCut, last: bool, recompute: bool):
+        super().__init__()
+        object.__setattr__(self, "pmodel", pmodel)
+        self.cut, self.last, self.recompute = cut, last, recompute
+
+    def forward(self, *received):
+        ap = self.pmodel._ap
+        lowered = ap.lowered
+        vals = dict(zip(self.cut.receives, received))
+        feed = [vals[n] for n in lowered.inputs] + [vals[n] for n in lowered.boundary_inputs]
+        state = [owner._parameters[a] if a in owner._parameters else owner._buffers[a] for owner, a in ap.slots]
+        state = ap.reducer.tap(state) if torch.is_grad_enabled() else ap.reducer.working_copies(state)
+        state = ap.main.state_inputs(state)
+
+        def run(*flat):
+            with ops.bind(ap.groups):
+                return tuple(lowered.gm(*flat))
+
+        if self.recompute and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            out = checkpoint(run, *state, *feed, use_reentrant=False)
+        else:
+            out = run(*state, *feed)
+        n_user = len(out) - len(lowered.boundary_outputs)
+        if self.last:
+            return tuple(out[:n_user])
+        made = dict(zip(lowered.boundary_outputs, out[n_user:]))
+        # A value passing through is re-viewed so autograd hands its gradient straight back.
+        return tuple(made[v] if v in made else (vals[v].view_as(vals[v]) if vals[v].requires_grad else vals[v])
+                     for v in self.cut.sends)
+
+
+class PipelineRunner:
+    """This rank's part of a pipelined plan (see the module docstring); ``ParallelModule.train_step``
+    calls ``step``."""
+
+    def __init__(self, pmodel, graph, plan, cut: StageCut, cuts, sg: StageGroups, shared: dict, device, loss_index: int,
+                 batch_dims: list[bool]):
+        from torch.distributed import pipelining
+
+        self.pmodel, self.graph, self.plan, self.cut, self.sg = pmodel, graph, plan, cut, sg
+        self.shared = shared  # placeholder -> stages sharing it
+        self.device = device
+        self.stages = len(plan.pipeline.stages)
+        self.microbatches = plan.pipeline.microbatches
+        self.loss_index = loss_index
+        self.batch_dims = batch_dims  # per user input: split into microbatches along dim 0
+        self.last = sg.stage == self.stages - 1
+        fqn_of = {ph: fqn for fqn, ph in {**graph.params, **graph.buffers}.items()}
+        self.owner = {}  # canonical name -> the first stage holding it
+        for c in cuts:
+            for n in c.nodes:
+                if n in fqn_of:
+                    self.owner.setdefault(fqn_of[n], c.index)
+        specs = sent_specs(graph, plan, cuts)
+        stage_plan = plan.pipeline.stages[sg.stage]
+        self.module = _StageProgram(pmodel, cut, self.last, bool(stage_plan.recompute))
+        mesh = sg.groups.mesh
+        inputs = tuple(self._example(v, specs, mesh) for v in cut.receives)
+        if self.last:
+            out_node = next(n for n in graph.nodes.values() if n.op == "output")
+            outputs = tuple(self._example(v, {}, mesh) for v in out_node.inputs)
+        else:
+            outputs = tuple(self._example(v, specs, mesh) for v in cut.sends)
+        self.stage = pipelining.PipelineStage(self.module, sg.stage, self.stages, device, input_args=inputs,
+                                              output_args=outputs, group=sg.pp_group)
+        schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[plan.pipeline.schedule])
+        m = self.microbatches
+        index = loss_index
+
+        def loss_fn(output, target):
+            out = output[index] if isinstance(output, (tuple, list)) else output
+            return out / m
+
+        chunks = tuple(pipelining.microbatch.TensorChunkSpec(0) if split else pipelining.microbatch._Replicate
+                       for split in batch_dims)
+        self.schedule = schedule_cls(self.stage, m, loss_fn=loss_fn, args_chunk_spec=chunks, scale_grads=False)
+
+    def check_call(self, training: bool, flat: list) -> None:
+        """A step's inputs are the traced microbatch's, ``microbatches`` times longer along the
+        batch dim, in the traced mode."""
+        if training != self.pmodel._ap.mode:
+            raise ConfigError(f"this pipeline was built for {'training' if self.pmodel._ap.mode else 'eval'} mode; "
+                              "call train_step in that mode (a pipelined plan builds no program for the other)")
+        for name, x, split in zip(self.graph.inputs, flat, self.batch_dims):
+            meta = self.graph.nodes[name].meta
+            if not isinstance(x, torch.Tensor):
+                raise ConfigError(f"input {name}: a pipelined model takes tensors only, got {type(x).__name__}")
+            want = tuple(meta.shape)
+            if split:
+                want = (want[0] * self.microbatches, *want[1:])
+            if tuple(x.shape) != want or str(x.dtype).removeprefix("torch.") != meta.dtype:
+                raise ConfigError(f"input {name} has shape {tuple(x.shape)} and dtype {x.dtype}; this pipeline was built "
+                                  f"for {want} and {meta.dtype} ({self.microbatches} microbatches); parallelize again "
+                                  "for other shapes")
+
+    @torch.no_grad()
+    def across_stages(self, local: dict, keys: list[str], canonical: dict) -> dict:
+        """``local`` (canonical name -> this stage's full tensor, or None) completed with every
+        other stage's, under ``keys``; each tensor sent by the first rank of the first stage that
+        holds it. A collective over every rank."""
+        out, sent = {}, {}
+        for key in keys:
+            canon = canonical.get(key, key)
+            if canon not in sent:
+                owner = self.owner.get(canon)
+                if owner is None:
+                    continue
+                ph = self.graph.params.get(canon) or self.graph.buffers.get(canon)
+                meta = self.graph.nodes[ph].meta
+                src = self.plan.pipeline.stages[owner].ranks[0]
+                mine = local.get(canon) if owner == self.sg.stage else None
+                flag = torch.tensor([0 if owner == self.sg.stage and mine is None else 1], device=self.device)
+                dist.broadcast(flag, src=src)
+                if not flag.item():
+                    sent[canon] = None
+                else:
+                    t = (mine.detach().clone() if mine is not None else
+                         torch.empty(tuple(meta.shape), dtype=getattr(torch, meta.dtype), device=self.device))
+                    dist.broadcast(t, src=src)
+                    sent[canon] = t
+            out[key] = sent[canon]
+        return out
+
+    def _example(self, v: str, specs: dict, mesh) -> torch.Tensor:
+        meta = self.graph.nodes[v].meta
+        dtype = getattr(torch, meta.dtype)
+        spec = specs.get(v)
+        shape = spec.local_shape(mesh) if isinstance(spec, ShardingSpec) else tuple(meta.shape)
+        # Floating-point values carry gradients between stages (static metadata says so).
+        return torch.empty(shape, dtype=dtype, device=self.device, requires_grad=dtype.is_floating_point)
+
+    def step(self, flat_inputs: list) -> torch.Tensor:
+        """Forward and backward of the whole batch ``flat_inputs`` (the user inputs, flattened);
+        gradients synchronised; the loss on every rank."""
+        ap = self.pmodel._ap
+        losses: list = []
+        with ap.reducer.no_sync():
+            if self.sg.stage == 0:
+                self.schedule.step(*flat_inputs, return_outputs=False)
+            elif self.last:
+                target = torch.zeros(self.microbatches, device=self.device)
+                self.schedule.step(target=target, losses=losses, return_outputs=False)
+            else:
+                self.schedule.step(return_outputs=False)
+        ap.reducer.synchronize()
+        self._sum_shared_grads()
+        loss = torch.stack([x.detach() for x in losses]).sum() if self.last else None
+        if loss is None:
+            out_meta = next(n for n in self.graph.nodes.values() if n.op == "output").inputs[self.loss_index]
+            loss = torch.zeros((), dtype=getattr(torch, self.graph.nodes[out_meta].meta.dtype), device=self.device)
+        dist.broadcast(loss, src=self.sg.pp_ranks[-1], group=self.sg.pp_group)
+        return loss
+
+    @torch.no_grad()
+    def _sum_shared_grads(self) -> None:
+        """A parameter read by several stages (a tied embedding and head) holds a copy in each:
+        their gradients are summed (whole tensors: the stages may store it differently)."""
+        if not self.sg.shared:
+            return
+        pm = self.pmodel
+        ap = pm._ap
+        fqn_of = {ph: fqn for fqn, ph in ap.graph.params.items()}
+        groups = ap.groups
+        for members in sorted({frozenset(v) for v in self.shared.values()}, key=sorted):
+            pg = self.sg.shared.get(members)
+            names = sorted(fqn_of[ph] for ph, st in self.shared.items() if st == members)
+            if pg is None:
+                continue
+            grads = pm._storage_shards(grads=True)
+            for fqn in names:
+                if fqn not in grads:
+                    continue
+                spec = pm.storage_spec(fqn)
+                g = grads[fqn]
+                local = pm.local_state()[fqn]
+                full = ops.gather_full(g if g is not None else torch.zeros(spec.local_shape(groups.mesh), dtype=local.dtype,
+                                                                            device=local.device), spec, groups)
+                dist.all_reduce(full, group=pg)
+                mine = full[spec.local_slices(groups.mesh, groups.rank)]
+                entry = ap.zero2.get(ap.slot_of_fqn[fqn])
+                if entry is not None:
+                    from autopar.runtime.reducer import chunk_of
+
+                    h = groups.handle(entry.axes)
+                    mine = chunk_of(mine, h.index, h.size)
+                local.grad = mine.clone()
+
+
+def loss_position(graph) -> int:
+    """Index of the loss among the model's flat outputs: the first floating-point scalar."""
+    out = next(n for n in graph.nodes.values() if n.op == "output")
+    for i, v in enumerate(out.inputs):
+        meta = graph.nodes[v].meta
+        if meta is not None and not isinstance(meta, tuple) and tuple(meta.shape) == () and "float" in meta.dtype:
+            return i
+    raise ConfigError(f"{graph.model_name} returns no scalar loss; a pipelined plan trains a model that computes its loss "
+                      "in forward (e.g. pass labels to a transformers model)")
+
+
+
+
+def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, device, timeout, state_dict, init_fn,
+                bucket_bytes, signature, requires_grad):
+    """This rank's ``ParallelModule`` of a pipelined ``plan``: its stage's program and shards,
+    with a ``PipelineRunner`` for ``train_step``. ``graph`` is the whole batch's trace (to tell
+    which inputs the microbatches split); the stages run on the microbatch graph, traced here."""
+    from autopar import ir
+    from autopar.codegen.lower import lower
+    from autopar.runtime.materialize import local_state
+    from autopar.runtime.module import ParallelModule
+    from autopar.runtime.programs import constants_of
+    from autopar.solver.pipeline import microbatch_inputs
+
+    count = plan.pipeline.microbatches
+    mb_args, mb_kwargs = microbatch_inputs(*trace_call, count)
+    micro = ir.trace(model, mb_args, mb_kwargs or None)
+    plan.check_model(micro.fingerprint(), micro.model_name)
+    batch_dims = [tuple(graph.nodes[a].meta.shape[:1]) != tuple(micro.nodes[b].meta.shape[:1])
+                  for a, b in zip(graph.inputs, micro.inputs)]
+    cuts = cut_stages(micro, plan)
+    shared = shared_params(micro, cuts)
+    loss_index = loss_position(micro)
+    sg = make_stage_groups(plan, mesh, set(shared.values()), timeout)
+    cut, stage_plan, groups = cuts[sg.stage], plan.pipeline.stages[sg.stage].plan, sg.groups
+    specs = sent_specs(micro, plan, cuts)
+    received = {v: specs[v] for v in cut.receives if micro.nodes[v].op != "placeholder"}
+    lowered = lower(micro, stage_plan, groups.mesh, nodes=cut.nodes, device=device, received=received)
+    shards = local_state(model, micro, stage_plan, groups.mesh, groups.rank, state_dict=state_dict, init_fn=init_fn,
+                         device=device, placeholders=set(lowered.state))
+    fqn_of = {ph: fqn for fqn, ph in {**micro.params, **micro.buffers}.items()}
+    mine = {fqn_of[ph] for ph in lowered.state if ph in fqn_of}
+    canonical = {a: canon for canon, names in micro.param_aliases.items() for a in names}
+    all_keys = list(model.state_dict(keep_vars=True).keys())
+    # A parameter several stages hold counts in the gradient norm once: in the first of them.
+    not_in_norm = frozenset(ph for ph, stages in shared.items() if sg.stage != min(stages))
+    ex_args, ex_kwargs = microbatch_inputs(*example_call, count)
+    pm = ParallelModule(
+        graph=micro, plan=stage_plan, lowered=lowered, groups=groups, shards=shards,
+        state_keys=[k for k in all_keys if canonical.get(k, k) in mine], signature=signature,
+        requires_grad={ph: requires_grad(model, fqn, micro) for fqn, ph in micro.params.items()},
+        constants=constants_of(micro, device), order=[n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()],
+        builder=None, mode=model.training, device=device, example=(ex_args, ex_kwargs), bucket_bytes=bucket_bytes,
+        norm_group=dist.group.WORLD, not_in_norm=not_in_norm,
+    )
+    pm._ap.plan_full = plan
+    pm._ap.all_state_keys = all_keys
+    pm._ap.pipeline = PipelineRunner(pm, micro, plan, cut, cuts, sg, shared, device, loss_index, batch_dims)
+    return pm
