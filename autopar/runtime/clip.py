@@ -36,6 +36,10 @@ class ClipInfo:
 
     def __init__(self, counted: set[int], world_pg, synchronize, device):
         self.counted, self.world_pg, self.synchronize, self.device = counted, world_pg, synchronize, device
+        # Pipeline stages hold different parameters: a numbering of every stage's parameters
+        # (id -> index, and how many) lines up their per-parameter counts in one all-reduce.
+        self.index: dict[int, int] | None = None
+        self.n_index = 0
 
 
 def counts_in_norm(split_axes, coordinate, mesh_shape) -> bool:
@@ -67,7 +71,11 @@ def clip_grad_norm_(info: ClipInfo, parameters, max_norm: float, norm_type: floa
     # on every rank
     mine = [p.grad if (p.grad is not None and id(p) in info.counted) else None for p in params]
     # one SUM all-reduce carries: [sum of |norm|^p (p-norms), NaN seen, gradients, per-parameter nonzero counts]
-    counts = torch.zeros(3 + len(params), **f64)
+    if info.index is None:
+        slot, n_slots = list(range(len(params))), len(params)
+    else:
+        slot, n_slots = [info.index[id(p)] for p in params], info.n_index
+    counts = torch.zeros(3 + n_slots, **f64)
     counts[2] = sum(g is not None for g in mine)
     present = [g for g in mine if g is not None and g.numel()]
     if present:  # tensor ops only: no host sync per gradient on a GPU
@@ -75,7 +83,7 @@ def clip_grad_norm_(info: ClipInfo, parameters, max_norm: float, norm_type: floa
     if norm_type == 0:  # torch: how many gradients have a nonzero element
         for i, g in enumerate(mine):
             if g is not None:
-                counts[3 + i] = torch.count_nonzero(g).double()
+                counts[3 + slot[i]] = torch.count_nonzero(g).double()
     elif not math.isinf(norm_type) and present:
         norms = torch._foreach_norm(present, norm_type)
         counts[0] = torch.stack([n.double() for n in norms]).pow(norm_type).sum()

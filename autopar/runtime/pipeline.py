@@ -433,6 +433,9 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
         builder=None, mode=model.training, device=device, example=(ex_args, ex_kwargs), bucket_bytes=bucket_bytes,
         norm_group=dist.group.WORLD, not_in_norm=not_in_norm,
     )
+    numbering = {fqn: i for i, fqn in enumerate(micro.params)}
+    pm._ap.clip.index = {id(p): numbering[fqn] for fqn, p in pm.local_state().items() if fqn in numbering}
+    pm._ap.clip.n_index = len(numbering)
     pm._ap.plan_full = plan
     pm._ap.all_state_keys = all_keys
     pm._ap.pipeline = PipelineRunner(pm, micro, plan, cut, cuts, sg, shared, device, loss_index, batch_dims)

@@ -61,8 +61,17 @@ class Pipeline:
     microbatches: int | None = None
     virtual_stages: int | None = None
     recompute: bool | None = None
+    layers: tuple[int, ...] | None = None  # layers per stage, in order (e.g. (3, 1)); fixes the stage count
 
     def __post_init__(self):
+        if self.layers is not None:
+            layers = tuple(int(n) for n in self.layers)
+            if not layers or min(layers) < 1:
+                raise ConfigError(f"Pipeline(layers={self.layers}): every stage needs at least one layer")
+            if self.stages is not None and self.stages != len(layers):
+                raise ConfigError(f"Pipeline(stages={self.stages}, layers={self.layers}): {len(layers)} stages given by layers")
+            object.__setattr__(self, "layers", layers)
+            object.__setattr__(self, "stages", len(layers))
         if self.stages is not None and self.stages < 1:
             raise ConfigError(f"Pipeline(stages={self.stages}): need at least one stage")
         if self.microbatches is not None and self.microbatches < 1:
@@ -315,6 +324,8 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         found = None
         if variants:
             time_t, mem_t, act_t = _tables([(rows, _grouped(p, groups)) for rows, p in variants], len(groups), count, mesh)
+            if pipeline.layers is not None:
+                time_t = _fixed_cuts(time_t, pipeline.layers, groups)
             devices = np.array([rows for rows, _ in variants])
             for schedule in schedules:
                 for keep, counts in _stage_shapes(devices, mesh.shape[0], pipeline.stages, equal_stages):
@@ -334,8 +345,10 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
 
     best = _search_counts(microbatch_candidates(batch, pipeline.microbatches), evaluate)
     if best is None:
-        raise PlanError(f"no pipeline of {type(model).__name__} on {mesh} fits {memory_budget} bytes per device "
-                        f"(stage counts, sub-meshes and microbatch counts {sorted(results)} tried)")
+        why = (f"fits {memory_budget} bytes per device" if memory_budget is not None else
+               "can be planned (a forced layout must fit each stage's devices and the microbatch; stages must tile the mesh rows)")
+        raise PlanError(f"no pipeline of {type(model).__name__} on {mesh} {why}: stage counts, sub-meshes of "
+                        f"{options} rows and microbatch counts {sorted(results)} tried")
     sol, count, schedule, variants, graph, groups = best
     unit = unit_of_nodes(graph)
     stages, row = [], 0
@@ -369,6 +382,25 @@ def restrict(plan: Plan, graph, nodes: set[str], time_s: float, memory: float, b
     solver = dict(plan.solver, memory_budget=None if budget is None or math.isinf(budget) else budget)
     return Plan(plan.model_name, plan.model_fingerprint, plan.mesh, node_plans, edges, params, predicted,
                 solver, idle_axes=plan.idle_axes)
+
+
+def _fixed_cuts(time_t: np.ndarray, layers: tuple[int, ...], groups) -> np.ndarray:
+    """``time_t`` with every stage but the given layer ranges ruled out."""
+    n_layers = sum(len(g) for g in groups)
+    if sum(layers) != n_layers:
+        raise ConfigError(f"Pipeline(layers={layers}) covers {sum(layers)} layers; the model has {n_layers}")
+    first_of = {g[0]: i for i, g in enumerate(groups)}
+    last_of = {g[-1]: i for i, g in enumerate(groups)}
+    out = np.full_like(time_t, math.inf)
+    start = 0
+    for n in layers:
+        i, j = first_of.get(start), last_of.get(start + n - 1)
+        if i is None or j is None:
+            raise ConfigError(f"Pipeline(layers={layers}): a cut falls inside a group of layers the search keeps together "
+                              f"(groups of {len(groups[0])} layers)")
+        out[i, j] = time_t[i, j]
+        start += n
+    return out
 
 
 def _stage_shapes(devices: np.ndarray, rows: int, stages: int | None, equal: bool):

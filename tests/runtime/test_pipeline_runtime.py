@@ -1,0 +1,180 @@
+"""Pipelined plans run exactly: ``pmodel.train_step`` on every stage layout (2 stages x 2-way tensor
+parallel, 2 stages x 2-way data parallel, 4 stages, uneven layer splits), both schedules that run
+on CPU (GPipe, 1F1B), with and without recomputation, on the built-in GPT and LLaMA and on
+transformers' GPT-2 (embedding tied to the head across stages) and LLaMA: losses and every
+gradient against one process, then 3 AdamW steps and the trained state.
+
+One spawn of 4 gloo ranks runs every case; each returns relative errors (max|a - b| / max|b|)."""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar import models
+from autopar.errors import ConfigError
+from autopar.runtime.launch import spawn
+from parallel_harness import ADAM_EPS, TOL, fresh_inputs, rel, run_case
+from test_parallelize import HF_VOCAB
+
+STEPS = 3
+# Trained parameters after 3 AdamW steps: sums over microbatches and shards round differently
+# from one process, and those roundings grow by a few ulps per step.
+STATE_TOL = 5e-5
+
+
+def _hf(arch: str, layers: int):
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=HF_VOCAB, bos_token_id=0, eos_token_id=0, use_cache=False)
+    if arch == "gpt2":  # else "hf-llama"
+        cfg = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=2, n_positions=16, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, max_position_embeddings=16, **common)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _loss(out):
+    return out.loss if hasattr(out, "loss") else (out[0] if isinstance(out, tuple) else out)
+
+
+def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=None, clip=False):
+    """Train ``STEPS`` AdamW steps with ``train_step`` next to one process; errors and the stages."""
+    def go():
+        warnings.simplefilter("ignore")
+        if model in ("gpt", "llama"):
+            net, inputs = models.build(model, layers=layers)
+            kwargs_fn = None
+        else:
+            net = _hf(model, layers)
+            g = torch.Generator().manual_seed(0)
+            inputs = tuple(torch.randint(0, HF_VOCAB, (8, 16), generator=g) for _ in range(2))
+            kwargs_fn = lambda x: {"input_ids": x[0], "labels": x[1]}  # noqa: E731
+        ref = copy.deepcopy(net)
+        mesh = autopar.Mesh(mesh_shape)
+        if kwargs_fn is None:
+            pm = autopar.parallelize(net, mesh, inputs, pipeline=pipeline, force=layout, profile=False)
+        else:
+            pm = autopar.parallelize(net, mesh, (), example_kwargs=kwargs_fn(inputs), pipeline=pipeline, force=layout,
+                                     profile=False)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
+        loss_err, grad_err, norm_err = 0.0, 0.0, 0.0
+        for step in range(STEPS):
+            x = fresh_inputs(inputs, step)
+            loss = pm.train_step(**kwargs_fn(x)) if kwargs_fn else pm.train_step(*x)
+            want = _loss(ref(**kwargs_fn(x)) if kwargs_fn else ref(*x))
+            want.backward()
+            loss_err = max(loss_err, rel(loss, want))
+            for fqn, g in pm.full_grads().items():
+                grad_err = max(grad_err, rel(g, ref.get_parameter(fqn).grad) if g is not None else math.inf)
+            if clip:
+                norm = pm.clip_grad_norm_(0.05)
+                want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+                norm_err = max(norm_err, rel(norm, want_norm))
+            opt.step()
+            ropt.step()
+            opt.zero_grad()
+            ropt.zero_grad()
+        full, want_sd = pm.full_state_dict(), ref.state_dict()
+        state_err = max(rel(full[k], want_sd[k]) for k in want_sd)
+        summary = pm.plan.summary()["pipeline"]
+        return {"tag": tag, "loss_err": loss_err, "grad_err": grad_err, "norm_err": norm_err, "state_err": state_err,
+                "keys_equal": set(full) == set(want_sd), "n_params": len(list(pm.parameters())),
+                "stages": [(s["layers"], s["mesh_shape"], bool(s["recompute"])) for s in summary["stages"]],
+                "schedule": summary["schedule"], "microbatches": summary["microbatches"], "stage": pm.stage}
+
+    return run_case(tag, go)
+
+
+def errors_case():
+    """A pipelined module refuses a plain call (naming train_step) and inputs of other shapes."""
+    def go():
+        net, inputs = models.build("gpt", layers=2)
+        pm = autopar.parallelize(net, autopar.Mesh((4,)), inputs, profile=False,
+                                 pipeline=autopar.Pipeline(stages=2, microbatches=2), force=autopar.Layout(dp=2))
+        out = {"tag": "errors"}
+        try:
+            pm(*inputs)
+            out["call"] = "no error"
+        except ConfigError as e:
+            out["call"] = str(e)
+        try:
+            pm.train_step(*(t[:2] for t in inputs))
+            out["shape"] = "no error"
+        except ConfigError as e:
+            out["shape"] = str(e)
+        pm.train_step(*inputs)  # still runs after refusing
+        return out
+
+    return run_case("errors", go)
+
+
+CASES = [
+    ("gpt 2 stages x tp2 1f1b", (4,), dict(stages=2, microbatches=2, schedule="1f1b"), dict(layout=autopar.Layout(tp=2))),
+    ("gpt 2 stages x dp2 gpipe", (4,), dict(stages=2, microbatches=2, schedule="gpipe"), dict(layout=autopar.Layout(dp=2))),
+    ("gpt 4 stages 1f1b", (4,), dict(stages=4, microbatches=4, schedule="1f1b"), {}),
+    ("gpt 4 stages gpipe recompute", (4,), dict(stages=4, microbatches=2, schedule="gpipe", recompute=True), {}),
+    ("gpt 2 stages x tp2 recompute clip", (4,), dict(stages=2, microbatches=2, schedule="1f1b", recompute=True),
+     dict(layout=autopar.Layout(tp=2), clip=True)),
+    ("gpt 3+1 layers x dp2 zero2", (4,), dict(layers=(3, 1), microbatches=2, schedule="1f1b"),
+     dict(layout=autopar.Layout(dp=2, zero=2))),
+    ("gpt 2x2 mesh, stages over axis 0", (2, 2), dict(stages=2, microbatches=2, schedule="1f1b"), dict(layout=autopar.Layout(tp=2))),
+    ("llama 2 stages x tp2", (4,), dict(stages=2, microbatches=2, schedule="1f1b"), dict(model="llama", layout=autopar.Layout(tp=2))),
+    ("llama 4 stages", (4,), dict(stages=4, microbatches=4, schedule="1f1b"), dict(model="llama")),
+    ("hf gpt2 2 stages x dp2 (tied across stages)", (4,), dict(stages=2, microbatches=2, schedule="1f1b"),
+     dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2), clip=True)),
+    ("hf gpt2 4 stages", (4,), dict(stages=4, microbatches=2, schedule="gpipe"), dict(model="gpt2", layers=4)),
+    ("hf llama 2 stages x tp2", (4,), dict(stages=2, microbatches=2, schedule="1f1b"),
+     dict(model="hf-llama", layers=2, layout=autopar.Layout(tp=2))),
+    ("hf llama 1+3 layers", (4,), dict(layers=(1, 3), microbatches=4, schedule="gpipe"), dict(model="hf-llama", layers=4)),
+]
+
+
+def _rank_main(rank, world):
+    out = [pipeline_case(tag, shape, autopar.Pipeline(**pipe), **kw) for tag, shape, pipe, kw in CASES]
+    out.append(errors_case())
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    per_rank = spawn(_rank_main, 4, timeout_s=900)
+    return {r["tag"]: [per_rank[k][i] for k in range(4)] for i, r in enumerate(per_rank[0])}
+
+
+@pytest.mark.parametrize("tag", [c[0] for c in CASES])
+def test_pipelined_training_is_exact(results, tag):
+    for r in results[tag]:
+        assert "error" not in r, r.get("error")
+        assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, r
+        assert r["norm_err"] <= TOL, r
+        assert r["state_err"] <= STATE_TOL and r["keys_equal"], r
+
+
+def test_stages_are_what_was_asked(results):
+    by = {tag: rs[0] for tag, rs in results.items()}
+    assert [s[0] for s in by["gpt 3+1 layers x dp2 zero2"]["stages"]] == [[0, 2], [3, 3]]
+    assert [s[0] for s in by["hf llama 1+3 layers"]["stages"]] == [[0, 0], [1, 3]]
+    assert [s[1] for s in by["gpt 2 stages x tp2 1f1b"]["stages"]] == [[2], [2]]
+    assert [s[1] for s in by["gpt 2x2 mesh, stages over axis 0"]["stages"]] == [[1, 2], [1, 2]]
+    assert len(by["gpt 4 stages 1f1b"]["stages"]) == 4
+    assert all(s[2] for s in by["gpt 4 stages gpipe recompute"]["stages"])
+    assert by["gpt 2 stages x dp2 gpipe"]["schedule"] == "gpipe" and by["gpt 2 stages x dp2 gpipe"]["microbatches"] == 2
+    # every rank runs one stage, ranks in stage order
+    assert [r["stage"] for r in results["gpt 4 stages 1f1b"]] == [0, 1, 2, 3]
+    assert [r["stage"] for r in results["gpt 2 stages x tp2 1f1b"]] == [0, 0, 1, 1]
+
+
+def test_pipelined_module_errors(results):
+    for r in results["errors"]:
+        assert "error" not in r, r.get("error")
+        assert "train_step" in r["call"], r
+        assert "shape" in r["shape"] and "microbatches" in r["shape"], r
