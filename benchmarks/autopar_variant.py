@@ -5,7 +5,8 @@
 
 The module is ``autopar.parallelize`` of the same seeded model on the same global batch (every rank
 passes the full batch; each keeps its slice), trained with the user's own ``torch.optim.AdamW``
-over ``pmodel.parameters()``; ``predicted_s`` is the plan's predicted step time.
+over ``pmodel.parameters()`` with ``pmodel.train_step`` (pipelined plans too); ``predicted_s`` is
+the plan's predicted step time.
 """
 from __future__ import annotations
 
@@ -16,21 +17,20 @@ import hand_tuned as ht
 
 
 class AutoparVariant:
-    def __init__(self, model_name: str, model_kw: dict, mesh, *, layout=None, plan_kwargs=None):
+    def __init__(self, model_name: str, model_kw: dict, mesh, *, layout=None, plan_kwargs=None, pipeline=None):
         import autopar
         from autopar import models
 
         model, (self.x, self.y) = models.build(model_name, **model_kw)
-        self.pm = autopar.parallelize(model, mesh, (self.x, self.y), force=layout, plan_kwargs=plan_kwargs)
+        self.pm = autopar.parallelize(model, mesh, (self.x, self.y), force=layout, plan_kwargs=plan_kwargs,
+                                      pipeline=pipeline)
         del model
         self.plan = self.pm.plan
         self.predicted_s = self.plan.predicted["step_time_s"]
         self.opt = torch.optim.AdamW(self.pm.parameters(), lr=ht.LR)
 
     def forward_backward(self) -> float:
-        loss = self.pm(self.x, self.y)
-        loss.backward()
-        return loss.item()
+        return self.pm.train_step(self.x, self.y).item()
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         grads = self.pm.full_grads()

@@ -68,11 +68,12 @@ FINALISTS = 3
 
 
 # ---- autopar's plans ----------------------------------------------------------------------------
-# (name, mesh shape, Layout fields or None for the default plan)
+# (name, mesh shape, Layout fields or None for the default plan, pipeline=)
 AUTOPAR_VARIANTS = [
-    ("autopar 4 default", (4,), None),
-    ("autopar 2x2 default", (2, 2), None),
-    ("autopar 4 data-parallel", (4,), dict(dp=4)),
+    ("autopar 4 auto", (4,), None, "auto"),
+    ("autopar 4 default", (4,), None, None),
+    ("autopar 2x2 default", (2, 2), None, None),
+    ("autopar 4 data-parallel", (4,), dict(dp=4), None),
 ]
 
 
@@ -84,9 +85,10 @@ def extra_variants(model_name: str, model_kw: dict, rank: int, world: int) -> di
     from autopar_variant import AutoparVariant
 
     out = {}
-    for name, shape, fields in AUTOPAR_VARIANTS:
+    for name, shape, fields, pipeline in AUTOPAR_VARIANTS:
         if math.prod(shape) == world:
-            out[name] = AutoparVariant(model_name, model_kw, Mesh(shape), layout=Layout(**fields) if fields else None)
+            out[name] = AutoparVariant(model_name, model_kw, Mesh(shape), layout=Layout(**fields) if fields else None,
+                                       pipeline=pipeline)
     return out
 
 

@@ -295,6 +295,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
     budget = math.inf if memory_budget is None else float(memory_budget)
     schedules = [pipeline.schedule] if pipeline.schedule else list(SEARCHED_SCHEDULES)
     options = row_options(mesh)
+    contention = mesh.resolved_cluster().rank_contention
     if equal_stages:  # only stage sizes that tile the rows (and give the fixed stage count)
         options = [k for k in options if mesh.shape[0] % k == 0 and pipeline.stages in (None, mesh.shape[0] // k)]
     timing = {"trace_s": 0.0, "intra_op_s": 0.0, "dp_s": 0.0}
@@ -332,6 +333,8 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                     sol = solve_stages(time_t[:, :, keep], devices[keep], mesh.shape[0], count, mem=mem_t[:, :, keep],
                                        act=act_t[:, :, keep], budget=budget, schedule=schedule, stage_counts=counts,
                                        tolerance=tolerance)
+                    if sol is not None:
+                        sol.step_time = shared_core_time(sol, devices[keep], count, contention)
                     if sol is not None and (found is None or sol.step_time < found[0].step_time - 1e-15):
                         sol.stages = [(i, j, int(np.flatnonzero(keep)[m])) for i, j, m in sol.stages]
                         found = (sol, count, schedule, variants, graph, groups)
@@ -401,6 +404,20 @@ def _fixed_cuts(time_t: np.ndarray, layers: tuple[int, ...], groups) -> np.ndarr
         out[i, j] = time_t[i, j]
         start += n
     return out
+
+
+def shared_core_time(sol, devices: np.ndarray, count: int, contention: float) -> float:
+    """A pipeline's step time where ranks share CPU cores (``rank_contention`` c > 1: an op runs c
+    times slower while every rank computes). Stage prices assume every rank busy; in a pipeline's
+    bubbles fewer are, and the busy ones run faster, up to c times. So the step is the larger of
+    the schedule's critical path at full speed (the DP's time / c) and the host's capacity: every
+    stage's work (``count`` microbatches on its devices) spread over all devices at the contended
+    speed. With c = 1 (a device per rank) it is the DP's time."""
+    if contention <= 1.0:
+        return sol.step_time
+    rows = [int(devices[m]) for _, _, m in sol.stages]
+    work = sum(count * t * r for t, r in zip(sol.stage_times, rows)) / sum(rows)
+    return max(sol.step_time / contention, work)
 
 
 def _stage_shapes(devices: np.ndarray, rows: int, stages: int | None, equal: bool):
