@@ -4,7 +4,10 @@
 2. ``autopar.parallelize`` inside 4 spawned ranks (rank 0 plans, priced with a short profile of the
    live groups; every rank runs its program), then ``plan.explain()``;
 3. 5 AdamW steps, each loss beside the single-process model's (same init, same batches, computed
-   here in the parent), with step times.
+   here in the parent), with step times;
+4. the same model as a 2-stage pipeline on the same 4 ranks viewed as a line (``Mesh((4,))``,
+   ``pipeline=Pipeline(stages=2, microbatches=2)``, each stage data parallel on 2 ranks; the cut
+   and the schedule chosen by the planner), trained with ``pmodel.train_step`` for the same 5 steps, also exact.
 
 ``run`` returns 0 when every loss matches within 1e-5 relative, else 1 (the command's exit code).
 """
@@ -70,8 +73,11 @@ def train(module, data, sync=lambda: None) -> tuple[list[float], list[float]]:
     for batch in data:
         sync()
         t0 = time.perf_counter()
-        loss = module(*batch)
-        loss.backward()
+        if hasattr(module, "train_step"):  # forward + backward of the batch (a pipeline's whole schedule)
+            loss = module.train_step(*batch)
+        else:
+            loss = module(*batch)
+            loss.backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)  # (the caller takes the slowest rank's)
@@ -105,6 +111,14 @@ def rank_main(rank, world_size, model_name, mesh_shape, steps):
             f"left free to leave mesh axes idle, autopar would leave axes {free.idle_axes} idle "
             f"(predicted {free.predicted['step_time_s'] * 1e3:.2f} ms vs {out['predicted_s'] * 1e3:.2f} ms using every axis)"
             if free.idle_axes else "left free, autopar would still use every mesh axis")
+    # Part 2: the same model cut into 2 pipeline stages over the ranks in a line.
+    t0 = time.perf_counter()
+    piped = autopar.parallelize(model, autopar.Mesh((world_size,)), inputs, pipeline=autopar.Pipeline(stages=2, microbatches=2),
+                                force=autopar.Layout(dp=2))
+    out["pipe_setup_s"] = time.perf_counter() - t0
+    out["pipe_losses"], out["pipe_times"] = train(piped, batches(inputs, steps), sync=dist.barrier)
+    if rank == 0:
+        out["pipe_explain"] = piped.plan.explain().split("\n--- stage 0 ---")[0]  # the summary; the stages' tables are long
     return out
 
 
@@ -148,4 +162,19 @@ def run(mesh_shape=(2, 2), model: str = "gpt", steps: int = 5) -> int:
           f"{max(r['setup_s'] for r in results):.1f} s per rank; {wall:.0f} s for the ranks in all")
     print("(a model this small is communication-bound on CPU gloo; benchmarks/hybrid.py times a 10M one against hand-written layouts)")
     print(f"losses {'match' if ok else 'DO NOT match'} the single-process model within {TOL:g} relative")
-    return 0 if ok else 1
+
+    print(f"\n== the same model as a 2-stage pipeline on {world} ranks in a line (Pipeline(stages=2, microbatches=2), Layout(dp=2) per stage)")
+    print(results[0]["pipe_explain"])
+    pipe_losses = results[0]["pipe_losses"]
+    pipe_s = [max(r["pipe_times"][i] for r in results) for i in range(steps)]
+    print(f"{'step':>4}  {'pipeline loss':>14}  {'single-process':>14}  {'rel. diff':>9}  {'step ms':>8}")
+    pipe_ok = True
+    for i in range(steps):
+        diff = abs(pipe_losses[i] - ref_losses[i]) / max(abs(ref_losses[i]), 1e-30)
+        same_on_ranks = all(r["pipe_losses"][i] == pipe_losses[i] for r in results)
+        pipe_ok &= diff <= TOL and same_on_ranks
+        print(f"{i:>4}  {pipe_losses[i]:>14.8f}  {ref_losses[i]:>14.8f}  {diff:>9.1e}  {pipe_s[i] * 1e3:>8.1f}"
+              + ("" if same_on_ranks else "  (ranks disagree)"))
+    print(f"pipelined losses {'match' if pipe_ok else 'DO NOT match'} the single-process model within {TOL:g} relative "
+          f"(parallelize took {max(r['pipe_setup_s'] for r in results):.1f} s per rank)")
+    return 0 if ok and pipe_ok else 1

@@ -254,8 +254,12 @@ class PipelineRunner:
             outputs = tuple(self._example(v, specs, mesh) for v in cut.sends)
         self.stage = pipelining.PipelineStage(self.module, sg.stage, self.stages, device, input_args=inputs,
                                               output_args=outputs, group=sg.pp_group)
-        schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[plan.pipeline.schedule])
         m = self.microbatches
+        # 1F1B with fewer microbatches than stages is GPipe's order (torch's 1F1B refuses it).
+        schedule = "gpipe" if plan.pipeline.schedule == "1f1b" and m < self.stages else plan.pipeline.schedule
+        if schedule not in SCHEDULE_CLASSES:
+            raise ConfigError(f"schedule {schedule!r} is planned but not run yet; the runtime runs {sorted(SCHEDULE_CLASSES)}")
+        schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
         index = loss_index
 
         def loss_fn(output, target):

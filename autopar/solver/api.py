@@ -58,8 +58,8 @@ def plan(
         sync and optimizer, paid once per step, are priced at 1 / microbatches of a run.
     pipeline: None / False: one stage. "auto" or an ``autopar.Pipeline``: search pipeline stages
         too (``autopar.solver.pipeline``; needs ``model`` and ``example_inputs`` with the batch
-        first); a plan of more than one stage has ``plan.pipeline`` set. ``parallelize`` cannot run
-        such plans yet.
+        first); a plan of more than one stage has ``plan.pipeline`` set (``parallelize`` runs it,
+        ``pmodel.train_step`` trains it).
     force: node name -> family label (e.g. ``{"linear": "1d-row", "p_fc_weight": "sharded"}``), or
         -> a predicate on a ``Strategy``: restricts that node's candidates (hand-written plans, tests);
         or an ``autopar.Layout`` (e.g. ``Layout(dp=2, tp=2, zero=2)``): the plan of that hand-style
@@ -77,7 +77,7 @@ def plan(
             raise ConfigError(f"pipeline={pipeline!r}: use None/False (one stage), 'auto' or autopar.Pipeline(...)")
         kw = dict(optimizer=optimizer, op_table=op_table, reuse_blocks=reuse_blocks, simplify=simplify,
                   time_limit_s=time_limit_s, solver=solver, optimizer_sharding=optimizer_sharding, bucket_bytes=bucket_bytes,
-                  force=force)
+                  force=force, idle_axes=idle_axes)
         choice = search(model, mesh, example_inputs, example_kwargs, pipeline=None if pipeline == "auto" else pipeline,
                         memory_budget=budget, plan_kwargs=kw)
         if len(choice.stages) > 1 or choice.microbatches > 1 or choice.stages[0].recompute:

@@ -330,6 +330,10 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
             devices = np.array([rows for rows, _ in variants])
             for schedule in schedules:
                 for keep, counts in _stage_shapes(devices, mesh.shape[0], pipeline.stages, equal_stages):
+                    if schedule == "1f1b":  # torch's 1F1B runs at least one microbatch per stage
+                        counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if c <= count}
+                        if not counts:
+                            continue
                     sol = solve_stages(time_t[:, :, keep], devices[keep], mesh.shape[0], count, mem=mem_t[:, :, keep],
                                        act=act_t[:, :, keep], budget=budget, schedule=schedule, stage_counts=counts,
                                        tolerance=tolerance)
