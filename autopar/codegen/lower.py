@@ -96,6 +96,7 @@ class _Emitter:
         self.boundary: list[str] = []
         self.param_groups, self.group_of = param_gather_groups(graph, plan.edges, self.inside)
         self.gathered: dict = {}
+        self.origin: str | None = None  # the traced node being lowered
 
     # ---- driver ------------------------------------------------------------------------------
     def run(self) -> Lowered:
@@ -116,6 +117,7 @@ class _Emitter:
         boundary_out = [n for n in self.subset if any(u not in self.inside for u in self.graph.nodes[n].users)]
         for name in self.subset:
             node = self.graph.nodes[name]
+            self.origin = name
             if node.op == "call_function":
                 self._op(node)
             elif node.op == "output":
@@ -135,6 +137,7 @@ class _Emitter:
 
     def _emit(self, fn, args, kwargs=None, *, name=None, spec=None) -> fx.Node:
         node = self.fx.create_node("call_function", fn, tuple(args), dict(kwargs or {}), name=name)
+        node.meta["autopar_origin"] = self.origin  # the traced node it lowers (a pipeline stage splits by layer)
         self._note(node, spec)
         return node
 

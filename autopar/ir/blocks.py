@@ -9,11 +9,16 @@ root or an ancestor of that layer. Parameters and buffers take the layer of the 
 Two layers are the same block when their op sequences match: same targets, output shapes and
 dtypes, non-tensor arguments, and inputs in the same places (the i-th op of the layer, a parameter
 of the same relative name and shape, or an outside value of the same shape).
+
+Layer units (``unit_of_nodes``) number every node by the layer it runs in, the ops before the first
+layer joining it and those after the last joining that: what pipeline stages and per-layer
+recomputation cut between.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from autopar.errors import PlanError
 from autopar.ir.graph import Node, NodeRef, Role, TensorMeta
 
 
@@ -103,3 +108,36 @@ def _freeze(value: Any, token=None) -> Any:
     if value is None or isinstance(value, (bool, int, float, str, TensorMeta)):
         return value
     return str(value)
+
+
+# ---- layer units (pipeline stages cut between them) -------------------------------------------------
+def unit_of_nodes(graph) -> dict[str, int]:
+    """Node name -> unit index: its layer's position; an op outside every layer joins the latest
+    layer before it (0 before the first: embeddings; the last after it: head and loss)."""
+    if not graph.layers:
+        raise PlanError(f"{graph.model_name} has no repeated layers to cut into pipeline stages")
+    index = {layer: i for i, layer in enumerate(graph.layers)}
+    out, latest = {}, 0  # latest: the layer of the most recent layer op (ops between layers join it)
+    for name, node in graph.nodes.items():
+        if node.layer in index:
+            out[name] = index[node.layer]
+            if node.op == "call_function":
+                latest = max(latest, index[node.layer])
+        elif node.op == "placeholder":
+            continue  # parameters without a layer: placed by their readers below
+        else:
+            out[name] = latest
+    readers = node_readers(graph)
+    for name in graph.nodes:
+        if name not in out:
+            units = [out[n] for n in readers.get(name, ()) if n in out]
+            out[name] = min(units) if units else 0
+    return out
+
+
+def node_readers(graph) -> dict[str, list[str]]:
+    readers: dict[str, list[str]] = {n: [] for n in graph.nodes}
+    for name, node in graph.nodes.items():
+        for i in node.inputs:
+            readers.setdefault(i, []).append(name)
+    return readers

@@ -21,8 +21,8 @@ metadata round trips happen. A step (``train_step``) runs every microbatch under
 ``no_sync`` and synchronises gradients once at its end; a parameter read by several stages (a tied
 embedding and head) then sums its gradient over them. The loss is each microbatch's loss over the
 microbatch count (the schedule does not scale again), summed over microbatches and sent to every
-rank. A stage the plan recomputes runs under ``torch.utils.checkpoint`` (its whole program: its
-activations are kept only as its inputs while other microbatches run).
+rank. A stage the plan recomputes runs each of its layers under ``torch.utils.checkpoint`` (the
+program split by layer): a microbatch in flight keeps only each layer's inputs.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class StageCut:
 
 def cut_stages(graph, plan) -> list[StageCut]:
     """The stages of ``plan`` over ``graph`` (its microbatch graph); see the module docstring."""
-    from autopar.solver.pipeline import unit_of_nodes
+    from autopar.ir.blocks import unit_of_nodes
 
     stages = plan.pipeline.stages
     unit = unit_of_nodes(graph)
@@ -187,10 +187,13 @@ class _StageProgram(nn.Module):
     """The module a ``PipelineStage`` runs: this stage's program over the received values. It owns
     no parameters (the ParallelModule does; gradients reach them through its reducer's taps)."""
 
-    def __init__(self, pmodel, cut: StageCut, last: bool, recompute: bool):
+    def __init__(self, pmodel, cut: StageCut, last: bool, recompute: bool, unit_of: dict | None = None):
         super().__init__()
         object.__setattr__(self, "pmodel", pmodel)
-        self.cut, self.last, self.recompute = cut, last, recompute
+        self.cut, self.last = cut, last
+        gm = pmodel._ap.lowered.gm
+        # Recomputation per layer, as the plan priced it: one checkpointed piece per layer.
+        self.program = checkpointed_by_layer(gm, unit_of, pmodel._ap.groups) if recompute else gm
 
     def forward(self, *received):
         ap = self.pmodel._ap
@@ -201,16 +204,8 @@ class _StageProgram(nn.Module):
         state = ap.reducer.tap(state) if torch.is_grad_enabled() else ap.reducer.working_copies(state)
         state = ap.main.state_inputs(state)
 
-        def run(*flat):
-            with ops.bind(ap.groups):
-                return tuple(lowered.gm(*flat))
-
-        if self.recompute and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
-
-            out = checkpoint(run, *state, *feed, use_reentrant=False)
-        else:
-            out = run(*state, *feed)
+        with ops.bind(ap.groups):
+            out = tuple(self.program(*state, *feed))
         n_user = len(out) - len(lowered.boundary_outputs)
         if self.last:
             return tuple(out[:n_user])
@@ -218,6 +213,44 @@ class _StageProgram(nn.Module):
         # A value passing through is re-viewed so autograd hands its gradient straight back.
         return tuple(made[v] if v in made else (vals[v].view_as(vals[v]) if vals[v].requires_grad else vals[v])
                      for v in self.cut.sends)
+
+
+class _Checkpointed(nn.Module):
+    """A piece of a stage program run under ``torch.utils.checkpoint``: its activations are not
+    kept; backward runs it again (with the mesh's groups bound, as in forward)."""
+
+    def __init__(self, piece: nn.Module, groups):
+        super().__init__()
+        self.piece = piece
+        object.__setattr__(self, "groups", groups)
+
+    def forward(self, *args):
+        from torch.utils.checkpoint import checkpoint
+
+        if not torch.is_grad_enabled():
+            return self.piece(*args)
+        return checkpoint(self._run, *args, use_reentrant=False)
+
+    def _run(self, *args):
+        with ops.bind(self.groups):
+            return self.piece(*args)
+
+
+def checkpointed_by_layer(gm, unit_of: dict, groups) -> nn.Module:
+    """``gm`` split into one piece per layer unit (each emitted node goes with the traced node it
+    lowers: ``autopar_origin``), each piece checkpointed."""
+    from torch.fx.passes.split_module import split_module
+
+    first = min((unit_of[n.meta["autopar_origin"]] for n in gm.graph.nodes if n.meta.get("autopar_origin") in unit_of),
+                default=0)
+
+    def piece(node) -> int:
+        return unit_of.get(node.meta.get("autopar_origin"), first)
+
+    split = split_module(gm, gm, piece)
+    for name, child in list(split.named_children()):
+        setattr(split, name, _Checkpointed(child, groups))
+    return split
 
 
 class PipelineRunner:
@@ -244,7 +277,9 @@ class PipelineRunner:
                     self.owner.setdefault(fqn_of[n], c.index)
         specs = sent_specs(graph, plan, cuts)
         stage_plan = plan.pipeline.stages[sg.stage]
-        self.module = _StageProgram(pmodel, cut, self.last, bool(stage_plan.recompute))
+        from autopar.ir.blocks import unit_of_nodes
+
+        self.module = _StageProgram(pmodel, cut, self.last, bool(stage_plan.recompute), unit_of_nodes(graph))
         mesh = sg.groups.mesh
         inputs = tuple(self._example(v, specs, mesh) for v in cut.receives)
         if self.last:

@@ -37,6 +37,7 @@ import numpy as np
 
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.errors import ConfigError, PlanError
+from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
@@ -155,45 +156,13 @@ class PipelineChoice:
 
 
 # ---- units ---------------------------------------------------------------------------------------------
-def unit_of_nodes(graph) -> dict[str, int]:
-    """Node name -> unit index: its layer's position; an op outside every layer joins the latest
-    layer before it (0 before the first: embeddings; the last after it: head and loss)."""
-    if not graph.layers:
-        raise PlanError(f"{graph.model_name} has no repeated layers to cut into pipeline stages")
-    index = {layer: i for i, layer in enumerate(graph.layers)}
-    out, latest = {}, 0  # latest: the layer of the most recent layer op (ops between layers join it)
-    for name, node in graph.nodes.items():
-        if node.layer in index:
-            out[name] = index[node.layer]
-            if node.op == "call_function":
-                latest = max(latest, index[node.layer])
-        elif node.op == "placeholder":
-            continue  # parameters without a layer: placed by their readers below
-        else:
-            out[name] = latest
-    readers = _readers(graph)
-    for name in graph.nodes:
-        if name not in out:
-            units = [out[n] for n in readers.get(name, ()) if n in out]
-            out[name] = min(units) if units else 0
-    return out
-
-
-def _readers(graph) -> dict[str, list[str]]:
-    readers: dict[str, list[str]] = {n: [] for n in graph.nodes}
-    for name, node in graph.nodes.items():
-        for i in node.inputs:
-            readers.setdefault(i, []).append(name)
-    return readers
-
-
 def unit_prices(plan, graph, mesh) -> UnitPrices:
     """Attribute a whole-graph intra-op plan's prices to the units (see the module docstring)."""
     cluster = mesh.resolved_cluster()
     unit = unit_of_nodes(graph)
     n = len(graph.layers)
     micro, step, static, act, boundary, forward = (np.zeros(n) for _ in range(6))
-    readers = _readers(graph)
+    readers = node_readers(graph)
     crossing: set[tuple[str, int]] = set()
     for name, np_ in plan.nodes.items():
         node = graph.nodes.get(name)
@@ -377,7 +346,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
 def restrict(plan: Plan, graph, nodes: set[str], time_s: float, memory: float, budget: float | None = None) -> Plan:
     """``plan`` (a whole-graph plan on a stage's sub-mesh) cut to the nodes the stage runs: those
     nodes, the parameters and inputs they read, the edges between them."""
-    readers = _readers(graph)
+    readers = node_readers(graph)
     keep = set(nodes) | {src for n in nodes for src in graph.nodes[n].inputs if graph.nodes[src].op == "placeholder"}
     keep |= {n for n in nodes if graph.nodes[n].op == "placeholder" and any(r in nodes for r in readers.get(n, ()))}
     node_plans = {k: v for k, v in plan.nodes.items() if k in keep}

@@ -18,6 +18,7 @@ import autopar
 from autopar import models
 from autopar.errors import ConfigError
 from autopar.runtime.launch import spawn
+from autopar.runtime.pipeline import _Checkpointed
 from parallel_harness import ADAM_EPS, TOL, fresh_inputs, rel, run_case
 from test_parallelize import HF_VOCAB
 
@@ -86,7 +87,8 @@ def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=No
         full, want_sd = pm.full_state_dict(), ref.state_dict()
         state_err = max(rel(full[k], want_sd[k]) for k in want_sd)
         summary = pm.plan.summary()["pipeline"]
-        return {"tag": tag, "loss_err": loss_err, "grad_err": grad_err, "norm_err": norm_err, "state_err": state_err,
+        pieces = sum(isinstance(m, _Checkpointed) for m in pm._ap.pipeline.module.modules())
+        return {"pieces": pieces, "tag": tag, "loss_err": loss_err, "grad_err": grad_err, "norm_err": norm_err, "state_err": state_err,
                 "keys_equal": set(full) == set(want_sd), "n_params": len(list(pm.parameters())),
                 "stages": [(s["layers"], s["mesh_shape"], bool(s["recompute"])) for s in summary["stages"]],
                 "schedule": summary["schedule"], "microbatches": summary["microbatches"], "stage": pm.stage}
@@ -167,6 +169,10 @@ def test_stages_are_what_was_asked(results):
     assert [s[1] for s in by["gpt 2x2 mesh, stages over axis 0"]["stages"]] == [[1, 2], [1, 2]]
     assert len(by["gpt 4 stages 1f1b"]["stages"]) == 4
     assert all(s[2] for s in by["gpt 4 stages gpipe recompute"]["stages"])
+    # recomputation runs each layer of a stage under its own checkpoint (as the plan prices it)
+    assert [r["pieces"] for r in results["gpt 2 stages x tp2 recompute clip"]] == [2, 2, 2, 2]
+    assert [r["pieces"] for r in results["gpt 4 stages gpipe recompute"]] == [1, 1, 1, 1]
+    assert all(r["pieces"] == 0 for r in results["gpt 2 stages x tp2 1f1b"])
     assert by["gpt 2 stages x dp2 gpipe"]["schedule"] == "gpipe" and by["gpt 2 stages x dp2 gpipe"]["microbatches"] == 2
     # every rank runs one stage, ranks in stage order
     assert [r["stage"] for r in results["gpt 4 stages 1f1b"]] == [0, 1, 2, 3]
