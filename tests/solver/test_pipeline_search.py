@@ -245,3 +245,25 @@ def test_ops_between_layers_join_the_layer_before_them():
     assert unit[tanh.name] == 0
     head = next(n for n in graph.nodes.values() if n.module_path == "head" and n.op == "call_function")
     assert unit[head.name] == len(graph.layers) - 1
+
+
+def test_two_nodes_keep_activation_collectives_inside_the_node():
+    """2 nodes x 8 A100s (slow inter-node link on axis 0): a 24-layer, 4096-wide GPT's activations are
+    resharded only over the node's devices; across nodes go gradients, pipeline transfers, and the
+    mean loss's one scalar."""
+    model, inputs = models.build("gpt", device="meta", layers=24, width=4096, heads=32, seq=1024, vocab=51200, batch=64)
+    mesh = autopar.Mesh((2, 8), cluster="a100-80g")
+    assert mesh.links()[0].beta > 5 * mesh.links()[1].beta  # axis 0 crosses nodes
+    plan = autopar.plan(model, mesh, inputs, pipeline="auto", memory_budget="80GB")
+    micro = plan.pipeline.microbatches if plan.pipeline else 1
+    graph = ir.trace(model, tuple(t[: 64 // micro] for t in inputs))
+    crossing = []
+    for sp in plan.stage_plans():
+        if sp.mesh["shape"][0] == 1:
+            continue  # a stage on one node: axis 0 has one device
+        for e in sp.edges:
+            src = graph.nodes[e.src]
+            scalar = isinstance(src.meta, tuple) or not len(src.meta.shape)
+            if src.op != "placeholder" and not scalar and any(0 in st.axes for st in e.steps):
+                crossing.append((e.src, e.dst, [st.kind for st in e.steps]))
+    assert crossing == [], crossing
