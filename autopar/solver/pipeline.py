@@ -284,7 +284,11 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         groups = layer_groups(len(graph.layers), MAX_UNITS)
         variants = []  # (rows, UnitPrices)
         for rows in options:
-            for p in _variants(model, sub_mesh(mesh, rows), graph, intra_op_plan, {**plan_kwargs, "microbatches": count}, budget):
+            if equal_stages and mesh.shape[0] // rows > len(groups):
+                continue  # more stages of this size than cut points
+            share = rows / mesh.shape[0] if equal_stages else None  # of the layers a stage holds
+            for p in _variants(model, sub_mesh(mesh, rows), graph, intra_op_plan, {**plan_kwargs, "microbatches": count},
+                               budget, share):
                 if pipeline.recompute is not True:
                     variants.append((rows, p))
                 if pipeline.recompute is not False:  # None: both, the DP chooses per stage
@@ -444,9 +448,11 @@ def _grouped(p: UnitPrices, groups) -> UnitPrices:
                       total(p.forward_s), p.recompute, p.stage_extra_bytes)
 
 
-def _variants(model, sm, graph, intra_op_plan, plan_kwargs, budget: float):
-    """The fastest intra-op plan on sub-mesh ``sm``, then, when it cannot hold the whole model
-    within ``budget``, leaner ones (tighter memory budgets; no idle axes, a short time limit)."""
+def _variants(model, sm, graph, intra_op_plan, plan_kwargs, budget: float, share: float | None = None):
+    """The fastest intra-op plan on sub-mesh ``sm``, then, when it cannot hold its stage within
+    ``budget``, leaner ones (tighter memory budgets; no idle axes, a short time limit). ``share``:
+    the fraction of the layers a stage on ``sm`` holds when stages are equal (None: the whole model,
+    as a bound); its in-flight activations are at most one microbatch of every layer's (1F1B)."""
     out = []
     try:
         fastest = intra_op_plan(model, sm, graph=graph, **plan_kwargs)
@@ -454,7 +460,12 @@ def _variants(model, sm, graph, intra_op_plan, plan_kwargs, budget: float):
         return out
     out.append(unit_prices(fastest, graph, sm))
     memory = fastest.predicted["memory_bytes_per_device"]
-    if memory <= budget:
+    p = out[0]
+    if share is not None:
+        memory_held = p.static_bytes.sum() * share + p.activation_bytes.sum()
+    else:
+        memory_held = memory
+    if memory_held <= budget:
         return out
     lean_kwargs = {**plan_kwargs, "idle_axes": (), "time_limit_s": min(plan_kwargs.get("time_limit_s", 2.0), 2.0)}
     for fraction in MEMORY_VARIANTS:
