@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -237,7 +238,22 @@ class Plan:
             "param_storage": dict(storage),
             "collectives": self.collectives(),
             "pipeline": self.pipeline_summary(),
+            **self.degrees(),
         }
+
+    def degrees(self) -> dict:
+        """``{"tp": ..., "dp": ..., "pp": ...}``: tensor- and data-parallel degrees (the product of
+        the mesh axes in that role, as ``explain`` names them) and the pipeline stages; tp and dp
+        are None when the stages lay their axes out differently."""
+        from autopar.solver.explain import axis_roles
+
+        per_stage = set()
+        for p in self.stage_plans():
+            roles = axis_roles(p)
+            shape = p.mesh["shape"]
+            per_stage.add(tuple(math.prod(shape[a] for a, r in roles.items() if r == role) for role in ("tensor", "data")))
+        tp, dp = per_stage.pop() if len(per_stage) == 1 else (None, None)
+        return {"tp": tp, "dp": dp, "pp": 1 if self.pipeline is None else len(self.pipeline.stages)}
 
     def explain(self, **kw) -> str:
         from autopar.solver.explain import explain
