@@ -21,15 +21,15 @@ from autopar.solver import Layout, Pipeline, Plan, plan
 
 
 def parallelize(*args, **kwargs):
-    from autopar.runtime.parallelize import parallelize as _parallelize
+    from autopar.compose.parallelize import parallelize as _parallelize
 
     return _parallelize(*args, **kwargs)
 
 
-parallelize.__doc__ = "See autopar.runtime.parallelize.parallelize."
+parallelize.__doc__ = "See autopar.compose.parallelize.parallelize."
 
 # Imported on first access as ``autopar.<name>``.
-_SUBPACKAGES = ("cli", "codegen", "cost_model", "ir", "models", "runtime", "sharding_spec", "solver")
+_SUBPACKAGES = ("cli", "codegen", "compose", "cost_model", "ir", "models", "runtime", "sharding_spec", "solver")
 
 
 def __getattr__(name: str):

@@ -100,7 +100,7 @@ def predict_hands(model_name: str, model_kw: dict, configs, meshes: dict) -> dic
     import torch
 
     from autopar import Layout, Mesh, ir, models, plan
-    from autopar.runtime.live_profile import cached_live_op_table
+    from autopar.compose.live_profile import cached_live_op_table
 
     model, example = models.build(model_name, device="meta", **model_kw)
     graph = ir.trace(model, example)

@@ -54,7 +54,7 @@ def test_the_documented_entry_points_are_unchanged():
     out = run_fresh("""
         import autopar
         from autopar import models
-        from autopar.runtime.parallelize import parallelize
+        from autopar.compose.parallelize import parallelize
         assert models is autopar.models
         assert callable(autopar.parallelize) and autopar.parallelize is not parallelize
         assert autopar.Mesh((2,)).size == 2

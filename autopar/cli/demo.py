@@ -103,7 +103,7 @@ def rank_main(rank, world_size, model_name, mesh_shape, steps):
     if rank == 0:
         out["explain"] = pmodel.plan.explain()
         out["predicted_s"] = pmodel.plan.summary()["step_time_s"]
-        from autopar.runtime.live_profile import cached_live_op_table
+        from autopar.compose.live_profile import cached_live_op_table
 
         free = autopar.plan(model, autopar.Mesh(mesh_shape, cluster=pmodel.plan.mesh_obj.cluster), inputs,
                             op_table=cached_live_op_table("cpu"))  # priced as parallelize priced its plan

@@ -48,9 +48,13 @@ import math
 import torch
 import torch.distributed as dist
 
+from typing import TYPE_CHECKING
+
 from autopar.errors import ShardingError
-from autopar.runtime.process_groups import GroupHandle, MeshGroups
 from autopar.sharding_spec.reshard import STEP_KINDS, ReshardPlan, Step
+
+if TYPE_CHECKING:  # the runtime makes the groups and binds them (``ops.bind``); codegen only names them
+    from autopar.runtime.process_groups import GroupHandle, MeshGroups
 
 # Kinds ("all_gather", "reduce_scatter", "all_to_all") to run through the emulation even where the
 # backend has the native collective. Backends found lacking one are added here at run time.

@@ -1,5 +1,5 @@
 """Framework overheads, measured: what an eager training step pays beyond its ops' arithmetic.
-``autopar.runtime.live_profile`` runs these in the ranks (the per-process figures on rank 0 alone,
+``autopar.compose.live_profile`` runs these in the ranks (the per-process figures on rank 0 alone,
 scaled by the measured contention of ranks sharing cores) and puts them into the cluster it prices
 with.
 

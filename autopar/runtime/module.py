@@ -19,7 +19,7 @@ that); the program reads the whole shard, which the reducer all-gathers when a c
 
 Like the original model it has a train and an eval mode and takes batches of any shape: a call
 in another mode or with other input shapes runs a program built for it on first use
-(``autopar.runtime.programs``). Parameters are registered in the original model's order;
+(``autopar.runtime.programs``, built by ``autopar.compose.programs``). Parameters are registered in the original model's order;
 ``state_dict()`` holds DTensors (``autopar.runtime.state``); ``clip_grad_norm_`` clips by the
 global norm over every shard (``autopar.runtime.clip``).
 """

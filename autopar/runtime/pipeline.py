@@ -1,19 +1,10 @@
 """Run a pipelined plan: this rank's stage, driven by torch's pipeline schedules.
 
-A plan with stages (``Plan.pipeline``) was made on the *microbatch* graph. Every rank cuts that
-graph the same way (``cut_stages``): stage ``s`` runs the ops of its layers, reads the parameters
-and user inputs those ops read, and exchanges with its neighbours the values that cross its edges:
-
-    stage 0 receives     the user inputs (one microbatch of each, whole), from the schedule
-    stage s sends        every value made by stages <= s (or a user input) that a later stage reads,
-                         in graph order: values a stage does not read pass through it untouched
-    the last stage       returns the model's outputs; the schedule's loss function picks the loss
-
-Each stage runs on a block of mesh rows (a sub-mesh with its own ``MeshGroups``); rank ``c`` of
-every stage (its position inside the stage) forms a pipeline group with the rank ``c`` of the
-others, so activations travel point to point between ranks at the same position, each as the
-local shard it is in (its producer's spec in the sending stage's plan; the receiving program
-reshards it to what its readers want, see ``lower(received=...)``).
+The stages come from ``autopar.codegen.stages`` (what each runs, receives and sends). Each stage
+runs on a block of mesh rows (a sub-mesh with its own ``MeshGroups``); rank ``c`` of every stage
+(its position inside the stage) forms a pipeline group with the rank ``c`` of the others, so
+activations travel point to point between ranks at the same position, each as the local shard it
+is in.
 
 Execution is ``torch.distributed.pipelining``: a ``PipelineStage`` over a module that runs the
 stage's program, and ``ScheduleGPipe`` / ``Schedule1F1B``. Static shapes are given, so no
@@ -33,92 +24,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.codegen import ops
-from autopar.errors import ConfigError, PlanError
-from autopar.ir.graph import Role
+from autopar.codegen.stages import StageCut, sent_specs
+from autopar.errors import ConfigError
+from autopar.ir.blocks import unit_of_nodes
 from autopar.runtime.process_groups import MeshGroups
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.spec import ShardingSpec
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-
-
-@dataclasses.dataclass
-class StageCut:
-    """What stage ``index`` runs (``nodes``, for ``lower``), receives (``receives``: from the
-    previous stage, or the user inputs for stage 0) and sends on (``sends``: empty for the last)."""
-
-    index: int
-    nodes: list[str]
-    receives: list[str]
-    sends: list[str]
-
-
-def cut_stages(graph, plan) -> list[StageCut]:
-    """The stages of ``plan`` over ``graph`` (its microbatch graph); see the module docstring."""
-    from autopar.ir.blocks import unit_of_nodes
-
-    stages = plan.pipeline.stages
-    unit = unit_of_nodes(graph)
-    stage_of_unit = {}
-    for s, st in enumerate(stages):
-        for u in range(st.layers[0], st.layers[1] + 1):
-            stage_of_unit[u] = s
-    if sorted(stage_of_unit) != list(range(len(graph.layers))):
-        raise PlanError(f"the plan's stages cover layers {sorted(stage_of_unit)}, the model has {len(graph.layers)}")
-    made: dict[str, int] = {}  # value -> the stage that makes it (user inputs: -1, before stage 0)
-    readers: dict[str, set[int]] = {}
-    nodes: list[list[str]] = [[] for _ in stages]
-    for name, node in graph.nodes.items():
-        if node.op == "placeholder":
-            if node.role == Role.INPUT:
-                made[name] = -1
-            continue
-        s = stage_of_unit[unit[name]]
-        made[name] = s
-        nodes[s].append(name)
-        for src in node.inputs:
-            src_node = graph.nodes[src]
-            if src_node.op == "placeholder" and src_node.role != Role.INPUT:
-                readers.setdefault(src, set()).add(s)
-            if src_node.op == "placeholder":
-                if src not in nodes[s]:
-                    nodes[s].append(src)
-                if src_node.role != Role.INPUT:
-                    continue
-            if src_node.op != "placeholder" and made.get(src, s) > s:
-                raise PlanError(f"{name} (stage {s}) reads {src}, made by a later stage {made[src]}")
-            readers.setdefault(src, set()).add(s)
-    for name, node in graph.nodes.items():  # state nothing reads: held by stage 0
-        if node.op == "placeholder" and node.role != Role.INPUT and name not in readers:
-            nodes[0].append(name)
-    order = list(graph.inputs) + [n for n in graph.nodes if graph.nodes[n].op != "placeholder"]
-    cuts = []
-    for s in range(len(stages)):
-        receives = list(graph.inputs) if s == 0 else cuts[-1].sends
-        sends = [] if s == len(stages) - 1 else [
-            v for v in order if made.get(v, len(stages)) <= s and any(r > s for r in readers.get(v, ()))]
-        for v in sends:
-            meta = graph.nodes[v].meta
-            if meta is None or isinstance(meta, tuple):
-                raise PlanError(f"{v} crosses from stage {s} to stage {s + 1} but is not a tensor; cut elsewhere")
-        cuts.append(StageCut(s, [n for n in graph.nodes if n in set(nodes[s])], list(receives), sends))
-    return cuts
-
-
-def sent_specs(graph, plan, cuts: list[StageCut]) -> dict[str, object]:
-    """Value -> the spec it travels in between stages: user inputs whole, activations as their
-    producer's output in its stage's plan."""
-    out = {}
-    for cut, stage in zip(cuts, plan.pipeline.stages):
-        for v in cut.sends:
-            if v in out:
-                continue
-            node = graph.nodes[v]
-            if node.op == "placeholder":
-                out[v] = ShardingSpec.replicate(node.meta.shape, len(stage.mesh_shape))
-            else:
-                out[v] = stage.plan.nodes[v].output
-    return out
 
 
 def stage_meshes(plan, mesh: Mesh) -> list[Mesh]:
@@ -171,16 +84,6 @@ def make_stage_groups(plan, mesh: Mesh, shared_sets, timeout=None) -> StageGroup
             if c == position:
                 shared[members] = pg if s in members else None
     return StageGroups(s, groups, pp_group, pp_ranks, shared)
-
-
-def shared_params(graph, cuts: list[StageCut]) -> dict[str, frozenset]:
-    """Parameter placeholder -> the stages that read it, for those read by more than one."""
-    out: dict[str, set] = {}
-    for cut in cuts:
-        for n in cut.nodes:
-            if graph.nodes[n].op == "placeholder" and graph.nodes[n].role == Role.PARAMETER:
-                out.setdefault(n, set()).add(cut.index)
-    return {k: frozenset(v) for k, v in out.items() if len(v) > 1}
 
 
 class _StageProgram(nn.Module):
@@ -277,8 +180,6 @@ class PipelineRunner:
                     self.owner.setdefault(fqn_of[n], c.index)
         specs = sent_specs(graph, plan, cuts)
         stage_plan = plan.pipeline.stages[sg.stage]
-        from autopar.ir.blocks import unit_of_nodes
-
         self.module = _StageProgram(pmodel, cut, self.last, bool(stage_plan.recompute), unit_of_nodes(graph))
         mesh = sg.groups.mesh
         inputs = tuple(self._example(v, specs, mesh) for v in cut.receives)
@@ -414,68 +315,3 @@ class PipelineRunner:
                     h = groups.handle(entry.axes)
                     mine = chunk_of(mine, h.index, h.size)
                 local.grad = mine.clone()
-
-
-def loss_position(graph) -> int:
-    """Index of the loss among the model's flat outputs: the first floating-point scalar."""
-    out = next(n for n in graph.nodes.values() if n.op == "output")
-    for i, v in enumerate(out.inputs):
-        meta = graph.nodes[v].meta
-        if meta is not None and not isinstance(meta, tuple) and tuple(meta.shape) == () and "float" in meta.dtype:
-            return i
-    raise ConfigError(f"{graph.model_name} returns no scalar loss; a pipelined plan trains a model that computes its loss "
-                      "in forward (e.g. pass labels to a transformers model)")
-
-
-
-
-def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, device, timeout, state_dict, init_fn,
-                bucket_bytes, signature, requires_grad):
-    """This rank's ``ParallelModule`` of a pipelined ``plan``: its stage's program and shards,
-    with a ``PipelineRunner`` for ``train_step``. ``graph`` is the whole batch's trace (to tell
-    which inputs the microbatches split); the stages run on the microbatch graph, traced here."""
-    from autopar import ir
-    from autopar.codegen.lower import lower
-    from autopar.runtime.materialize import local_state
-    from autopar.runtime.module import ParallelModule
-    from autopar.runtime.programs import constants_of
-    from autopar.solver.pipeline import microbatch_inputs
-
-    count = plan.pipeline.microbatches
-    mb_args, mb_kwargs = microbatch_inputs(*trace_call, count)
-    micro = ir.trace(model, mb_args, mb_kwargs or None)
-    plan.check_model(micro.fingerprint(), micro.model_name)
-    batch_dims = [tuple(graph.nodes[a].meta.shape[:1]) != tuple(micro.nodes[b].meta.shape[:1])
-                  for a, b in zip(graph.inputs, micro.inputs)]
-    cuts = cut_stages(micro, plan)
-    shared = shared_params(micro, cuts)
-    loss_index = loss_position(micro)
-    sg = make_stage_groups(plan, mesh, set(shared.values()), timeout)
-    cut, stage_plan, groups = cuts[sg.stage], plan.pipeline.stages[sg.stage].plan, sg.groups
-    specs = sent_specs(micro, plan, cuts)
-    received = {v: specs[v] for v in cut.receives if micro.nodes[v].op != "placeholder"}
-    lowered = lower(micro, stage_plan, groups.mesh, nodes=cut.nodes, device=device, received=received)
-    shards = local_state(model, micro, stage_plan, groups.mesh, groups.rank, state_dict=state_dict, init_fn=init_fn,
-                         device=device, placeholders=set(lowered.state))
-    fqn_of = {ph: fqn for fqn, ph in {**micro.params, **micro.buffers}.items()}
-    mine = {fqn_of[ph] for ph in lowered.state if ph in fqn_of}
-    canonical = {a: canon for canon, names in micro.param_aliases.items() for a in names}
-    all_keys = list(model.state_dict(keep_vars=True).keys())
-    # A parameter several stages hold counts in the gradient norm once: in the first of them.
-    not_in_norm = frozenset(ph for ph, stages in shared.items() if sg.stage != min(stages))
-    ex_args, ex_kwargs = microbatch_inputs(*example_call, count)
-    pm = ParallelModule(
-        graph=micro, plan=stage_plan, lowered=lowered, groups=groups, shards=shards,
-        state_keys=[k for k in all_keys if canonical.get(k, k) in mine], signature=signature,
-        requires_grad={ph: requires_grad(model, fqn, micro) for fqn, ph in micro.params.items()},
-        constants=constants_of(micro, device), order=[n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()],
-        builder=None, mode=model.training, device=device, example=(ex_args, ex_kwargs), bucket_bytes=bucket_bytes,
-        norm_group=dist.group.WORLD, not_in_norm=not_in_norm,
-    )
-    numbering = {fqn: i for i, fqn in enumerate(micro.params)}
-    pm._ap.clip.index = {id(p): numbering[fqn] for fqn, p in pm.local_state().items() if fqn in numbering}
-    pm._ap.clip.n_index = len(numbering)
-    pm._ap.plan_full = plan
-    pm._ap.all_state_keys = all_keys
-    pm._ap.pipeline = PipelineRunner(pm, micro, plan, cut, cuts, sg, shared, device, loss_index, batch_dims)
-    return pm

@@ -1,35 +1,18 @@
-"""One lowered program per (train/eval mode, input shapes), sharing one set of parameter shards.
+"""Which program runs a call, and how it is fed.
 
-``parallelize`` traces, plans and lowers the model for its example inputs in the model's mode:
-the main program. A call in the other mode (``pmodel.eval()``: dropout off, batch norm on running
-statistics, whatever the model's code does when ``self.training`` is False) or with inputs of
-other shapes (a last partial batch, an evaluation batch) needs a program of its own, built on
-first use and cached, like ``torch.compile``'s recompilation:
-
-    trace       a meta-device skeleton of the model (same modules, no weights) in that mode, on
-                meta copies of the call's inputs;
-    plan        rank 0 solves the layout with every parameter and buffer pinned to the storage the
-                main plan gave it (so the shards stay where they are and the gradient reducer is
-                unchanged), the main plan's idle axes, pricing mesh and op table; every rank
-                receives the same plan. Shapes the main layout cannot split evenly simply get
-                other (e.g. replicated) strategies for the ops they touch;
-    lower       the program, whose state inputs map onto the main program's slots by name.
-
-A new program costs one trace and one small ILP solve (seconds for the built-in models); the
-number of programs is bounded by ``max_programs`` (a ConfigError beyond it says how to avoid it).
+A ParallelModule holds one lowered program per (train/eval mode, input shapes), all sharing one
+set of parameter shards: the main program (the example inputs, in the model's mode) and, for a
+call in the other mode or with inputs of other shapes, one built on first use by
+``autopar.compose.programs`` (trace, plan with the shards pinned, lower) and cached. ``call_key``
+decides which; ``Program`` feeds it.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autopar.errors import ConfigError, PlanError, TraceError
-from autopar.ir.graph import Role
 
 DEFAULT_MAX_PROGRAMS = 8
 
@@ -58,164 +41,3 @@ def call_key(training: bool, args, kwargs) -> tuple:
     return (bool(training), repr(structure)) + tuple(
         (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", repr(x)) for x in leaves
     )
-
-
-def meta_skeleton(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are on the meta device (nothing but the
-    module tree is copied); tied parameters stay tied."""
-    memo: dict = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    try:
-        return copy.deepcopy(model, memo)
-    except Exception as err:  # a module holding something deepcopy refuses (a lock, a file)
-        raise ConfigError(
-            f"cannot keep a weightless copy of {type(model).__name__} for re-tracing ({type(err).__name__}: {err}); "
-            "call the parallelized model only in the mode and with the input shapes it was parallelized for"
-        ) from None
-
-
-def plan_on_rank0(model, mesh, graph, memory_budget, force, plan_kwargs, rank):
-    """Rank 0 plans; every rank receives the same Plan (as JSON), or rank 0's error."""
-    from autopar.solver import plan as make_plan
-    from autopar.solver.plan import Plan
-
-    box = [None]
-    if rank == 0:
-        try:
-            p = make_plan(model, mesh, graph=graph, memory_budget=memory_budget, force=force, **plan_kwargs)
-            box[0] = ("ok", p.to_json())
-        except Exception as err:  # every rank must hear of it, or they wait forever
-            box[0] = ("error", f"{type(err).__name__}: {err}")
-    dist.broadcast_object_list(box, src=0)
-    status, payload = box[0]
-    if status != "ok":
-        raise PlanError(f"planning failed on rank 0: {payload}")
-    return Plan.from_json(payload)
-
-
-def constants_of(graph, device) -> dict:
-    """Lifted tensor constants (placeholders of role CONSTANT): their values, replicated."""
-    from torch.export.graph_signature import InputKind
-
-    out = {}
-    for s in graph.exported.graph_signature.input_specs:
-        if s.kind == InputKind.CONSTANT_TENSOR and s.arg.name in graph.nodes:
-            value = graph.exported.constants[s.target]
-            out[s.arg.name] = value.to(device) if device is not None else value
-        elif s.kind == InputKind.CUSTOM_OBJ and s.arg.name in graph.nodes:
-            raise ConfigError(f"{graph.model_name} uses a custom object ({s.target}); parallelize does not support it")
-    return out
-
-
-@dataclasses.dataclass
-class VariantBuilder:
-    """Everything needed to build the programs of calls the main program does not fit."""
-
-    skeleton: nn.Module
-    main_plan: object
-    mesh: object  # the mesh the programs run on
-    pricing_mesh: object  # the mesh (with its cluster) the main plan was priced on
-    plan_kwargs: dict
-    force: object
-    device: object
-    max_programs: int = DEFAULT_MAX_PROGRAMS
-
-    def build(self, mode: bool, args, kwargs, slot_of_fqn: dict, n_programs: int) -> Program | None:
-        """The program for a call in ``mode`` with these inputs; None when its trace is the main
-        program's own graph (a model whose code does not depend on the mode). ``n_programs``: how
-        many are built already."""
-        from autopar import ir
-        from autopar.codegen.lower import lower
-
-        if n_programs >= self.max_programs:
-            raise ConfigError(
-                f"this call needs a new program (mode {'train' if mode else 'eval'}, new input shapes) but "
-                f"{n_programs} are built already (max_programs={self.max_programs}); give the data loader fixed "
-                "shapes (drop_last=True, padding to a few bucket lengths) or pass a larger max_programs to parallelize"
-            )
-        self.skeleton.train(mode)
-        meta_args, meta_kwargs = pytree.tree_map(
-            lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (tuple(args), dict(kwargs)))
-        try:
-            graph = ir.trace(self.skeleton, meta_args, meta_kwargs or None)
-        except TraceError as err:
-            raise ConfigError(f"cannot trace the model in {'train' if mode else 'eval'} mode for these inputs: {err}") from None
-        if graph.fingerprint() == self.main_plan.model_fingerprint:
-            return None
-        plan = self._plan(graph)
-        lowered = lower(graph, plan, self.mesh, device=self.device)
-        fqn_of = {ph: fqn for fqn, ph in {**graph.params, **graph.buffers}.items()}
-        slots = []
-        for ph in lowered.state:
-            role = graph.nodes[ph].role
-            if role == Role.CONSTANT:
-                slots.append(None)
-            elif fqn_of.get(ph) in slot_of_fqn:
-                slots.append(slot_of_fqn[fqn_of[ph]])
-            else:
-                raise ConfigError(f"the {'train' if mode else 'eval'}-mode trace reads {fqn_of.get(ph, ph)}, which the "
-                                  "main program does not hold; parallelize the model in the mode it runs in")
-        consts = constants_of(graph, self.device)
-        constants = {i: consts[ph] for i, ph in enumerate(lowered.state) if slots[i] is None}
-        spec = graph.exported.call_spec
-        return Program(graph, plan, lowered, slots, constants, spec.in_spec, spec.out_spec)
-
-    def _plan(self, graph):
-        """The variant's plan: with the user's force where it still applies, else pins alone (a
-        forced layout may not split the new shapes)."""
-        rank = dist.get_rank()
-        user = self._user_force(graph)
-        if user:
-            try:
-                plan = plan_on_rank0(self.skeleton, self.pricing_mesh, graph, None, {**user, **self._pins(graph)},
-                                     self._plan_kwargs(), rank)
-                self._check_same_storage(plan)
-                return plan
-            except (PlanError, ConfigError):
-                pass
-        plan = plan_on_rank0(self.skeleton, self.pricing_mesh, graph, None, self._pins(graph), self._plan_kwargs(), rank)
-        self._check_same_storage(plan)
-        return plan
-
-    def _plan_kwargs(self) -> dict:
-        kw = {k: v for k, v in self.plan_kwargs.items() if k not in ("idle_axes", "force", "graph")}
-        kw["idle_axes"] = tuple(self.main_plan.idle_axes)
-        return kw
-
-    def _user_force(self, graph) -> dict:
-        from autopar.solver.layout import Layout, layout_force
-
-        if isinstance(self.force, Layout):
-            try:
-                return layout_force(graph, self.pricing_mesh, self.force)
-            except (PlanError, ConfigError):
-                return {}
-        if isinstance(self.force, dict):
-            return {k: v for k, v in self.force.items() if k in graph.nodes}
-        return {}
-
-    def _pins(self, graph) -> dict:
-        """Every stored tensor keeps the storage (and gradient sync) the main plan gave it."""
-        force = {}
-        for fqn, pp in self.main_plan.params.items():
-            node = (graph.params if not pp.buffer else graph.buffers).get(fqn)
-            if node is not None:
-                force[node] = _pin(pp.storage, pp.family)
-        return force
-
-    def _check_same_storage(self, plan) -> None:
-        for fqn, pp in plan.params.items():
-            main = self.main_plan.params.get(fqn)
-            if main is None or (pp.storage, pp.family, _sync_key(pp)) != (main.storage, main.family, _sync_key(main)):
-                raise PlanError(f"the plan for these inputs moved {fqn} ({pp.storage} {pp.family}); its storage must not change")
-
-
-def _pin(storage, family):
-    return lambda s: s.output == storage and s.family == family
-
-
-def _sync_key(pp):
-    return None if pp.grad_sync is None else (pp.grad_sync[0], tuple(pp.grad_sync[1]))

@@ -9,7 +9,7 @@ from autopar.runtime.launch import spawn
 
 def rank_main(rank, world, directory):
     import autopar
-    from autopar.runtime import live_profile
+    from autopar.compose import live_profile
     from autopar.runtime.process_groups import MeshGroups
 
     groups = MeshGroups(autopar.Mesh((2,)))

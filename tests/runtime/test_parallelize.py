@@ -151,7 +151,7 @@ def profile_case(groups):
     """A mesh without a cluster: parallelize prices the plan with a short profile of the live
     groups, cached (in the test's AUTOPAR_CACHE_DIR), and runs it exactly; ``profile=False`` prices
     with cpu-gloo."""
-    from autopar.runtime.live_profile import cached_live_op_table, live_cluster
+    from autopar.compose.live_profile import cached_live_op_table, live_cluster
 
     mesh = autopar.Mesh(groups.mesh.shape)
     t0 = time.perf_counter()

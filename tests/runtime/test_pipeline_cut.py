@@ -11,7 +11,7 @@ from autopar import ir, models
 from autopar.codegen.lower import lower
 from autopar.errors import ConfigError
 from autopar.ir.graph import Role
-from autopar.runtime.pipeline import cut_stages, loss_position, sent_specs, shared_params
+from autopar.codegen.stages import cut_stages, loss_position, sent_specs, shared_params
 from autopar.solver.pipeline import microbatch_inputs
 
 

@@ -6,7 +6,7 @@ In order, on every rank (the same calls everywhere, since several are collective
    copies of the example inputs);
 2. process groups for every set of mesh axes (``MeshGroups``), with the collective timeout;
 3. plan: price the mesh with its cluster, else with a profile of these live groups and of this
-   machine (``autopar.runtime.live_profile``: every rank takes part; cached), else cpu-gloo; rank 0
+   machine (``autopar.compose.live_profile``: every rank takes part; cached), else cpu-gloo; rank 0
    runs ``autopar.plan`` and broadcasts the Plan
    as JSON, so every rank runs the same plan; or check a given ``plan=`` against the graph;
 4. lower the plan to the rank's program (``autopar.codegen.lower``);
@@ -14,7 +14,7 @@ In order, on every rank (the same calls everywhere, since several are collective
    or a meta model plus its init);
 6. wrap them in a ``ParallelModule`` called like the original model, with what it needs to build
    programs for the other mode and other input shapes on first use (a weightless copy of the
-   model, the pricing mesh and the planner's keywords: ``autopar.runtime.programs``).
+   model, the pricing mesh and the planner's keywords: ``autopar.compose.programs``).
 """
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import ConfigError, PlanError
-from autopar.runtime.live_profile import is_live, live_cluster, live_op_table
-from autopar.runtime.programs import DEFAULT_MAX_PROGRAMS, VariantBuilder, constants_of, meta_skeleton, plan_on_rank0
+from autopar.compose.live_profile import is_live, live_cluster, live_op_table
+from autopar.compose.programs import VariantBuilder, constants_of, meta_skeleton, plan_on_rank0
+from autopar.runtime.programs import DEFAULT_MAX_PROGRAMS
 from autopar.sharding_spec.mesh import Mesh
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -80,7 +81,7 @@ def parallelize(
         has to create it (from torchrun's environment; then 600 s by default).
     bucket_bytes: the gradient reducer's bucket size (default 25 MiB; the first bucket is 1 MiB).
     max_programs: how many programs calls in another mode or with other input shapes may build
-        (each costs a trace and a plan on first use; see ``autopar.runtime.programs``).
+        (each costs a trace and a plan on first use; see ``autopar.compose.programs``).
     """
     from autopar import ir
     from autopar.codegen.lower import lower
@@ -127,7 +128,7 @@ def parallelize(
     else:
         plan_mesh = mesh.with_cluster(cluster) if cluster is not None else mesh
     if plan.pipeline is not None:
-        from autopar.runtime.pipeline import build_stage
+        from autopar.compose.pipeline import build_stage
 
         return build_stage(model, graph, plan, mesh, (trace_inputs, trace_kwargs), (inputs, example_kwargs or {}),
                            device=device, timeout=timeout, state_dict=state_dict, init_fn=init_fn,

@@ -1,0 +1,121 @@
+"""A pipelined plan's microbatch graph cut into its stages.
+
+Every rank cuts the graph the same way (``cut_stages``): stage ``s`` runs the ops of its layers,
+reads the parameters and user inputs those ops read, and exchanges with its neighbours the values
+that cross its edges:
+
+    stage 0 receives     the user inputs (one microbatch of each, whole)
+    stage s sends        every value made by stages <= s (or a user input) that a later stage reads,
+                         in graph order: values a stage does not read pass through it untouched
+    the last stage       returns the model's outputs
+
+A value travels in its producer's spec in the sending stage's plan (``sent_specs``); the receiving
+stage's program reshards it to what its readers want (``lower(received=...)``). A parameter read by
+several stages (a tied embedding and head) is held by each (``shared_params``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.errors import ConfigError, PlanError
+from autopar.ir.blocks import unit_of_nodes
+from autopar.ir.graph import Role
+from autopar.sharding_spec.spec import ShardingSpec
+
+
+@dataclasses.dataclass
+class StageCut:
+    """What stage ``index`` runs (``nodes``, for ``lower``), receives (``receives``: from the
+    previous stage, or the user inputs for stage 0) and sends on (``sends``: empty for the last)."""
+
+    index: int
+    nodes: list[str]
+    receives: list[str]
+    sends: list[str]
+
+
+def cut_stages(graph, plan) -> list[StageCut]:
+    """The stages of ``plan`` over ``graph`` (its microbatch graph); see the module docstring."""
+    stages = plan.pipeline.stages
+    unit = unit_of_nodes(graph)
+    stage_of_unit = {}
+    for s, st in enumerate(stages):
+        for u in range(st.layers[0], st.layers[1] + 1):
+            stage_of_unit[u] = s
+    if sorted(stage_of_unit) != list(range(len(graph.layers))):
+        raise PlanError(f"the plan's stages cover layers {sorted(stage_of_unit)}, the model has {len(graph.layers)}")
+    made: dict[str, int] = {}  # value -> the stage that makes it (user inputs: -1, before stage 0)
+    readers: dict[str, set[int]] = {}
+    nodes: list[list[str]] = [[] for _ in stages]
+    for name, node in graph.nodes.items():
+        if node.op == "placeholder":
+            if node.role == Role.INPUT:
+                made[name] = -1
+            continue
+        s = stage_of_unit[unit[name]]
+        made[name] = s
+        nodes[s].append(name)
+        for src in node.inputs:
+            src_node = graph.nodes[src]
+            if src_node.op == "placeholder" and src_node.role != Role.INPUT:
+                readers.setdefault(src, set()).add(s)
+            if src_node.op == "placeholder":
+                if src not in nodes[s]:
+                    nodes[s].append(src)
+                if src_node.role != Role.INPUT:
+                    continue
+            if src_node.op != "placeholder" and made.get(src, s) > s:
+                raise PlanError(f"{name} (stage {s}) reads {src}, made by a later stage {made[src]}")
+            readers.setdefault(src, set()).add(s)
+    for name, node in graph.nodes.items():  # state nothing reads: held by stage 0
+        if node.op == "placeholder" and node.role != Role.INPUT and name not in readers:
+            nodes[0].append(name)
+    order = list(graph.inputs) + [n for n in graph.nodes if graph.nodes[n].op != "placeholder"]
+    cuts = []
+    for s in range(len(stages)):
+        receives = list(graph.inputs) if s == 0 else cuts[-1].sends
+        sends = [] if s == len(stages) - 1 else [
+            v for v in order if made.get(v, len(stages)) <= s and any(r > s for r in readers.get(v, ()))]
+        for v in sends:
+            meta = graph.nodes[v].meta
+            if meta is None or isinstance(meta, tuple):
+                raise PlanError(f"{v} crosses from stage {s} to stage {s + 1} but is not a tensor; cut elsewhere")
+        cuts.append(StageCut(s, [n for n in graph.nodes if n in set(nodes[s])], list(receives), sends))
+    return cuts
+
+
+def sent_specs(graph, plan, cuts: list[StageCut]) -> dict[str, object]:
+    """Value -> the spec it travels in between stages: user inputs whole, activations as their
+    producer's output in its stage's plan."""
+    out = {}
+    for cut, stage in zip(cuts, plan.pipeline.stages):
+        for v in cut.sends:
+            if v in out:
+                continue
+            node = graph.nodes[v]
+            if node.op == "placeholder":
+                out[v] = ShardingSpec.replicate(node.meta.shape, len(stage.mesh_shape))
+            else:
+                out[v] = stage.plan.nodes[v].output
+    return out
+
+
+def shared_params(graph, cuts: list[StageCut]) -> dict[str, frozenset]:
+    """Parameter placeholder -> the stages that read it, for those read by more than one."""
+    out: dict[str, set] = {}
+    for cut in cuts:
+        for n in cut.nodes:
+            if graph.nodes[n].op == "placeholder" and graph.nodes[n].role == Role.PARAMETER:
+                out.setdefault(n, set()).add(cut.index)
+    return {k: frozenset(v) for k, v in out.items() if len(v) > 1}
+
+
+def loss_position(graph) -> int:
+    """Index of the loss among the model's flat outputs: the first floating-point scalar."""
+    out = next(n for n in graph.nodes.values() if n.op == "output")
+    for i, v in enumerate(out.inputs):
+        meta = graph.nodes[v].meta
+        if meta is not None and not isinstance(meta, tuple) and tuple(meta.shape) == () and "float" in meta.dtype:
+            return i
+    raise ConfigError(f"{graph.model_name} returns no scalar loss; a pipelined plan trains a model that computes its loss "
+                      "in forward (e.g. pass labels to a transformers model)")

@@ -1,0 +1,62 @@
+"""Build this rank's module of a pipelined plan: trace the microbatch graph, cut it into stages,
+make every stage's groups, lower this rank's stage, shard its parameters, and hand it a
+``PipelineRunner`` (``autopar.runtime.pipeline``) for ``train_step``."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from autopar.codegen.stages import cut_stages, loss_position, sent_specs, shared_params
+from autopar.runtime.pipeline import PipelineRunner, make_stage_groups
+from autopar.sharding_spec.mesh import Mesh
+
+
+def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, device, timeout, state_dict, init_fn,
+                bucket_bytes, signature, requires_grad):
+    """This rank's ``ParallelModule`` of a pipelined ``plan``: its stage's program and shards,
+    with a ``PipelineRunner`` for ``train_step``. ``graph`` is the whole batch's trace (to tell
+    which inputs the microbatches split); the stages run on the microbatch graph, traced here."""
+    from autopar import ir
+    from autopar.codegen.lower import lower
+    from autopar.runtime.materialize import local_state
+    from autopar.compose.programs import constants_of
+    from autopar.runtime.module import ParallelModule
+    from autopar.solver.pipeline import microbatch_inputs
+
+    count = plan.pipeline.microbatches
+    mb_args, mb_kwargs = microbatch_inputs(*trace_call, count)
+    micro = ir.trace(model, mb_args, mb_kwargs or None)
+    plan.check_model(micro.fingerprint(), micro.model_name)
+    batch_dims = [tuple(graph.nodes[a].meta.shape[:1]) != tuple(micro.nodes[b].meta.shape[:1])
+                  for a, b in zip(graph.inputs, micro.inputs)]
+    cuts = cut_stages(micro, plan)
+    shared = shared_params(micro, cuts)
+    loss_index = loss_position(micro)
+    sg = make_stage_groups(plan, mesh, set(shared.values()), timeout)
+    cut, stage_plan, groups = cuts[sg.stage], plan.pipeline.stages[sg.stage].plan, sg.groups
+    specs = sent_specs(micro, plan, cuts)
+    received = {v: specs[v] for v in cut.receives if micro.nodes[v].op != "placeholder"}
+    lowered = lower(micro, stage_plan, groups.mesh, nodes=cut.nodes, device=device, received=received)
+    shards = local_state(model, micro, stage_plan, groups.mesh, groups.rank, state_dict=state_dict, init_fn=init_fn,
+                         device=device, placeholders=set(lowered.state))
+    fqn_of = {ph: fqn for fqn, ph in {**micro.params, **micro.buffers}.items()}
+    mine = {fqn_of[ph] for ph in lowered.state if ph in fqn_of}
+    canonical = {a: canon for canon, names in micro.param_aliases.items() for a in names}
+    all_keys = list(model.state_dict(keep_vars=True).keys())
+    # A parameter several stages hold counts in the gradient norm once: in the first of them.
+    not_in_norm = frozenset(ph for ph, stages in shared.items() if sg.stage != min(stages))
+    ex_args, ex_kwargs = microbatch_inputs(*example_call, count)
+    pm = ParallelModule(
+        graph=micro, plan=stage_plan, lowered=lowered, groups=groups, shards=shards,
+        state_keys=[k for k in all_keys if canonical.get(k, k) in mine], signature=signature,
+        requires_grad={ph: requires_grad(model, fqn, micro) for fqn, ph in micro.params.items()},
+        constants=constants_of(micro, device), order=[n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()],
+        builder=None, mode=model.training, device=device, example=(ex_args, ex_kwargs), bucket_bytes=bucket_bytes,
+        norm_group=dist.group.WORLD, not_in_norm=not_in_norm,
+    )
+    numbering = {fqn: i for i, fqn in enumerate(micro.params)}
+    pm._ap.clip.index = {id(p): numbering[fqn] for fqn, p in pm.local_state().items() if fqn in numbering}
+    pm._ap.clip.n_index = len(numbering)
+    pm._ap.plan_full = plan
+    pm._ap.all_state_keys = all_keys
+    pm._ap.pipeline = PipelineRunner(pm, micro, plan, cut, cuts, sg, shared, device, loss_index, batch_dims)
+    return pm
