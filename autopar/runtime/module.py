@@ -51,9 +51,13 @@ class ParallelModule(nn.Module):
                  signature: inspect.Signature | None, requires_grad: dict[str, bool], constants: dict,
                  order: list[str] | None = None, builder=None, mode: bool = True, device=None, example=None,
                  bucket_bytes: int | None = None, first_bucket_bytes: int | None = None, norm_group=None,
-                 not_in_norm: frozenset = frozenset()):
+                 not_in_norm: frozenset = frozenset(), state: list[str] | None = None):
         super().__init__()
         object.__setattr__(self, "_ap", _State(graph, plan, lowered, groups, state_keys, signature))
+        # The placeholders whose tensors this module holds, one slot each: the program's state inputs,
+        # or (a pipeline rank running several stages) the union of its programs'.
+        state = list(lowered.state) if state is None else list(state)
+        self._ap.state_names = state
         self._ap.device = device
         fqn_of = {ph: fqn for fqn, ph in {**graph.params, **graph.buffers}.items()}
         persistent = set(state_keys)
@@ -61,12 +65,11 @@ class ParallelModule(nn.Module):
         # Registered in the original model's order (parameters, then buffers), so named_parameters()
         # and a split of them into groups by name look like the original's.
         position = {fqn: i for i, fqn in enumerate(order or [])}
-        by_position = sorted(range(len(lowered.state)),
-                             key=lambda i: position.get(fqn_of.get(lowered.state[i]), len(position) + i))
-        self._ap.slots = [None] * len(lowered.state)  # per state placeholder: (owner module, attribute name)
+        by_position = sorted(range(len(state)), key=lambda i: position.get(fqn_of.get(state[i]), len(position) + i))
+        self._ap.slots = [None] * len(state)  # per state placeholder: (owner module, attribute name)
         entries, counted = [], set()
         for slot in by_position:
-            ph = lowered.state[slot]
+            ph = state[slot]
             node = graph.nodes[ph]
             if node.role == Role.CONSTANT:
                 owner, attr = self._owner("_autopar_constants." + ph)
@@ -97,8 +100,9 @@ class ParallelModule(nn.Module):
         sizes = {k: v for k, v in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)) if v is not None}
         self._ap.reducer = GradReducer(entries, groups, **sizes)
         self._ap.zero2 = {e.slot: e for e in entries if e.kind == "reduce_scatter"}
-        main = Program(graph, plan, lowered, list(range(len(lowered.state))), {}, self._ap.in_spec, self._ap.out_spec)
-        self._ap.slot_of_fqn = {fqn_of[ph]: i for i, ph in enumerate(lowered.state) if ph in fqn_of}
+        slot_of = {ph: i for i, ph in enumerate(state)}
+        main = Program(graph, plan, lowered, [slot_of[ph] for ph in lowered.state], {}, self._ap.in_spec, self._ap.out_spec)
+        self._ap.slot_of_fqn = {fqn_of[ph]: i for i, ph in enumerate(state) if ph in fqn_of}
         self._ap.builder = builder
         self._ap.main = main
         self._ap.mode = bool(mode)
@@ -212,13 +216,21 @@ class ParallelModule(nn.Module):
 
     @property
     def stage(self) -> int:
-        """This rank's pipeline stage (0 for a plan of one stage)."""
-        return 0 if self._ap.pipeline is None else self._ap.pipeline.sg.stage
+        """This rank's (first) pipeline stage (0 for a plan of one stage)."""
+        return self.stages[0]
+
+    @property
+    def stages(self) -> list[int]:
+        """The pipeline stages this rank runs (several under interleaved 1F1B)."""
+        return [0] if self._ap.pipeline is None else list(self._ap.pipeline.sg.stages)
 
     @property
     def code(self) -> str:
         """This rank's program as Python (the same text on every rank)."""
-        return self._ap.lowered.gm.code
+        ap = self._ap
+        if ap.pipeline is not None:  # this rank's stages, in order
+            return "\n".join(f"# stage {m.cut.index}\n{m.feeds.lowered.gm.code}" for m in ap.pipeline.modules)
+        return ap.lowered.gm.code
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -237,7 +249,7 @@ class ParallelModule(nn.Module):
         buffers, or for a ZeRO-2 parameter this rank's dim-0 chunk of it (what the optimizer sees)."""
         fqn_of = {ph: fqn for fqn, ph in {**self._ap.graph.params, **self._ap.graph.buffers}.items()}
         out = {}
-        for (owner, a), ph in zip(self._ap.slots, self._ap.lowered.state):
+        for (owner, a), ph in zip(self._ap.slots, self._ap.state_names):
             if ph in fqn_of:
                 out[fqn_of[ph]] = owner._parameters[a] if a in owner._parameters else owner._buffers[a]
         return out
@@ -267,7 +279,7 @@ class ParallelModule(nn.Module):
         out = {}
         if not grads:
             ap.reducer.working_copies([None] * len(ap.slots))  # refresh ZeRO-2 working copies
-        for slot, ((owner, a), ph) in enumerate(zip(ap.slots, ap.lowered.state)):
+        for slot, ((owner, a), ph) in enumerate(zip(ap.slots, ap.state_names)):
             if ph not in fqn_of:
                 continue
             t = owner._parameters[a] if a in owner._parameters else owner._buffers[a]

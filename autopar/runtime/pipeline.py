@@ -31,81 +31,85 @@ from autopar.runtime.process_groups import MeshGroups
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.spec import ShardingSpec
 
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-
-
-def stage_meshes(plan, mesh: Mesh) -> list[Mesh]:
-    return [Mesh(tuple(st.mesh_shape), mesh.axis_names, mesh.cluster) for st in plan.pipeline.stages]
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 
 
 @dataclasses.dataclass
 class StageGroups:
-    """This rank's process groups under a pipelined plan: its stage's ``MeshGroups``, the pipeline
-    group (the rank at the same position in every stage), and groups over the stages that share a
-    tied parameter."""
+    """This rank's process groups under a pipelined plan. The stages run on ``blocks`` blocks of
+    rows, stage s on block s mod blocks (one stage per block, or ``virtual_stages`` for
+    interleaved 1F1B); this rank is in block ``block`` and runs ``stages``. ``groups``: its block's
+    ``MeshGroups``; the pipeline group: the rank at the same position in every block; ``shared``:
+    frozenset of blocks -> the group of this rank's position in them (None when not in it), for
+    parameters several blocks hold."""
 
-    stage: int
+    block: int
+    blocks: int
+    stages: list[int]
     groups: MeshGroups
     pp_group: object
     pp_ranks: list[int]
-    shared: dict  # frozenset of stages -> the group of this rank's position in them (None if not in it)
+    shared: dict
 
 
-def make_stage_groups(plan, mesh: Mesh, shared_sets, timeout=None) -> StageGroups:
-    """Every stage's groups, made by every rank in the same order (``new_group`` is collective)."""
+def make_stage_groups(plan, mesh: Mesh, shared_blocks, timeout=None) -> StageGroups:
+    """Every block's groups, made by every rank in the same order (``new_group`` is collective)."""
     stages = plan.pipeline.stages
-    sizes = {len(st.ranks) for st in stages}
+    n_blocks = len(stages) // plan.pipeline.virtual_stages
+    blocks = [stages[b].ranks for b in range(n_blocks)]
+    sizes = {len(r) for r in blocks}
     if len(sizes) != 1:
-        raise ConfigError(f"the plan's stages have {[len(st.ranks) for st in stages]} devices; torch's pipeline schedules "
+        raise ConfigError(f"the plan's stages have {[len(r) for r in blocks]} devices; torch's pipeline schedules "
                           "pair each rank with one per stage, so every stage needs as many devices (plan with "
                           "autopar.plan(..., pipeline=...) for parallelize: it plans equal stages)")
+    if any(st.ranks != blocks[s % n_blocks] for s, st in enumerate(stages)):
+        raise ConfigError("the plan's stages do not cycle over the same blocks of ranks (stage s on block s mod blocks)")
     me = dist.get_rank()
     mine = None
-    for s, (st, m) in enumerate(zip(stages, stage_meshes(plan, mesh))):
-        g = MeshGroups(m, ranks=st.ranks, timeout=timeout)
+    for b, ranks in enumerate(blocks):
+        g = MeshGroups(Mesh(tuple(stages[b].mesh_shape), mesh.axis_names, mesh.cluster), ranks=ranks, timeout=timeout)
         if g.member:
-            mine = (s, g)
+            mine = (b, g)
     if mine is None:
-        raise ConfigError(f"rank {me} is in no stage of the plan (stages cover ranks "
-                          f"{[r for st in stages for r in st.ranks]})")
-    s, groups = mine
+        raise ConfigError(f"rank {me} is in no stage of the plan (stages cover ranks {[r for b in blocks for r in b]})")
+    b, groups = mine
     position = groups.rank
     pp_group, pp_ranks = None, []
     for c in range(sizes.pop()):
-        ranks = [st.ranks[c] for st in stages]
+        ranks = [blk[c] for blk in blocks]
         pg = dist.new_group(ranks=ranks, timeout=groups.timeout)
         if c == position:
             pp_group, pp_ranks = pg, ranks
     shared = {}
-    for members in sorted(shared_sets, key=sorted):
-        for c in range(len(stages[0].ranks)):
-            ranks = [stages[t].ranks[c] for t in sorted(members)]
-            pg = dist.new_group(ranks=ranks, timeout=groups.timeout)
+    for members in sorted(shared_blocks, key=sorted):
+        for c in range(len(blocks[0])):
+            pg = dist.new_group(ranks=[blocks[t][c] for t in sorted(members)], timeout=groups.timeout)
             if c == position:
-                shared[members] = pg if s in members else None
-    return StageGroups(s, groups, pp_group, pp_ranks, shared)
+                shared[members] = pg if b in members else None
+    return StageGroups(b, n_blocks, list(range(b, len(stages), n_blocks)), groups, pp_group, pp_ranks, shared)
 
 
 class _StageProgram(nn.Module):
     """The module a ``PipelineStage`` runs: this stage's program over the received values. It owns
     no parameters (the ParallelModule does; gradients reach them through its reducer's taps)."""
 
-    def __init__(self, pmodel, cut: StageCut, last: bool, recompute: bool, unit_of: dict | None = None):
+    def __init__(self, pmodel, program, cut: StageCut, last: bool, recompute: bool, unit_of: dict | None = None):
         super().__init__()
         object.__setattr__(self, "pmodel", pmodel)
+        object.__setattr__(self, "feeds", program)  # the Program: its lowered graph and state slots
         self.cut, self.last = cut, last
-        gm = pmodel._ap.lowered.gm
+        gm = program.lowered.gm
         # Recomputation per layer, as the plan priced it: one checkpointed piece per layer.
         self.program = checkpointed_by_layer(gm, unit_of, pmodel._ap.groups) if recompute else gm
 
     def forward(self, *received):
         ap = self.pmodel._ap
-        lowered = ap.lowered
+        lowered = self.feeds.lowered
         vals = dict(zip(self.cut.receives, received))
         feed = [vals[n] for n in lowered.inputs] + [vals[n] for n in lowered.boundary_inputs]
         state = [owner._parameters[a] if a in owner._parameters else owner._buffers[a] for owner, a in ap.slots]
         state = ap.reducer.tap(state) if torch.is_grad_enabled() else ap.reducer.working_copies(state)
-        state = ap.main.state_inputs(state)
+        state = self.feeds.state_inputs(state)
 
         with ops.bind(ap.groups):
             out = tuple(self.program(*state, *feed))
@@ -160,18 +164,18 @@ class PipelineRunner:
     """This rank's part of a pipelined plan (see the module docstring); ``ParallelModule.train_step``
     calls ``step``."""
 
-    def __init__(self, pmodel, graph, plan, cut: StageCut, cuts, sg: StageGroups, shared: dict, device, loss_index: int,
-                 batch_dims: list[bool]):
+    def __init__(self, pmodel, graph, plan, programs: dict, cuts, sg: StageGroups, shared: dict, device,
+                 loss_index: int, batch_dims: list[bool]):
         from torch.distributed import pipelining
 
-        self.pmodel, self.graph, self.plan, self.cut, self.sg = pmodel, graph, plan, cut, sg
-        self.shared = shared  # placeholder -> stages sharing it
+        self.pmodel, self.graph, self.plan, self.sg = pmodel, graph, plan, sg
+        self.shared = shared  # placeholder -> the stages that read it
         self.device = device
         self.stages = len(plan.pipeline.stages)
         self.microbatches = plan.pipeline.microbatches
         self.loss_index = loss_index
         self.batch_dims = batch_dims  # per user input: split into microbatches along dim 0
-        self.last = sg.stage == self.stages - 1
+        self.first, self.last = 0 in sg.stages, self.stages - 1 in sg.stages
         fqn_of = {ph: fqn for fqn, ph in {**graph.params, **graph.buffers}.items()}
         self.owner = {}  # canonical name -> the first stage holding it
         for c in cuts:
@@ -179,20 +183,22 @@ class PipelineRunner:
                 if n in fqn_of:
                     self.owner.setdefault(fqn_of[n], c.index)
         specs = sent_specs(graph, plan, cuts)
-        stage_plan = plan.pipeline.stages[sg.stage]
-        self.module = _StageProgram(pmodel, cut, self.last, bool(stage_plan.recompute), unit_of_nodes(graph))
+        unit_of = unit_of_nodes(graph)
         mesh = sg.groups.mesh
-        inputs = tuple(self._example(v, specs, mesh) for v in cut.receives)
-        if self.last:
-            out_node = next(n for n in graph.nodes.values() if n.op == "output")
-            outputs = tuple(self._example(v, {}, mesh) for v in out_node.inputs)
-        else:
-            outputs = tuple(self._example(v, specs, mesh) for v in cut.sends)
-        self.stage = pipelining.PipelineStage(self.module, sg.stage, self.stages, device, input_args=inputs,
-                                              output_args=outputs, group=sg.pp_group)
+        out_node = next(n for n in graph.nodes.values() if n.op == "output")
+        self.modules, self.pipeline_stages = [], []
+        for s in sg.stages:
+            cut, last = cuts[s], s == self.stages - 1
+            module = _StageProgram(pmodel, programs[s], cut, last, bool(plan.pipeline.stages[s].recompute), unit_of)
+            inputs = tuple(self._example(v, specs, mesh) for v in cut.receives)
+            outputs = tuple(self._example(v, {} if last else specs, mesh) for v in (out_node.inputs if last else cut.sends))
+            self.modules.append(module)
+            self.pipeline_stages.append(pipelining.PipelineStage(module, s, self.stages, device, input_args=inputs,
+                                                                 output_args=outputs, group=sg.pp_group))
         m = self.microbatches
-        # 1F1B with fewer microbatches than stages is GPipe's order (torch's 1F1B refuses it).
-        schedule = "gpipe" if plan.pipeline.schedule == "1f1b" and m < self.stages else plan.pipeline.schedule
+        schedule = plan.pipeline.schedule
+        if schedule == "1f1b" and m < self.stages:  # GPipe's order (torch's 1F1B refuses fewer microbatches)
+            schedule = "gpipe"
         if schedule not in SCHEDULE_CLASSES:
             raise ConfigError(f"schedule {schedule!r} is planned but not run yet; the runtime runs {sorted(SCHEDULE_CLASSES)}")
         schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
@@ -204,7 +210,8 @@ class PipelineRunner:
 
         chunks = tuple(pipelining.microbatch.TensorChunkSpec(0) if split else pipelining.microbatch._Replicate
                        for split in batch_dims)
-        self.schedule = schedule_cls(self.stage, m, loss_fn=loss_fn, args_chunk_spec=chunks, scale_grads=False)
+        stages = self.pipeline_stages if schedule == "interleaved-1f1b" else self.pipeline_stages[0]
+        self.schedule = schedule_cls(stages, m, loss_fn=loss_fn, args_chunk_spec=chunks, scale_grads=False)
 
     def check_call(self, training: bool, flat: list) -> None:
         """A step's inputs are the traced microbatch's, ``microbatches`` times longer along the
@@ -239,8 +246,9 @@ class PipelineRunner:
                 ph = self.graph.params.get(canon) or self.graph.buffers.get(canon)
                 meta = self.graph.nodes[ph].meta
                 src = self.plan.pipeline.stages[owner].ranks[0]
-                mine = local.get(canon) if owner == self.sg.stage else None
-                flag = torch.tensor([0 if owner == self.sg.stage and mine is None else 1], device=self.device)
+                here = owner in self.sg.stages
+                mine = local.get(canon) if here else None
+                flag = torch.tensor([0 if here and mine is None else 1], device=self.device)
                 dist.broadcast(flag, src=src)
                 if not flag.item():
                     sent[canon] = None
@@ -265,21 +273,17 @@ class PipelineRunner:
         gradients synchronised; the loss on every rank."""
         ap = self.pmodel._ap
         losses: list = []
+        args = flat_inputs if self.first else ()
+        kwargs = dict(target=torch.zeros(self.microbatches, device=self.device), losses=losses) if self.last else {}
         with ap.reducer.no_sync():
-            if self.sg.stage == 0:
-                self.schedule.step(*flat_inputs, return_outputs=False)
-            elif self.last:
-                target = torch.zeros(self.microbatches, device=self.device)
-                self.schedule.step(target=target, losses=losses, return_outputs=False)
-            else:
-                self.schedule.step(return_outputs=False)
+            self.schedule.step(*args, return_outputs=False, **kwargs)
         ap.reducer.synchronize()
         self._sum_shared_grads()
         loss = torch.stack([x.detach() for x in losses]).sum() if self.last else None
         if loss is None:
             out_meta = next(n for n in self.graph.nodes.values() if n.op == "output").inputs[self.loss_index]
             loss = torch.zeros((), dtype=getattr(torch, self.graph.nodes[out_meta].meta.dtype), device=self.device)
-        dist.broadcast(loss, src=self.sg.pp_ranks[-1], group=self.sg.pp_group)
+        dist.broadcast(loss, src=self.sg.pp_ranks[(self.stages - 1) % self.sg.blocks], group=self.sg.pp_group)
         return loss
 
     @torch.no_grad()
@@ -292,9 +296,10 @@ class PipelineRunner:
         ap = pm._ap
         fqn_of = {ph: fqn for fqn, ph in ap.graph.params.items()}
         groups = ap.groups
-        for members in sorted({frozenset(v) for v in self.shared.values()}, key=sorted):
+        blocks_of = {ph: frozenset(s % self.sg.blocks for s in st) for ph, st in self.shared.items()}
+        for members in sorted({b for b in blocks_of.values() if len(b) > 1}, key=sorted):
             pg = self.sg.shared.get(members)
-            names = sorted(fqn_of[ph] for ph, st in self.shared.items() if st == members)
+            names = sorted(fqn_of[ph] for ph, b in blocks_of.items() if b == members)
             if pg is None:
                 continue
             grads = pm._storage_shards(grads=True)

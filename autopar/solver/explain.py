@@ -151,7 +151,8 @@ def _explain_pipeline(plan: Plan, **kw) -> str:
     """A pipelined plan: the pipeline first, then each stage's own table."""
     p = plan.pipeline
     out = [
-        f"{_header(plan)}: {len(p.stages)} pipeline stages, {p.schedule}, {p.microbatches} microbatches",
+        f"{_header(plan)}: {len(p.stages)} pipeline stages"
+        + (f" ({p.virtual_stages} per rank)" if p.virtual_stages > 1 else "") + f", {p.schedule}, {p.microbatches} microbatches",
         "layout: " + layout_words(plan),
         f"predicted step time {_fmt_s(plan.predicted['step_time_s'])}, of which bubble "
         f"{_fmt_s(p.bubble_fraction * plan.predicted['step_time_s'])} ({p.bubble_fraction:.0%}); "
@@ -220,7 +221,8 @@ def layout_words(plan: Plan) -> str:
              "idle": "replicated (idle axis)", "none": "replicated compute"}
     parts = []
     if plan.pipeline is not None:
-        parts.append(f"pipeline parallel {len(plan.pipeline.stages)}")
+        v = plan.pipeline.virtual_stages
+        parts.append(f"pipeline parallel {len(plan.pipeline.stages) // v}" + (f" ({v} stages per rank)" if v > 1 else ""))
     parts += [f"{names[r]} {shape[a]}" for a, r in sorted(roles.items())]
     words = " x ".join(parts) or "one device"
     extras = []

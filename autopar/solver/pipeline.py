@@ -48,7 +48,8 @@ from autopar.solver.stage_dp import solve_stages
 log = logging.getLogger(__name__)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-SEARCHED_SCHEDULES = ("1f1b", "gpipe")  # the ones the stage DP prices today
+SEARCHED_SCHEDULES = ("1f1b", "gpipe")  # what "auto" tries; interleaved 1F1B when asked (virtual_stages)
+PRICED_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 MEMORY_VARIANTS = (0.25,)  # leaner ILP solutions per sub-mesh, as fractions of the fastest's memory
 MAX_UNITS = 24  # more layers than this are cut only between groups of consecutive layers (Alpa clusters them too)
 
@@ -69,20 +70,30 @@ class Pipeline:
             layers = tuple(int(n) for n in self.layers)
             if not layers or min(layers) < 1:
                 raise ConfigError(f"Pipeline(layers={self.layers}): every stage needs at least one layer")
-            if self.stages is not None and self.stages != len(layers):
-                raise ConfigError(f"Pipeline(stages={self.stages}, layers={self.layers}): {len(layers)} stages given by layers")
             object.__setattr__(self, "layers", layers)
-            object.__setattr__(self, "stages", len(layers))
+            v = self.virtual_stages or (2 if self.schedule == "interleaved-1f1b" else 1)
+            if len(layers) % v:
+                raise ConfigError(f"Pipeline(layers={self.layers}): {len(layers)} stages do not fill {v} virtual stages per rank")
+            if self.stages is not None and self.stages * v != len(layers):
+                raise ConfigError(f"Pipeline(stages={self.stages}, layers={self.layers}): {len(layers)} stages given by layers")
+            object.__setattr__(self, "stages", len(layers) // v)
         if self.stages is not None and self.stages < 1:
             raise ConfigError(f"Pipeline(stages={self.stages}): need at least one stage")
         if self.microbatches is not None and self.microbatches < 1:
             raise ConfigError(f"Pipeline(microbatches={self.microbatches}): need at least one microbatch")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ConfigError(f"Pipeline(schedule={self.schedule!r}): schedules are {list(SCHEDULES)}")
-        if self.schedule is not None and self.schedule not in SEARCHED_SCHEDULES:
-            raise ConfigError(f"Pipeline(schedule={self.schedule!r}) is not priced yet; the search prices {list(SEARCHED_SCHEDULES)}")
-        if self.virtual_stages not in (None, 1):
-            raise ConfigError("Pipeline(virtual_stages=...) (interleaved stages) is not supported yet")
+        if self.schedule is not None and self.schedule not in PRICED_SCHEDULES:
+            raise ConfigError(f"Pipeline(schedule={self.schedule!r}) is not priced yet; the search prices {list(PRICED_SCHEDULES)}")
+        if self.virtual_stages is not None and self.virtual_stages < 1:
+            raise ConfigError(f"Pipeline(virtual_stages={self.virtual_stages}): need at least one stage per rank")
+        if self.virtual_stages is not None and self.virtual_stages > 1:
+            if self.schedule not in (None, "interleaved-1f1b"):
+                raise ConfigError(f"Pipeline(virtual_stages={self.virtual_stages}) runs several stages per rank: only "
+                                  f"schedule='interleaved-1f1b' does that, not {self.schedule!r}")
+            object.__setattr__(self, "schedule", "interleaved-1f1b")
+        if self.schedule == "interleaved-1f1b" and self.virtual_stages in (None, 1):
+            object.__setattr__(self, "virtual_stages", 2)
 
 
 @dataclasses.dataclass
@@ -140,14 +151,14 @@ class PipelineChoice:
     def to_plan(self) -> Plan:
         """A Plan holding these stages (see ``Plan.pipeline``)."""
         mesh_dict = self.stages[0].plan.mesh
-        full_rows = sum(s.rows[1] - s.rows[0] + 1 for s in self.stages)
+        full_rows = max(s.rows[1] for s in self.stages) + 1
         mesh = dict(mesh_dict, shape=[full_rows, *mesh_dict["shape"][1:]])
         compute = sum(s.plan.predicted.get("compute_s", 0.0) for s in self.stages)
         predicted = {
             "step_time_s": self.step_time_s,
-            "compute_s": compute * self.microbatches / max(1, len(self.stages)),
+            "compute_s": compute * self.microbatches / max(1, len(self.stages) // self.pipeline.virtual_stages),
             "comm_s": 0.0,
-            "memory_bytes_per_device": max(s.memory_bytes for s in self.stages),
+            "memory_bytes_per_device": self.pipeline.memory_per_device(),
             "bubble_fraction": self.pipeline.bubble_fraction,
         }
         solver = {"status": "pipeline", "objective_s": self.step_time_s, "search_s": self.search_s, **self.timing}
@@ -302,16 +313,24 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                 time_t = _fixed_cuts(time_t, pipeline.layers, groups)
             devices = np.array([rows for rows, _ in variants])
             for schedule in schedules:
+                virtual = pipeline.virtual_stages if schedule == "interleaved-1f1b" else 1
+                if virtual > 1 and not equal_stages:
+                    raise ConfigError("interleaved 1F1B places several equal stages on each rank: plan it with equal_stages")
                 for keep, counts in _stage_shapes(devices, mesh.shape[0], pipeline.stages, equal_stages):
                     if schedule == "1f1b":  # torch's 1F1B runs at least one microbatch per stage
                         counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if c <= count}
                         if not counts:
                             continue
-                    sol = solve_stages(time_t[:, :, keep], devices[keep], mesh.shape[0], count, mem=mem_t[:, :, keep],
-                                       act=act_t[:, :, keep], budget=budget, schedule=schedule, stage_counts=counts,
+                    if virtual > 1:  # v stages per rank: the DP cuts p * v stages on v copies of the rows
+                        counts = {c * virtual for c in counts}
+                    sol = solve_stages(time_t[:, :, keep], devices[keep], mesh.shape[0] * virtual, count,
+                                       mem=mem_t[:, :, keep], act=act_t[:, :, keep], budget=budget / virtual,
+                                       schedule="1f1b" if virtual > 1 else schedule, stage_counts=counts,
                                        tolerance=tolerance)
+                    if sol is not None and virtual > 1:
+                        sol.step_time = interleaved_time(sol.stage_times, len(sol.stages) // virtual, virtual, count)
                     if sol is not None:
-                        sol.step_time = shared_core_time(sol, devices[keep], count, contention)
+                        sol.step_time = shared_core_time(sol, devices[keep], count, contention, mesh.shape[0])
                     if sol is not None and (found is None or sol.step_time < found[0].step_time - 1e-15):
                         sol.stages = [(i, j, int(np.flatnonzero(keep)[m])) for i, j, m in sol.stages]
                         found = (sol, count, schedule, variants, graph, groups)
@@ -333,10 +352,14 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
     unit = unit_of_nodes(graph)
     stages, row = [], 0
     per_row = math.prod(mesh.shape[1:])
+    virtual = pipeline.virtual_stages if schedule == "interleaved-1f1b" else 1
+    blocks = len(sol.stages) // virtual  # ranks of the pipeline (stage s runs on block s mod blocks)
     for (gi, gj, m), t in zip(sol.stages, sol.stage_times):
         i, j = groups[gi][0], groups[gj][-1]
         rows, prices = variants[m]
-        inflight = count if schedule == "gpipe" else min(len(sol.stages) - len(stages), count)
+        if virtual > 1:
+            row = (len(stages) % blocks) * rows
+        inflight = count if schedule == "gpipe" else min(blocks - len(stages) % blocks, count)
         mem = prices.static_bytes[i:j + 1].sum() + inflight * prices.activation_bytes[i:j + 1].sum() + prices.stage_extra_bytes
         nodes = {name for name, u in unit.items() if i <= u <= j}
         sub = restrict(prices.plan, graph, nodes, t, float(mem), budget)
@@ -344,7 +367,8 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                                 list(range(row * per_row, (row + rows) * per_row)), (rows, *mesh.shape[1:]),
                                 t, float(mem), sub, list(range(i, j + 1)) if prices.recompute else []))
         row += rows
-    return PipelineChoice(PipelinePlan(schedule, count, stages), sol.step_time, graph, time.perf_counter() - t0, timing)
+    return PipelineChoice(PipelinePlan(schedule, count, stages, virtual), sol.step_time, graph, time.perf_counter() - t0,
+                          timing)
 
 
 def restrict(plan: Plan, graph, nodes: set[str], time_s: float, memory: float, budget: float | None = None) -> Plan:
@@ -383,7 +407,16 @@ def _fixed_cuts(time_t: np.ndarray, layers: tuple[int, ...], groups) -> np.ndarr
     return out
 
 
-def shared_core_time(sol, devices: np.ndarray, count: int, contention: float) -> float:
+def interleaved_time(stage_times, ranks: int, virtual: int, count: int) -> float:
+    """Interleaved 1F1B's step: each rank runs ``virtual`` stages (stage i on rank i mod ``ranks``);
+    with T the busiest rank's time per microbatch, ``count`` microbatches take count x T plus a
+    bubble of (ranks - 1) x T / virtual (Narayanan et al., SC'21)."""
+    per_rank = [sum(stage_times[b::ranks]) for b in range(ranks)]
+    busiest = max(per_rank)
+    return float((count + (ranks - 1) / virtual) * busiest)
+
+
+def shared_core_time(sol, devices: np.ndarray, count: int, contention: float, total_rows: int) -> float:
     """A pipeline's step time where ranks share CPU cores (``rank_contention`` c > 1: an op runs c
     times slower while every rank computes). Stage prices assume every rank busy; in a pipeline's
     bubbles fewer are, and the busy ones run faster, up to c times. So the step is the larger of
@@ -393,7 +426,7 @@ def shared_core_time(sol, devices: np.ndarray, count: int, contention: float) ->
     if contention <= 1.0:
         return sol.step_time
     rows = [int(devices[m]) for _, _, m in sol.stages]
-    work = sum(count * t * r for t, r in zip(sol.stage_times, rows)) / sum(rows)
+    work = sum(count * t * r for t, r in zip(sol.stage_times, rows)) / total_rows
     return max(sol.step_time / contention, work)
 
 

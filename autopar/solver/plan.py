@@ -139,20 +139,35 @@ class PipelinePlan:
     schedule: str
     microbatches: int
     stages: list[StagePlan]
+    virtual_stages: int = 1  # stages per rank (interleaved 1F1B): stage s runs on rank block s mod (stages / this)
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of a GPipe/1F1B step: fill and drain over the whole step."""
+        """Idle share of a step: fill and drain over the whole step (GPipe/1F1B), or its interleaved
+        share (ranks - 1) / virtual over count + (ranks - 1) / virtual."""
         times = [s.time_per_microbatch_s for s in self.stages]
+        if self.virtual_stages > 1:
+            ranks = len(self.stages) // self.virtual_stages
+            bubble = (ranks - 1) / self.virtual_stages
+            return bubble / (self.microbatches + bubble)
         total = sum(times) + (self.microbatches - 1) * max(times)
         return 0.0 if total <= 0 else max(0.0, 1.0 - self.microbatches * max(times) / total)
 
+    def memory_per_device(self) -> float:
+        """The most any device holds: the sum over the stages its block of ranks runs."""
+        per_block: dict = {}
+        for s in self.stages:
+            per_block[tuple(s.ranks)] = per_block.get(tuple(s.ranks), 0.0) + s.memory_bytes
+        return max(per_block.values())
+
     def to_json(self) -> dict:
-        return {"schedule": self.schedule, "microbatches": self.microbatches, "stages": [s.to_json() for s in self.stages]}
+        return {"schedule": self.schedule, "microbatches": self.microbatches, "virtual_stages": self.virtual_stages,
+                "stages": [s.to_json() for s in self.stages]}
 
     @staticmethod
     def from_json(d: dict) -> "PipelinePlan":
-        return PipelinePlan(d["schedule"], d["microbatches"], [StagePlan.from_json(s) for s in d["stages"]])
+        return PipelinePlan(d["schedule"], d["microbatches"], [StagePlan.from_json(s) for s in d["stages"]],
+                            int(d.get("virtual_stages", 1)))
 
 
 @dataclasses.dataclass
@@ -188,13 +203,14 @@ class Plan:
                 size *= s
             return {"stages": [{"layers": [0, max(len(layers) - 1, 0)], "ranks": list(range(size)),
                                 "mesh_shape": list(self.mesh["shape"]), "recompute": []}],
-                    "schedule": None, "microbatches": 1, "bubble_fraction": 0.0}
+                    "schedule": None, "microbatches": 1, "virtual_stages": 1, "bubble_fraction": 0.0}
         p = self.pipeline
         return {"stages": [{"layers": list(s.layers), "layer_names": list(s.layer_names), "ranks": list(s.ranks),
                             "mesh_shape": list(s.mesh_shape), "recompute": list(s.recompute),
                             "time_per_microbatch_s": s.time_per_microbatch_s, "memory_bytes": s.memory_bytes}
                            for s in p.stages],
-                "schedule": p.schedule, "microbatches": p.microbatches, "bubble_fraction": p.bubble_fraction}
+                "schedule": p.schedule, "microbatches": p.microbatches, "virtual_stages": p.virtual_stages,
+                "bubble_fraction": p.bubble_fraction}
 
     @property
     def mesh_obj(self):
@@ -253,7 +269,8 @@ class Plan:
             shape = p.mesh["shape"]
             per_stage.add(tuple(math.prod(shape[a] for a, r in roles.items() if r == role) for role in ("tensor", "data")))
         tp, dp = per_stage.pop() if len(per_stage) == 1 else (None, None)
-        return {"tp": tp, "dp": dp, "pp": 1 if self.pipeline is None else len(self.pipeline.stages)}
+        pp = 1 if self.pipeline is None else len(self.pipeline.stages) // self.pipeline.virtual_stages
+        return {"tp": tp, "dp": dp, "pp": pp}
 
     def explain(self, **kw) -> str:
         from autopar.solver.explain import explain

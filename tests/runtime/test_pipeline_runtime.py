@@ -1,6 +1,6 @@
 """Pipelined plans run exactly: ``pmodel.train_step`` on every stage layout (2 stages x 2-way tensor
-parallel, 2 stages x 2-way data parallel, 4 stages, uneven layer splits), both schedules that run
-on CPU (GPipe, 1F1B), with and without recomputation, on the built-in GPT and LLaMA and on
+parallel, 2 stages x 2-way data parallel, 4 stages, uneven layer splits, 2 stages per rank), the
+schedules autopar runs (GPipe, 1F1B, interleaved 1F1B), with and without recomputation, on the built-in GPT and LLaMA and on
 transformers' GPT-2 (embedding tied to the head across stages) and LLaMA: losses and every
 gradient against one process, then 3 AdamW steps and the trained state.
 
@@ -87,11 +87,12 @@ def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=No
         full, want_sd = pm.full_state_dict(), ref.state_dict()
         state_err = max(rel(full[k], want_sd[k]) for k in want_sd)
         summary = pm.plan.summary()["pipeline"]
-        pieces = sum(isinstance(m, _Checkpointed) for m in pm._ap.pipeline.module.modules())
+        pieces = sum(isinstance(m, _Checkpointed) for stage in pm._ap.pipeline.modules for m in stage.modules())
         return {"pieces": pieces, "tag": tag, "loss_err": loss_err, "grad_err": grad_err, "norm_err": norm_err, "state_err": state_err,
                 "keys_equal": set(full) == set(want_sd), "n_params": len(list(pm.parameters())),
                 "stages": [(s["layers"], s["mesh_shape"], bool(s["recompute"])) for s in summary["stages"]],
-                "schedule": summary["schedule"], "microbatches": summary["microbatches"], "stage": pm.stage}
+                "schedule": summary["schedule"], "microbatches": summary["microbatches"], "stage": pm.stage,
+                "rank_stages": pm.stages, "virtual": summary["virtual_stages"]}
 
     return run_case(tag, go)
 
@@ -136,6 +137,12 @@ CASES = [
     ("hf gpt2 4 stages", (4,), dict(stages=4, microbatches=2, schedule="gpipe"), dict(model="gpt2", layers=4)),
     ("hf llama 2 stages x tp2", (4,), dict(stages=2, microbatches=2, schedule="1f1b"),
      dict(model="hf-llama", layers=2, layout=autopar.Layout(tp=2))),
+    ("gpt interleaved 2 ranks x 2 stages x dp2", (4,), dict(stages=2, virtual_stages=2, microbatches=2),
+     dict(layout=autopar.Layout(dp=2), clip=True)),
+    ("llama interleaved 4 ranks x 2 stages recompute", (4,), dict(stages=4, virtual_stages=2, microbatches=4, recompute=True),
+     dict(model="llama", layers=8)),
+    ("hf gpt2 interleaved (tied across ranks)", (4,), dict(stages=2, virtual_stages=2, microbatches=2),
+     dict(model="gpt2", layers=4, layout=autopar.Layout(tp=2))),
     ("hf llama 1+3 layers", (4,), dict(layers=(1, 3), microbatches=4, schedule="gpipe"), dict(model="hf-llama", layers=4)),
 ]
 
@@ -177,6 +184,11 @@ def test_stages_are_what_was_asked(results):
     # every rank runs one stage, ranks in stage order
     assert [r["stage"] for r in results["gpt 4 stages 1f1b"]] == [0, 1, 2, 3]
     assert [r["stage"] for r in results["gpt 2 stages x tp2 1f1b"]] == [0, 0, 1, 1]
+    # interleaved 1F1B: stage s on the block of ranks s mod blocks, several stages per rank
+    assert [r["rank_stages"] for r in results["gpt interleaved 2 ranks x 2 stages x dp2"]] == [[0, 2], [0, 2], [1, 3], [1, 3]]
+    assert [r["rank_stages"] for r in results["llama interleaved 4 ranks x 2 stages recompute"]] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert by["llama interleaved 4 ranks x 2 stages recompute"]["virtual"] == 2
+    assert [r["pieces"] for r in results["llama interleaved 4 ranks x 2 stages recompute"]] == [2, 2, 2, 2]
 
 
 def test_pipelined_module_errors(results):

@@ -176,7 +176,7 @@ def test_one_stage_plan_reports_one_stage_and_version_1_files_load(tmp_path):
     plan = autopar.plan(model, autopar.Mesh((2,)), inputs)
     pipe = plan.summary()["pipeline"]
     assert pipe == {"stages": [{"layers": [0, 1], "ranks": [0, 1], "mesh_shape": [2], "recompute": []}],
-                    "schedule": None, "microbatches": 1, "bubble_fraction": 0.0}
+                    "schedule": None, "microbatches": 1, "virtual_stages": 1, "bubble_fraction": 0.0}
     old = plan.to_json()
     old["schema_version"] = 1
     del old["pipeline"]
