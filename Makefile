@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-hybrid install clean
+.PHONY: demo test fuzz bench bench-hybrid install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Many more random models than `make test` runs (tests/runtime/test_fuzz.py; ~10 min on 2 cores).
+fuzz: $(STAMP)
+	AUTOPAR_FUZZ_CASES=$${AUTOPAR_FUZZ_CASES:-600} AUTOPAR_FUZZ_REPORT=$${AUTOPAR_FUZZ_REPORT:-fuzz-report.json} \
+		$(PY) -m pytest -q -s tests/runtime/test_fuzz.py
 
 # The benchmarks plot with matplotlib (the optional extra "bench").
 BENCH_STAMP := $(VENV)/.bench-installed

@@ -8,6 +8,7 @@ import importlib as _importlib
 
 from autopar.errors import (
     AutoparError,
+    CheckpointError,
     ConfigError,
     MeshError,
     PlanError,
@@ -27,6 +28,36 @@ def parallelize(*args, **kwargs):
 
 
 parallelize.__doc__ = "See autopar.compose.parallelize.parallelize."
+
+
+def save(path, pmodel, optimizer=None, extra=None, **kwargs):
+    """Checkpoint ``pmodel`` (and ``optimizer``, ``extra``) under ``path``, each rank writing its
+    shards; see ``autopar.runtime.checkpoint``."""
+    from autopar.runtime.checkpoint import save as _save
+
+    return _save(path, pmodel, optimizer, extra, **kwargs)
+
+
+def load(path, module, optimizer=None):
+    """Load the checkpoint under ``path`` into ``module`` (any plan or mesh, or a plain module in
+    one process) and ``optimizer``; returns the saved ``extra``. See ``autopar.runtime.checkpoint``."""
+    from autopar.runtime.checkpoint import load as _load
+
+    return _load(path, module, optimizer)
+
+
+def load_full(path):
+    """The checkpoint's full model state dict (original keys), in this process."""
+    from autopar.runtime.checkpoint import load_full as _load_full
+
+    return _load_full(path)
+
+
+def export(path, pmodel):
+    """One safetensors file of ``pmodel``'s full state under the original keys (rank 0 writes)."""
+    from autopar.runtime.checkpoint import export as _export
+
+    return _export(path, pmodel)
 
 # Imported on first access as ``autopar.<name>``.
 _SUBPACKAGES = ("cli", "codegen", "compose", "cost_model", "ir", "models", "runtime", "sharding_spec", "solver")
@@ -50,6 +81,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoparError",
+    "CheckpointError",
     "ConfigError",
     "Layout",
     "Mesh",
@@ -65,7 +97,11 @@ __all__ = [
     "ShardingError",
     "ShardingSpec",
     "TraceError",
+    "export",
+    "load",
+    "load_full",
     "parallelize",
     "plan",
     "plan_reshard",
+    "save",
 ]

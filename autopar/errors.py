@@ -31,3 +31,7 @@ class ConfigError(AutoparError):
 
 class RankError(AutoparError):
     """A rank of a multi-process run failed (raised, died or timed out); the message carries its traceback."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint that is missing, incomplete (its save did not finish) or not this model's."""

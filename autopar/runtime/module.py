@@ -40,7 +40,7 @@ from autopar.ir.graph import Role
 from autopar.runtime.clip import ClipInfo, attach, clip_grad_norm_, counts_in_norm
 from autopar.runtime.programs import Program, call_key
 from autopar.runtime.reducer import GradReducer, SyncEntry, chunk_of, unchunk
-from autopar.runtime.state import device_mesh, local_part, to_dtensor
+from autopar.runtime.state import ParamLayout, device_mesh, local_part, to_dtensor
 
 
 class ParallelModule(nn.Module):
@@ -335,6 +335,19 @@ class ParallelModule(nn.Module):
         on every rank), as ``torch.nn.utils.clip_grad_norm_`` on the original model would. A
         collective. ``torch.nn.utils.clip_grad_norm_(pmodel.parameters(), ...)`` does the same."""
         return clip_grad_norm_(self._ap.clip, self.parameters(), max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def param_layouts(self) -> dict:
+        """Parameter name -> its ``ParamLayout`` (how the tensor the optimizer sees sits in the
+        whole parameter): what checkpoints lay optimizer states out by."""
+        ap = self._ap
+        dm = device_mesh(ap.groups, ap.device)
+        out = {}
+        for fqn, slot in ap.slot_of_fqn.items():
+            if fqn not in ap.graph.params:
+                continue
+            entry = ap.zero2.get(slot)
+            out[fqn] = ParamLayout(self.storage_spec(fqn), dm, fqn, tuple(entry.axes) if entry is not None else ())
+        return out
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The original model's keys (tied aliases included), each a DTensor whose local part is this

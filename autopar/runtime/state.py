@@ -83,3 +83,32 @@ def local_part(value, spec, dm, mesh, rank: int, key: str) -> torch.Tensor:
             return value.to_local()
         value = value.full_tensor()  # another plan or mesh: every rank loads together
     return shard_of(value, spec, mesh, rank)
+
+
+class ParamLayout:
+    """How one parameter as the optimizer sees it sits in the whole tensor: its storage shard
+    (``spec``), or for a ZeRO-2 parameter the dim-0 chunk of that shard over ``zero_axes`` (ceil-
+    sized, as DTensor's ``Shard(0)`` chunks). ``wrap(local)`` makes a DTensor of a tensor laid out
+    like the parameter (its optimizer states)."""
+
+    def __init__(self, spec, dm, key: str, zero_axes: tuple[int, ...] = ()):
+        from torch.distributed.tensor import Shard
+
+        self.spec, self.dm, self.key = spec, dm, key
+        self.global_shape = tuple(spec.shape)
+        self.placements = list(placements(spec, key))
+        # DTensor splits a dim by mesh axes in mesh order; the chunk splits the shard's dim 0 after
+        # the storage split of it: both orders must agree.
+        order = list(spec.dim_axes[0] if spec.dim_axes else ()) + list(zero_axes)
+        if order != sorted(order):
+            raise ConfigError(f"{key}: its ZeRO-2 chunk over mesh axes {zero_axes} does not follow its storage split "
+                              f"{spec} in mesh order, which no DTensor placement expresses")
+        for a in zero_axes:
+            self.placements[a] = Shard(0)
+
+    def wrap(self, local: torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        stride = tuple(math.prod(self.global_shape[d + 1:]) for d in range(len(self.global_shape)))
+        return DTensor.from_local(local, self.dm, self.placements, run_check=False, shape=torch.Size(self.global_shape),
+                                  stride=stride)

@@ -1,0 +1,127 @@
+"""Fuzzing for wrong numbers: random small models (``fuzz_models``), random meshes ((2,), (4,),
+(2, 2)) and random forced strategies, each run for 2 AdamW steps next to one process. Every case
+must be exact (loss, every gradient, the trained parameters) or raise a typed autopar error at
+parallelize time; a wrong number, an untyped crash or a hang fails the test.
+
+The cases are drawn by hypothesis in the test process (derandomized, so a run is repeatable) and
+run inside one spawn per world size. ``AUTOPAR_FUZZ_CASES`` sets how many (``make test``: 24;
+``make fuzz``: 600); ``AUTOPAR_FUZZ_REPORT`` names a JSON file for the per-case outcomes."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+import traceback
+import warnings
+
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+
+import autopar
+from autopar.errors import AutoparError
+from autopar.runtime.launch import spawn
+from fuzz_models import build, cases, force_of
+from parallel_harness import ADAM_EPS
+
+N_CASES = int(os.environ.get("AUTOPAR_FUZZ_CASES", "24"))
+TOL = 1e-5  # loss and gradients: relative to the largest gradient entry of the model
+STATE_TOL = 5e-5
+STEPS = 2
+
+
+def draw(n: int) -> list[dict]:
+    out: list[dict] = []
+
+    @settings(max_examples=n, derandomize=True, database=None, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def collect(case):
+        out.append(case)
+
+    collect()
+    return out[:n]
+
+
+def run_case(case: dict, groups) -> dict:
+    """One case inside the ranks: "exact", "typed" (a typed error from parallelize) or "wrong"."""
+    from autopar import ir
+
+    warnings.simplefilter("ignore")
+    model, inputs = build(case)
+    ref = copy.deepcopy(model)
+    mesh = groups.mesh
+    try:
+        force = force_of(case, ir.trace(model, inputs) if case["force"] == "node" else None)
+        pm = autopar.parallelize(model, mesh, inputs, force=force, groups=groups, profile=False,
+                                 plan_kwargs={"idle_axes": ()})
+    except AutoparError as err:
+        return {"outcome": "typed", "error": f"{type(err).__name__}: {str(err)[:200]}"}
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
+    worst = {"loss": 0.0, "grad": 0.0, "state": 0.0}
+    for _ in range(STEPS):
+        loss, want = pm.train_step(*inputs), ref(*inputs)
+        want.backward()
+        worst["loss"] = max(worst["loss"], abs(loss.item() - want.item()) / max(abs(want.item()), 1e-12))
+        grads = pm.full_grads()
+        scale = max([p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None] + [1e-12])
+        for fqn, g in grads.items():
+            w = ref.get_parameter(fqn).grad
+            if (g is None) != (w is None):
+                worst["grad"] = float("inf")
+            elif g is not None:
+                worst["grad"] = max(worst["grad"], (g - w).abs().max().item() / scale)
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    full, want_sd = pm.full_state_dict(), ref.state_dict()
+    worst["state"] = max((full[k] - v).abs().max().item() / max(v.abs().max().item(), 1e-12) for k, v in want_sd.items())
+    ok = worst["loss"] <= TOL and worst["grad"] <= TOL and worst["state"] <= STATE_TOL
+    return {"outcome": "exact" if ok else "wrong", **worst, "families": dict(pm.plan.summary()["families"])}
+
+
+def _ranks(rank, world, batch: list[dict]) -> list[dict]:
+    from autopar.runtime.process_groups import MeshGroups
+
+    groups = {}
+    out = []
+    for case in batch:
+        shape = tuple(case["mesh"])
+        if shape not in groups:
+            groups[shape] = MeshGroups(autopar.Mesh(shape))
+        t0 = time.perf_counter()
+        try:
+            res = run_case(case, groups[shape])
+        except Exception:  # an untyped crash after parallelize: a finding (the ranks stay in step)
+            res = {"outcome": "crash", "error": traceback.format_exc()[-1500:]}
+        res["seconds"] = time.perf_counter() - t0
+        out.append(res)
+    return out
+
+
+def test_fuzz_models_are_exact_or_refused():
+    drawn = draw(N_CASES)
+    by_world: dict[int, list[dict]] = {}
+    for case in drawn:
+        by_world.setdefault(2 if tuple(case["mesh"]) == (2,) else 4, []).append(case)
+    results = []
+    for world, batch in sorted(by_world.items()):
+        per_rank = spawn(_ranks, world, args=(batch,), timeout_s=60 + 30 * len(batch))
+        for i, case in enumerate(batch):
+            outcomes = [r[i] for r in per_rank]
+            # the worst rank's outcome (ranks agree on typed errors: the plan is made on rank 0)
+            order = ("crash", "wrong", "typed", "exact")
+            worst = min(outcomes, key=lambda r: order.index(r["outcome"]))
+            results.append({"case": case, **worst})
+    counts = {k: sum(r["outcome"] == k for r in results) for k in ("exact", "typed", "wrong", "crash")}
+    report = os.environ.get("AUTOPAR_FUZZ_REPORT")
+    if report:
+        with open(report, "w") as f:
+            json.dump({"cases": len(results), "counts": counts, "results": results}, f, indent=1, default=str)
+    print(f"fuzz: {len(results)} cases: {counts}")
+    bad = [r for r in results if r["outcome"] in ("wrong", "crash")]
+    assert len(results) == N_CASES
+    assert not bad, json.dumps(bad[:3], indent=1, default=str)
+    assert counts["exact"] >= len(results) // 2  # most cases must run, not just be refused
