@@ -122,6 +122,23 @@ def rank_main(rank, world_size, model_name, mesh_shape, steps):
     return out
 
 
+def loss_table(results, losses_key: str, times_key: str, ref_losses, ref_times) -> bool:
+    """Print each step's loss beside the single-process one, with the slowest rank's step time;
+    whether every loss is within TOL and the same on every rank."""
+    losses = results[0][losses_key]
+    print(f"{'step':>4}  {'autopar loss':>14}  {'single-process':>14}  {'rel. diff':>9}  {'step ms':>8}  {'1-proc ms':>9}")
+    print(f"{'':>4}  {'':>14}  {'':>14}  {'':>9}  {'(slowest)':>8}  {'(1 thread)':>9}")
+    ok = True
+    for i, (loss, want) in enumerate(zip(losses, ref_losses)):
+        diff = abs(loss - want) / max(abs(want), 1e-30)
+        same_on_ranks = all(r[losses_key][i] == loss for r in results)
+        ok &= diff <= TOL and same_on_ranks
+        step_s = max(r[times_key][i] for r in results)
+        print(f"{i:>4}  {loss:>14.8f}  {want:>14.8f}  {diff:>9.1e}  {step_s * 1e3:>8.1f}  {ref_times[i] * 1e3:>9.1f}"
+              + ("" if same_on_ranks else "  (ranks disagree)"))
+    return ok
+
+
 def run(mesh_shape=(2, 2), model: str = "gpt", steps: int = 5) -> int:
     from autopar.runtime.launch import spawn
 
@@ -144,18 +161,9 @@ def run(mesh_shape=(2, 2), model: str = "gpt", steps: int = 5) -> int:
         ref_losses, ref_times = train(module, batches(inputs, steps))  # the same init (seeded build), here
     finally:
         torch.set_num_threads(threads)
-    par_losses = results[0]["losses"]
     step_s = [max(r["times"][i] for r in results) for i in range(steps)]  # a step ends with its slowest rank
     print(f"\n== {steps} AdamW steps (lr {LR}): autopar on {world} ranks vs the single-process model")
-    print(f"{'step':>4}  {'autopar loss':>14}  {'single-process':>14}  {'rel. diff':>9}  {'step ms':>8}  {'1-proc ms':>9}")
-    print(f"{'':>4}  {'':>14}  {'':>14}  {'':>9}  {'(slowest)':>8}  {'(1 thread)':>9}")
-    ok = True
-    for i in range(steps):
-        diff = abs(par_losses[i] - ref_losses[i]) / max(abs(ref_losses[i]), 1e-30)
-        same_on_ranks = all(r["losses"][i] == par_losses[i] for r in results)
-        ok &= diff <= TOL and same_on_ranks
-        print(f"{i:>4}  {par_losses[i]:>14.8f}  {ref_losses[i]:>14.8f}  {diff:>9.1e}  {step_s[i] * 1e3:>8.1f}  {ref_times[i] * 1e3:>9.1f}"
-              + ("" if same_on_ranks else "  (ranks disagree)"))
+    ok = loss_table(results, "losses", "times", ref_losses, ref_times)
     later = step_s[1:] or step_s
     print(f"\nmedian step after the first: {statistics.median(later) * 1e3:.1f} ms measured "
           f"(plan predicted {results[0]['predicted_s'] * 1e3:.1f} ms); parallelize took "
@@ -165,16 +173,7 @@ def run(mesh_shape=(2, 2), model: str = "gpt", steps: int = 5) -> int:
 
     print(f"\n== the same model as a 2-stage pipeline on {world} ranks in a line (Pipeline(stages=2, microbatches=2), Layout(dp=2) per stage)")
     print(results[0]["pipe_explain"])
-    pipe_losses = results[0]["pipe_losses"]
-    pipe_s = [max(r["pipe_times"][i] for r in results) for i in range(steps)]
-    print(f"{'step':>4}  {'pipeline loss':>14}  {'single-process':>14}  {'rel. diff':>9}  {'step ms':>8}")
-    pipe_ok = True
-    for i in range(steps):
-        diff = abs(pipe_losses[i] - ref_losses[i]) / max(abs(ref_losses[i]), 1e-30)
-        same_on_ranks = all(r["pipe_losses"][i] == pipe_losses[i] for r in results)
-        pipe_ok &= diff <= TOL and same_on_ranks
-        print(f"{i:>4}  {pipe_losses[i]:>14.8f}  {ref_losses[i]:>14.8f}  {diff:>9.1e}  {pipe_s[i] * 1e3:>8.1f}"
-              + ("" if same_on_ranks else "  (ranks disagree)"))
+    pipe_ok = loss_table(results, "pipe_losses", "pipe_times", ref_losses, ref_times)
     print(f"pipelined losses {'match' if pipe_ok else 'DO NOT match'} the single-process model within {TOL:g} relative "
           f"(parallelize took {max(r['pipe_setup_s'] for r in results):.1f} s per rank)")
     return 0 if ok and pipe_ok else 1
