@@ -5,7 +5,6 @@ save leaves the previous checkpoint loadable; partial, foreign and mismatched ch
 CheckpointError; export writes one safetensors file the original model (and transformers) loads."""
 from __future__ import annotations
 
-import copy
 import os
 import signal
 
