@@ -147,15 +147,56 @@ CASES = [
 ]
 
 
-def _rank_main(rank, world):
+def saved_plan_meta_case(path):
+    """A pipelined plan saved to a file by rank 0, run by every rank on a meta-device GPT: each stage
+    materializes only its own layers, yet the values are those of initializing the whole model (the
+    random stream runs through every module), and it trains like that model."""
+    def go():
+        import torch.distributed as dist
+
+        warnings.simplefilter("ignore")
+        model, meta_inputs = models.build("gpt", layers=4, device="meta")
+        if dist.get_rank() == 0:
+            autopar.plan(model, autopar.Mesh((4,)), meta_inputs, pipeline=autopar.Pipeline(stages=2, microbatches=2),
+                         force=autopar.Layout(dp=2)).save(path)
+        dist.barrier()
+        torch.manual_seed(7)
+        pm = autopar.parallelize(model, autopar.Mesh((4,)), meta_inputs, plan=path, device="cpu")
+        torch.manual_seed(7)
+        real, inputs = models.build("gpt", layers=4)
+        with torch.no_grad():  # Module.apply visits children first, as materialization does
+            real.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+        init_err = max(rel(v, real.state_dict()[k]) for k, v in pm.full_state_dict().items())
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
+        ropt = torch.optim.AdamW(real.parameters(), lr=1e-2, eps=ADAM_EPS)
+        loss_err = 0.0
+        for step in range(2):
+            x = fresh_inputs(inputs, step)
+            loss, want = pm.train_step(*x), real(*x)
+            want.backward()
+            loss_err = max(loss_err, rel(loss, want))
+            opt.step()
+            ropt.step()
+            opt.zero_grad()
+            ropt.zero_grad()
+        state_err = max(rel(v, real.state_dict()[k]) for k, v in pm.full_state_dict().items())
+        return {"tag": "saved plan, meta model", "init_err": init_err, "loss_err": loss_err, "state_err": state_err,
+                "stages": len(pm.plan.pipeline.stages), "still_meta": all(p.is_meta for p in model.parameters())}
+
+    return run_case("saved plan, meta model", go)
+
+
+def _rank_main(rank, world, path):
     out = [pipeline_case(tag, shape, autopar.Pipeline(**pipe), **kw) for tag, shape, pipe, kw in CASES]
     out.append(errors_case())
+    out.append(saved_plan_meta_case(path))
     return out
 
 
 @pytest.fixture(scope="module")
-def results():
-    per_rank = spawn(_rank_main, 4, timeout_s=900)
+def results(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("plans") / "pipelined.json")
+    per_rank = spawn(_rank_main, 4, args=(path,), timeout_s=900)
     return {r["tag"]: [per_rank[k][i] for k in range(4)] for i, r in enumerate(per_rank[0])}
 
 
@@ -196,3 +237,11 @@ def test_pipelined_module_errors(results):
         assert "error" not in r, r.get("error")
         assert "train_step" in r["call"], r
         assert "shape" in r["shape"] and "microbatches" in r["shape"], r
+
+
+def test_a_saved_pipelined_plan_runs_a_meta_model_exactly(results):
+    for r in results["saved plan, meta model"]:
+        assert "error" not in r, r.get("error")
+        assert r["stages"] == 2 and r["still_meta"]
+        assert r["init_err"] == 0.0, r
+        assert r["loss_err"] <= TOL and r["state_err"] <= STATE_TOL, r
