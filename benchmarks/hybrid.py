@@ -79,8 +79,8 @@ AUTOPAR_VARIANTS = [
 
 def extra_variants(model_name: str, model_kw: dict, rank: int, world: int) -> dict:
     """autopar's plans, built inside each rank: name -> AutoparVariant (HandVariant's interface,
-    with ``predicted_s``): the default plan on a (world,) and a 2-D mesh, and a plan forced to pure
-    data parallelism."""
+    with ``predicted_s``): the plan with pipeline="auto" (stages allowed), the default one-stage plan
+    on a (world,) and a 2-D mesh, and a plan forced to pure data parallelism."""
     from autopar import Layout, Mesh
     from autopar_variant import AutoparVariant
 
