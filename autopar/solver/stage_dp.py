@@ -111,7 +111,9 @@ def solve_stages(time, devices, total_devices: int, microbatches: int, *, mem=No
     for t_max in candidates:
         if best is not None and (microbatches - 1) * t_max >= best[0]:
             break
-        if last_tried is not None and tolerance > 0 and t_max <= last_tried * (1 + tolerance):
+        # Near-equal t_max values give near-equal steps: skip them once something fits (before,
+        # the next candidate may be the first that does).
+        if best is not None and last_tried is not None and tolerance > 0 and t_max <= last_tried * (1 + tolerance):
             continue
         last_tried = t_max
         total_s = _dp_sum(per_s, t_max, sizes, n_units, allowed)[0]

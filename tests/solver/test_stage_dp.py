@@ -91,3 +91,28 @@ def test_1f1b_holds_fewer_microbatches_than_gpipe():
     act = np.full((n, n, 1), 1.0)
     assert solve_stages(time, [1], 2, 8, act=act, budget=2, schedule="1f1b") is not None
     assert solve_stages(time, [1], 2, 8, act=act, budget=2, schedule="gpipe") is None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tolerance_finds_a_solution_whenever_one_exists(seed):
+    """The search's tolerance skips t_max values within 1% of the last one tried; it must not skip
+    the first that fits (a 2-layer model whose head stage costs 1.007x its whole-model option once
+    planned nothing: make demo on a fresh profile), and it stays within the tolerance of the optimum."""
+    rng = np.random.default_rng(100 + seed)
+    n_layers = int(rng.integers(2, 6))
+    devices = [[2], [1, 2], [2, 4]][seed % 3]
+    time = _table(rng, n_layers, len(devices), inf_fraction=0.3)
+    kw = dict(schedule=["1f1b", "gpipe"][seed % 2], stage_counts={2} if seed % 2 else None)
+    want = brute_force(time, devices, 4, 2, **kw)
+    got = solve_stages(time, devices, 4, 2, tolerance=0.01, **kw)
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert got.step_time <= want.step_time * 1.01 + 1e-12
+
+
+def test_tolerance_does_not_skip_the_only_fitting_t_max():
+    # stage (0, 0) 0.0016, (1, 1) 0.0132, the whole model (0, 1) 0.0131: two stages need t_max 0.0132,
+    # within 1% of 0.0131, which fits nothing with two stages
+    time = np.array([[[0.0016], [0.0131]], [[math.inf], [0.0132]]])
+    sol = solve_stages(time, [2], 4, 2, tolerance=0.01, stage_counts={2})
+    assert sol is not None and [s[:2] for s in sol.stages] == [(0, 0), (1, 1)]
