@@ -1,6 +1,7 @@
 """Build this rank's module of a pipelined plan: trace the microbatch graph, cut it into stages,
-make every stage's groups, lower this rank's stage, shard its parameters, and hand it a
-``PipelineRunner`` (``autopar.runtime.pipeline``) for ``train_step``."""
+make every block's groups, lower this rank's stages (several under interleaved 1F1B), shard their
+parameters, and hand the module a ``PipelineRunner`` (``autopar.runtime.pipeline``) for
+``train_step``."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,7 @@ from autopar.sharding_spec.mesh import Mesh
 
 def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, device, timeout, state_dict, init_fn,
                 bucket_bytes, signature, requires_grad):
-    """This rank's ``ParallelModule`` of a pipelined ``plan``: its stage's program and shards,
+    """This rank's ``ParallelModule`` of a pipelined ``plan``: its stages' programs and shards,
     with a ``PipelineRunner`` for ``train_step``. ``graph`` is the whole batch's trace (to tell
     which inputs the microbatches split); the stages run on the microbatch graph, traced here."""
     from autopar import ir
