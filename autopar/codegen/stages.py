@@ -45,8 +45,8 @@ def cut_stages(graph, plan) -> list[StageCut]:
     if sorted(stage_of_unit) != list(range(len(graph.layers))):
         raise PlanError(f"the plan's stages cover layers {sorted(stage_of_unit)}, the model has {len(graph.layers)}")
     made: dict[str, int] = {}  # value -> the stage that makes it (user inputs: -1, before stage 0)
-    readers: dict[str, set[int]] = {}
-    nodes: list[list[str]] = [[] for _ in stages]
+    readers: dict[str, set[int]] = {}  # value or placeholder -> the stages that read it
+    nodes: list[set[str]] = [set() for _ in stages]  # each stage's ops and the placeholders they read
     for name, node in graph.nodes.items():
         if node.op == "placeholder":
             if node.role == Role.INPUT:
@@ -54,22 +54,16 @@ def cut_stages(graph, plan) -> list[StageCut]:
             continue
         s = stage_of_unit[unit[name]]
         made[name] = s
-        nodes[s].append(name)
+        nodes[s].add(name)
         for src in node.inputs:
-            src_node = graph.nodes[src]
-            if src_node.op == "placeholder" and src_node.role != Role.INPUT:
-                readers.setdefault(src, set()).add(s)
-            if src_node.op == "placeholder":
-                if src not in nodes[s]:
-                    nodes[s].append(src)
-                if src_node.role != Role.INPUT:
-                    continue
-            if src_node.op != "placeholder" and made.get(src, s) > s:
+            if graph.nodes[src].op == "placeholder":
+                nodes[s].add(src)
+            elif made[src] > s:
                 raise PlanError(f"{name} (stage {s}) reads {src}, made by a later stage {made[src]}")
             readers.setdefault(src, set()).add(s)
     for name, node in graph.nodes.items():  # state nothing reads: held by stage 0
         if node.op == "placeholder" and node.role != Role.INPUT and name not in readers:
-            nodes[0].append(name)
+            nodes[0].add(name)
     order = list(graph.inputs) + [n for n in graph.nodes if graph.nodes[n].op != "placeholder"]
     cuts = []
     for s in range(len(stages)):
@@ -80,7 +74,7 @@ def cut_stages(graph, plan) -> list[StageCut]:
             meta = graph.nodes[v].meta
             if meta is None or isinstance(meta, tuple):
                 raise PlanError(f"{v} crosses from stage {s} to stage {s + 1} but is not a tensor; cut elsewhere")
-        cuts.append(StageCut(s, [n for n in graph.nodes if n in set(nodes[s])], list(receives), sends))
+        cuts.append(StageCut(s, [n for n in graph.nodes if n in nodes[s]], list(receives), sends))
     return cuts
 
 

@@ -297,18 +297,19 @@ class PipelineRunner:
         fqn_of = {ph: fqn for fqn, ph in ap.graph.params.items()}
         groups = ap.groups
         blocks_of = {ph: frozenset(s % self.sg.blocks for s in st) for ph, st in self.shared.items()}
+        grads = pm._storage_shards(grads=True)  # (a collective inside the stage where ZeRO-2 chunks are)
+        held = pm.local_state()
         for members in sorted({b for b in blocks_of.values() if len(b) > 1}, key=sorted):
             pg = self.sg.shared.get(members)
             names = sorted(fqn_of[ph] for ph, b in blocks_of.items() if b == members)
             if pg is None:
                 continue
-            grads = pm._storage_shards(grads=True)
             for fqn in names:
                 if fqn not in grads:
                     continue
                 spec = pm.storage_spec(fqn)
                 g = grads[fqn]
-                local = pm.local_state()[fqn]
+                local = held[fqn]
                 full = ops.gather_full(g if g is not None else torch.zeros(spec.local_shape(groups.mesh), dtype=local.dtype,
                                                                             device=local.device), spec, groups)
                 dist.all_reduce(full, group=pg)
