@@ -59,7 +59,7 @@ def save(path, pmodel, optimizer=None, extra=None, *, keep: int = 2) -> Path:
         raise ConfigError(f"keep={keep}: at least the new version must be kept")
     root = Path(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    version = _broadcast(_next_version(root) if rank == 0 else None)
+    version = _on_rank0(lambda: _next_version(root), rank)
     target = root / version
     state = {"model": pmodel.state_dict()}
     if optimizer is not None:
@@ -194,12 +194,16 @@ def _optimizer_template(module, optimizer, saved, parallel: bool) -> dict:
 
     names = {id(p): n for n, p in module.named_parameters()}
     layouts = module.param_layouts() if parallel else {}
+    by_param: dict[str, dict] = {}  # "optim.<parameter>.<state>" -> parameter -> state -> metadata
+    for key, m in saved.items():
+        if key.startswith("optim."):
+            fqn, state_key = key[len("optim."):].rsplit(".", 1)
+            by_param.setdefault(fqn, {})[state_key] = m
     out = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             fqn = names.get(id(p))
-            prefix = f"optim.{fqn}."
-            keys = {k[len(prefix):]: m for k, m in saved.items() if k.startswith(prefix)}
+            keys = by_param.get(fqn)
             if not keys:
                 continue
             st = {}
@@ -266,12 +270,21 @@ def _check_module(pmodel) -> None:
                           "saves with torch.save(model.state_dict())")
 
 
-def _broadcast(value):
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _on_rank0(fn, rank: int):
+    """``fn()`` on rank 0, its value (or its CheckpointError) on every rank: the others must not
+    wait for a rank that failed."""
+    box = [None]
+    if rank == 0:
+        try:
+            box[0] = ("ok", fn())
+        except CheckpointError as err:
+            box[0] = ("error", str(err))
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status != "ok":
+        raise CheckpointError(value)
+    return value
 
 
 def _versions(root: Path) -> list[str]:
@@ -282,7 +295,7 @@ def _versions(root: Path) -> list[str]:
 
 def _next_version(root: Path) -> str:
     root.mkdir(parents=True, exist_ok=True)
-    if root.exists() and not (root / LATEST).exists() and any(root.iterdir()) and not _versions(root):
+    if not (root / LATEST).exists() and any(root.iterdir()) and not _versions(root):
         raise CheckpointError(f"{root} holds files that are not an autopar checkpoint; save into a new or empty directory")
     existing = _versions(root)
     n = int(_VERSION.match(existing[-1]).group(1)) + 1 if existing else 1

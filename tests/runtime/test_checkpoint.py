@@ -178,6 +178,24 @@ def test_foreign_partial_and_mismatched_checkpoints_are_refused(tmp_path, saved_
     assert autopar.load(spare, model) is None  # the model alone loads (nothing extra was saved)
 
 
+def _save_into(rank, world, path):
+    """Every rank hears rank 0's refusal of the directory (none waits for the others)."""
+    model, inputs = _model()
+    pm = autopar.parallelize(model, autopar.Mesh((2,)), inputs, profile=False)
+    try:
+        autopar.save(path, pm)
+    except CheckpointError as err:
+        return str(err)
+    return "saved"
+
+
+def test_saving_into_a_foreign_directory_is_refused_on_every_rank(tmp_path):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("hello")
+    said = spawn(_save_into, 2, args=(tmp_path / "other",), timeout_s=120)
+    assert all("not an autopar checkpoint" in s for s in said), said
+
+
 def _model_only(rank, world, path):
     model, inputs = _model()
     pm = autopar.parallelize(model, autopar.Mesh((2,)), inputs, profile=False)
