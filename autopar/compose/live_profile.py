@@ -59,7 +59,7 @@ def live_op_table(graph, mesh: Mesh, device, force=None, *, directory=None):
             choices = node_choices(graph, view, force=None if isinstance(force, Layout) else force)
             pairs = [(graph.nodes[n], s) for n, c in choices.items() if graph.nodes[n].op == "call_function"
                      for s in c.strategies]
-            new.entries.update(profile_ops(graph, view, pairs, device, repeats=3, cache=False, label=cached.device,
+            new.entries.update(profile_ops(graph, view, pairs, device, repeats=5, cache=False, label=cached.device,
                                            select=lambda key: key not in cached and key not in new).entries)
         return {k: OpTiming(t.forward_s * factor, {m: b * factor for m, b in t.backward_s.items()})
                 for k, t in new.entries.items()}

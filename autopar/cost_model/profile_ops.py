@@ -6,7 +6,9 @@
 Every distinct key (ATen target, local shapes of the tensor inputs, compute dtype) is timed once:
 the forward (``torch.ops.aten.<op>``) and, separately, its backward (``torch.autograd.grad`` of
 the op's outputs with random output gradients, for the inputs that need gradients in the graph),
-each the median of ``repeats`` runs after ``warmup`` runs, less what the same timing measures
+each the median of the fastest half of ``repeats`` runs after ``warmup`` runs (a run the OS
+preempted, or that ranks sharing cores slowed, is 10-100x the others: one such run of three must
+not become the op's price; shared cores are priced separately, by ``rank_contention``), less what the same timing measures
 for a trivial op (calling one op, and one ``autograd.grad`` call, cost more alone than inside a
 model's forward and backward; the step model adds a per-op overhead instead). Skipped: views (they cost ~0), ops
 without tensor inputs (constants), non-ATen targets, and ops that fail on the local shapes (their
@@ -36,7 +38,8 @@ from autopar.cost_model.ops import is_floating, is_view, tensor_inputs
 from autopar.errors import AutoparError
 from autopar.ir.graph import NodeRef
 
-TABLE_VERSION = 2  # 2: the call overheads of timing one op alone are subtracted
+# 2: the call overheads of timing one op alone are subtracted; 3: fastest-half medians
+TABLE_VERSION = 3
 
 
 def _mask_str(mask) -> str:
@@ -256,7 +259,14 @@ def _time_op(node, shapes, mask, graph, device, repeats: int, warmup: int) -> tu
         if it >= warmup:
             forward.append(t1 - t0)
             backward.append(bwd)
-    return statistics.median(forward), statistics.median(backward)
+    return fastest_half_median(forward), fastest_half_median(backward)
+
+
+def fastest_half_median(samples: list[float]) -> float:
+    """The median of the fastest ceil(n/2) samples: robust to up to half the runs slowed by
+    interference (interference only ever adds time)."""
+    fast = sorted(samples)[: (len(samples) + 1) // 2]
+    return statistics.median(fast)
 
 
 def call_overheads(device, repeats: int = 5) -> tuple[float, float]:

@@ -15,7 +15,8 @@ from autopar.sharding_spec.strategy import active_axes
 from autopar.solver import ilp
 from autopar.solver.layout import Layout, layout_force
 from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
-from autopar.solver.problem import build_problem, edge_itemsize, node_choices, produced_spec
+from autopar.solver.problem import (build_problem, edge_itemsize, gather_latency_correction, node_choices,
+                                    produced_spec)
 from autopar.solver.simplify import block_ties, eliminate, prune, recover
 
 log = logging.getLogger(__name__)
@@ -162,22 +163,27 @@ def _plan_on(graph, mesh, budget, optimizer, op_table, optimizer_sharding, force
     choices = node_choices(graph, mesh, optimizer=optimizer, op_table=op_table,
                            optimizer_sharding=optimizer_sharding, force=force, bucket_bytes=bucket_bytes,
                            step_share=step_share)
-    built = build_problem(graph, mesh, memory_budget=budget, optimizer=optimizer, choices=choices)
-    problem = built.problem
-    # Repeated blocks share one solution; a period of 2 lets neighbouring copies alternate (e.g.
-    # column- then row-parallel when each copy is a single linear). The cheaper one wins.
-    periods = (1, 2) if reuse_blocks else (0,)
     t_build = time.perf_counter()
-    log.info("strategies of %d nodes on %s priced (%.1f s); solving", len(choices), mesh, t_build - t0)
+    log.info("strategies of %d nodes on %s priced; solving", len(choices), mesh)
+    # Split-stored parameters are gathered one call per layer: the additive ILP prices each at its
+    # layer's share of the call's latency, exact for FSDP-style whole layers. A solution gathering
+    # only part of a layer is re-solved with a whole latency per parameter (exact when gathered
+    # alone), and the better of the two at its true price wins.
     best = None
-    for period in periods:
-        problem.tie = block_ties(graph, choices, period) if period else {}
-        if best is not None and problem.tie == best[0]:
-            continue
-        attempt = _solve(problem, simplify, time_limit_s, solver)
-        if best is None or attempt[2] < best[4] - 1e-15:
-            best = (problem.tie, period, *attempt)
-    problem.tie, period, full, solution, objective, memory, reduced, small = best
+    for shared in (True, False):
+        built = build_problem(graph, mesh, memory_budget=budget, optimizer=optimizer, choices=choices,
+                              shared_gathers=shared)
+        attempt = _solve_tied(graph, built.problem, reuse_blocks, choices, simplify, time_limit_s, solver)
+        correction = gather_latency_correction(graph, built, attempt[2], mesh)
+        true_objective = attempt[4] + correction
+        if best is None or true_objective < best[0] - 1e-15:
+            best = (true_objective, built, attempt)
+        if correction <= 1e-12:
+            # Shared pricing never over-charges: a solution it prices exactly is the true optimum.
+            break
+    objective, built, (tie, period, full, solution, _, memory, reduced, small) = best
+    problem = built.problem
+    problem.tie = tie
     stats = {
         "status": solution.status,
         "objective_s": objective,
@@ -193,6 +199,21 @@ def _plan_on(graph, mesh, budget, optimizer, op_table, optimizer_sharding, force
         "solve_s": time.perf_counter() - t_build,
     }
     return mesh, built, full, stats, memory
+
+
+def _solve_tied(graph, problem, reuse_blocks: bool, choices, simplify, time_limit_s, solver):
+    """Solve with repeated blocks sharing one solution: (tie, period, choice per node, solution,
+    objective, memory, reduced, solved). A period of 2 lets neighbouring copies alternate (e.g.
+    column- then row-parallel when each copy is a single linear); the cheaper one wins."""
+    best = None
+    for period in ((1, 2) if reuse_blocks else (0,)):
+        problem.tie = block_ties(graph, choices, period) if period else {}
+        if best is not None and problem.tie == best[0]:
+            continue
+        attempt = _solve(problem, simplify, time_limit_s, solver)
+        if best is None or attempt[2] < best[4] - 1e-15:
+            best = (problem.tie, period, *attempt)
+    return best
 
 
 def _solve(problem, simplify: bool, time_limit_s: float, solver):

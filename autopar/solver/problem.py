@@ -25,7 +25,7 @@ from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
 from autopar.cost_model.ops import needs_grad
 from autopar.ir.graph import NodeRef, Role
-from autopar.sharding_spec.reshard import local_bytes, reshard_costs_from
+from autopar.sharding_spec.reshard import local_bytes, plan_reshard, reshard_costs_from
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import (OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep,
                                             strategies_for)
@@ -52,6 +52,8 @@ class Built:
     # (producer, consumer, input position) for every tensor edge
     edge_list: list[tuple[str, str, int]]
     requires_grad: set[str]
+    # (parameter, consumer's layer) -> the share of a gather's latency its edges were priced at
+    gather_shares: dict = dataclasses.field(default_factory=dict)
 
 
 def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
@@ -273,7 +275,12 @@ def edge_itemsize(producer_meta, consumer) -> int:
     return meta.itemsize if meta is not None else 4
 
 
-def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", op_table=None, choices=None) -> Built:
+def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", op_table=None, choices=None,
+                  shared_gathers: bool = True) -> Built:
+    """The ILP of ``graph`` on ``mesh``. ``shared_gathers``: price a split-stored parameter's
+    gather at its layer's share of the call's latency (exact when the whole layer is stored split,
+    as FSDP stores it), else at a whole latency (exact when it is gathered alone); the true price
+    of a solution is either plus ``gather_latency_correction``."""
     choices = choices or node_choices(graph, mesh, optimizer=optimizer, op_table=op_table)
     grad = needs_grad(graph)
     edges: dict[tuple[str, str], np.ndarray] = {}
@@ -281,7 +288,7 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
     # Nodes with equal signatures share one candidate list (node_choices' memo): their edges share
     # one matrix too. Key on those lists' identities, the input position and what decides the rest.
     memo: dict = {}
-    shares = _layer_share(graph)
+    shares = _layer_share(graph) if shared_gathers else {}
     for node in graph.nodes.values():
         for pos, src in enumerate(node.inputs):
             if src not in choices:
@@ -303,4 +310,38 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
         edges=edges,
         budget=memory_budget,
     )
-    return Built(problem, choices, edge_list, grad)
+    return Built(problem, choices, edge_list, grad, shares)
+
+
+def gather_latency_correction(graph, built: Built, full: dict[str, int], mesh) -> float:
+    """Seconds to add to the ILP's objective of solution ``full`` for the latency of parameter
+    gathers as the runtime runs them: one all-gather (and its backward dual) per (layer, mesh axes)
+    group of split-stored parameters (``cost_model.step.param_gather_groups``), where the ILP
+    charged every gathered edge its ``built.gather_shares`` share of a latency (1 when absent).
+    Positive when the ILP under-charged (part of a layer gathered under shared pricing), negative
+    when it over-charged (several parameters of a layer gathered under whole-latency pricing)."""
+    charged = 0.0
+    groups: dict[tuple, dict[str, int]] = {}  # (layer, axes) -> parameter -> gathered edges
+    latency: dict[tuple, float] = {}
+    for src, dst, pos in built.edge_list:
+        node = graph.nodes[src]
+        if node.op != "placeholder" or node.role != Role.PARAMETER:
+            continue
+        consumer = graph.nodes[dst]
+        s_spec = produced_spec(built.choices[src].strategies[full[src]], consumer, pos, graph)
+        d_strat = built.choices[dst].strategies[full[dst]]
+        d_spec = d_strat.inputs[pos] if pos < len(d_strat.inputs) else None
+        if s_spec is None or d_spec is None or s_spec == d_spec:
+            continue
+        steps = plan_reshard(s_spec, d_spec, mesh, 0).steps
+        if len(steps) != 1 or steps[0].kind != "all_gather":
+            continue
+        key = (consumer.layer, tuple(steps[0].axes))
+        lat = mesh_collective_time("all_gather", 0, mesh, key[1]) * (2.0 if src in built.requires_grad else 1.0)
+        latency[key] = lat
+        charged += lat * built.gather_shares.get((src, consumer.layer), 1.0)
+        groups.setdefault(key, {}).setdefault(src, 0)
+        groups[key][src] += 1
+    # a group of two or more parameters is one call; a lone parameter pays a call per edge
+    true = sum(latency[k] * (1 if len(g) >= 2 else sum(g.values())) for k, g in groups.items())
+    return true - charged

@@ -201,3 +201,12 @@ def test_cache_dir_defaults_to_home_and_honours_the_env(monkeypatch, tmp_path):
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     assert cache_dir() == tmp_path
     assert f"{os.cpu_count()}cores" in device_name("cpu")
+
+
+def test_a_run_slowed_by_interference_does_not_become_the_price():
+    # Measured on this VM: an embedding backward ran 0.7 ms in most runs and 90 ms in some (the
+    # process preempted); a median of three with two such runs priced it 100x too high. The live
+    # profile times five runs: up to two slowed ones are ignored.
+    assert po.fastest_half_median([0.0007, 0.0008, 0.090, 0.104, 0.0009]) == 0.0008
+    assert po.fastest_half_median([0.0007, 0.090, 0.104]) == pytest.approx((0.0007 + 0.090) / 2)
+    assert po.fastest_half_median([0.002]) == 0.002

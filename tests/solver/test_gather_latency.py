@@ -1,0 +1,89 @@
+"""Parameters stored split and gathered before use (ZeRO-3 / FSDP) are gathered one collective per
+layer. The additive ILP cannot see a per-layer call, so ``_plan_on`` prices it two ways and
+corrects each solution to its true price (``gather_latency_correction``). These tests pin that:
+the true price does not depend on how the ILP priced, and the plan's objective is the true
+price of what it chose, agreeing with the step model's gather groups."""
+import random
+
+import numpy as np
+import pytest
+
+import autopar
+from autopar import ir, models
+from autopar.cost_model.comm import mesh_collective_time
+from autopar.cost_model.step import param_gather_groups
+from autopar.ir.graph import Role
+from autopar.solver import ilp
+from autopar.solver.problem import build_problem, gather_latency_correction, node_choices
+
+MESH = autopar.Mesh((4,), cluster="cpu-gloo")
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model, inputs = models.build("gpt", device="meta", vocab=64, width=32, layers=2, heads=4, seq=16, batch=8)
+    return model, inputs, ir.trace(model, inputs)
+
+
+def _random_solution(graph, choices, built, rng):
+    """The ILP's optimum with every parameter's storage redrawn at random among candidates whose
+    edges are all reachable (finite)."""
+    problem = built.problem
+    sol = ilp.solve(problem)
+    full = dict(sol.choice)
+    for name, c in choices.items():
+        if graph.nodes[name].op == "placeholder" and graph.nodes[name].role == Role.PARAMETER:
+            full[name] = rng.randrange(len(c.strategies))
+    cost, _ = ilp.evaluate(problem, full)
+    return full, cost
+
+
+def test_the_true_price_does_not_depend_on_how_the_ilp_priced_gathers(gpt):
+    _, _, graph = gpt
+    choices = node_choices(graph, MESH)
+    shared = build_problem(graph, MESH, choices=choices, shared_gathers=True)
+    whole = build_problem(graph, MESH, choices=choices, shared_gathers=False)
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(40):
+        full, cost_shared = _random_solution(graph, choices, shared, rng)
+        cost_whole, _ = ilp.evaluate(whole.problem, full)
+        if not (np.isfinite(cost_shared) and np.isfinite(cost_whole)):
+            continue
+        true_shared = cost_shared + gather_latency_correction(graph, shared, full, MESH)
+        true_whole = cost_whole + gather_latency_correction(graph, whole, full, MESH)
+        assert true_shared == pytest.approx(true_whole, rel=1e-9, abs=1e-12)
+        # shared pricing never over-charges; whole-latency pricing never under-charges
+        assert gather_latency_correction(graph, shared, full, MESH) >= -1e-12
+        assert gather_latency_correction(graph, whole, full, MESH) <= 1e-12
+        checked += 1
+    assert checked >= 20
+
+
+def test_a_plan_gathering_part_of_a_layer_pays_one_call_per_layer(gpt):
+    model, inputs, graph = gpt
+    # every linear weight stored split over the 4 devices and gathered (ZeRO-3), norms replicated:
+    # part of each layer is gathered, the case shared pricing under-charges
+    force = {}
+    for fqn, node in graph.params.items():
+        if fqn.endswith(".weight") and ("attn" in fqn or "mlp" in fqn):
+            force[node] = "sharded"
+    plan = autopar.plan(model, MESH, inputs, force=force)
+    groups, _ = param_gather_groups(graph, plan.edges)
+    assert groups, "the forced plan gathers split weights layer by layer"
+    choices = node_choices(graph, MESH, force=force)
+    shared = build_problem(graph, MESH, choices=choices, shared_gathers=True)
+    full = {name: next(i for i, s in enumerate(c.strategies) if s.output == plan.nodes[name].output
+                       and s.family == plan.nodes[name].family and list(s.inputs) == plan.nodes[name].inputs)
+            for name, c in choices.items()}
+    cost, _ = ilp.evaluate(shared.problem, full)
+    correction = gather_latency_correction(graph, shared, full, MESH)
+    # each group of n split weights was charged n / (parameters its layer reads) of a latency
+    expected = 0.0
+    for (layer, axes), members in groups.items():
+        reads = {src for node in graph.nodes.values() if node.layer == layer for src in node.inputs
+                 if graph.nodes[src].op == "placeholder" and graph.nodes[src].role == Role.PARAMETER}
+        expected += 2 * mesh_collective_time("all_gather", 0, MESH, axes) * (1 - len(members) / len(reads))
+    assert correction == pytest.approx(expected, rel=1e-9)
+    assert correction > 0
+    assert plan.solver["objective_s"] == pytest.approx(cost + correction, rel=1e-9)
