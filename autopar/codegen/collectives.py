@@ -30,6 +30,18 @@ it makes every step's backward another step (or its local mirror image):
 Each kind is a ``torch.autograd.Function`` whose backward applies the row above. Steps over a group
 of one rank are identities and skip communication.
 
+On the axes a plan makes *identical* (``Plan.identical_axes``, Megatron's tensor-parallel
+convention; see ``autopar.cost_model.gradients``) a replicated value's gradient is whole on every
+rank instead, and the steps over those axes take the other backward:
+
+    all_gather        S -> R    backward: this rank's chunk of the whole gradient (local)   R -> S
+    all_reduce        P -> R    backward: the identity                                     R -> R
+    slice             R -> S    backward: all_gather                                       S -> R
+    to_partial        R -> P    backward: the identity                                     R -> R
+    reduce_scatter, all_to_all: as above
+    grad_sum          R -> R    forward: the identity; backward: all_reduce, where an op
+                                that splits the axis left a replicated input a partial gradient
+
 Which torch collective runs each step
 -------------------------------------
 all_gather: ``all_gather_single``; reduce_scatter: ``reduce_scatter_single``; all_to_all:
@@ -294,6 +306,91 @@ class ToPartial(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad if ctx.keep else torch.zeros_like(grad)), None
+
+
+# ---- the identical-gradient convention (steps over identical axes) -----------------------------
+def _chunk(grad: torch.Tensor, dim: int, g: GroupHandle) -> torch.Tensor:
+    size = grad.shape[dim] // g.size
+    return grad.narrow(dim, g.index * size, size).contiguous()
+
+
+class AllGatherWhole(torch.autograd.Function):
+    """all_gather whose output gradient is whole on every rank: backward keeps this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x, dim, g):
+        ctx.dim, ctx.g = dim, g
+        return all_gather(x, dim, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _chunk(grad, ctx.dim, ctx.g), None, None
+
+
+class AllGatherGroupWhole(torch.autograd.Function):
+    """``AllGatherGroup`` with whole output gradients: backward keeps each one's chunk."""
+
+    @staticmethod
+    def forward(ctx, g, dims, *xs):
+        ctx.g, ctx.dims = g, dims
+        return tuple(all_gather_group(xs, dims, g))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *(_chunk(gr, d, ctx.g) for gr, d in zip(grads, ctx.dims)))
+
+
+class AllReduceWhole(torch.autograd.Function):
+    """all_reduce (P -> R) whose output gradient is whole: it is the gradient of every summand."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        return all_reduce(x, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class SliceWhole(torch.autograd.Function):
+    """slice (R -> S) whose input gradient must be whole: backward all-gathers the chunks."""
+
+    @staticmethod
+    def forward(ctx, x, dim, g):
+        if x.shape[dim] % g.size:
+            raise ShardingError(f"slice of dim {dim} of size {x.shape[dim]} into {g.size} chunks is uneven")
+        ctx.dim, ctx.g = dim, g
+        return _chunk(x, dim, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.dim, ctx.g), None, None
+
+
+class ToPartialWhole(torch.autograd.Function):
+    """to_partial (R -> P) with whole gradients on both sides: backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        return x.clone() if keep else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GradSum(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient (Megatron's "f"): an op that splits an
+    identical axis gives its replicated input a partial gradient, made whole here."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.g), None
 
 
 # ---- steps and plans --------------------------------------------------------------------------

@@ -35,10 +35,11 @@ import torch.fx as fx
 
 from autopar.codegen import ops
 from autopar.codegen.lowerings import lowering
+from autopar.cost_model.gradients import grad_sum_reads
 from autopar.cost_model.step import param_gather_groups
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.graph import NodeRef, Role
-from autopar.sharding_spec.reshard import plan_reshard
+from autopar.sharding_spec.reshard import plan_reshard, spec_after
 from autopar.sharding_spec.rules._common import localize_args, norm_dim
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import needs_lowering
@@ -97,6 +98,11 @@ class _Emitter:
         self.param_groups, self.group_of = param_gather_groups(graph, plan.edges, self.inside)
         self.gathered: dict = {}
         self.origin: str | None = None  # the traced node being lowered
+        # gradients whole on these axes (Megatron's convention): steps take that backward, and reads
+        # an op splits get their gradient summed (``autopar.cost_model.gradients``)
+        self.identical = tuple(getattr(plan, "identical_axes", ()))
+        self.sums = grad_sum_reads(plan, graph, self.identical)
+        self.summed: dict = {}  # (value node name, axes) -> its grad_sum node
 
     # ---- driver ------------------------------------------------------------------------------
     def run(self) -> Lowered:
@@ -193,9 +199,9 @@ class _Emitter:
             return self._gathered_param(self.group_of[(dst, pos)], src)
         spec = edge.src_spec
         for step in edge.steps:
-            spec = _after(spec, step)
+            spec = spec_after(spec, step)
             fn = ops.STEP_FUNCTIONS[step.kind]
-            value = self._emit(fn, (value,), ops.step_kwargs(step), name=f"{src}_{step.kind}", spec=spec)
+            value = self._emit(fn, (value,), ops.step_kwargs(step, self.identical), name=f"{src}_{step.kind}", spec=spec)
         if spec != edge.dst_spec:
             raise PlanError(f"edge {src} -> {dst}: the plan's steps end at {spec}, not at {edge.dst_spec}")
         return value
@@ -209,8 +215,8 @@ class _Emitter:
             itemsize = getattr(self.graph.nodes[src].meta, "itemsize", 4)
             spec = have
             for step in plan_reshard(have, want, self.mesh, itemsize).steps:
-                spec = _after(spec, step)
-                value = self._emit(ops.STEP_FUNCTIONS[step.kind], (value,), ops.step_kwargs(step),
+                spec = spec_after(spec, step)
+                value = self._emit(ops.STEP_FUNCTIONS[step.kind], (value,), ops.step_kwargs(step, self.identical),
                                    name=f"{src}_{step.kind}", spec=spec)
             self.rereads[(src, want)] = value
         return self.rereads[(src, want)]
@@ -222,18 +228,28 @@ class _Emitter:
             members = self.param_groups[key]  # [(param, edge)]
             axes = key[1]
             dims = tuple(e.steps[0].src_dim for _, e in members)
-            call = self._emit(ops.autopar_all_gather_group, tuple(self.env[p] for p, _ in members),
-                              {"axes": axes, "dims": dims}, name=f"{members[0][0]}_group_all_gather")
+            kw = {"axes": axes, "dims": dims}
+            if self.identical and set(axes) <= set(self.identical):
+                kw["whole"] = True
+            call = self._emit(ops.autopar_all_gather_group, tuple(self.env[p] for p, _ in members), kw,
+                              name=f"{members[0][0]}_group_all_gather")
             for i, (p, e) in enumerate(members):
                 self.gathered[(key, p)] = self._emit(operator.getitem, (call, i), name=f"{p}_all_gather",
-                                                     spec=_after(e.src_spec, e.steps[0]))
+                                                     spec=spec_after(e.src_spec, e.steps[0]))
         return self.gathered[(key, param)]
 
     def _read_inputs(self, node, node_plan) -> list[fx.Node]:
         vals = []
         for pos, src in enumerate(node.inputs):
             want = node_plan.inputs[pos] if pos < len(node_plan.inputs) else None
-            vals.append(self._reshard(self.env[src], src, node.name, pos, want))
+            value = self._reshard(self.env[src], src, node.name, pos, want)
+            axes = self.sums.get((node.name, pos))
+            if axes:  # one sum per value and axes, shared by every op that splits them reading it
+                if (value.name, axes) not in self.summed:
+                    self.summed[(value.name, axes)] = self._emit(ops.autopar_grad_sum, (value,), {"axes": axes},
+                                                                 name=f"{value.name}_grad_sum", spec=want)
+                value = self.summed[(value.name, axes)]
+            vals.append(value)
         return vals
 
     # ---- ops -----------------------------------------------------------------------------------
@@ -252,7 +268,7 @@ class _Emitter:
         args = _subst(tuple(node.args), feed, self.device)
         kwargs = _subst(dict(node.kwargs), feed, self.device)
         if needs_lowering(node_plan.family):
-            fn, extra, how = lowering(node, node_plan, self.graph)
+            fn, extra, how = lowering(node, node_plan, self.graph, self.identical)
             if how == "packed":
                 out = self._emit(fn, (node.target, args, kwargs), extra, name=node.name, spec=node_plan.output)
             else:
@@ -265,8 +281,9 @@ class _Emitter:
     def _output(self, node):
         node_plan = self._plan_of(node.name)
         vals = self._read_inputs(node, node_plan)
+        whole = tuple(sorted(set(self.plan.idle_axes) | set(self.identical)))
         seeded = [
-            self._emit(ops.autopar_backward_seed, (v,), {"idle_axes": tuple(self.plan.idle_axes)} if self.plan.idle_axes else None,
+            self._emit(ops.autopar_backward_seed, (v,), {"idle_axes": whole} if whole else None,
                        name=f"{v.name}_out", spec=self.specs.get(v.name))
             if _is_float_tensor(self.graph.nodes[src].meta) else v
             for v, src in zip(vals, node.inputs)
@@ -277,28 +294,6 @@ class _Emitter:
 
 
 # ---- helpers --------------------------------------------------------------------------------------
-def _after(spec: ShardingSpec, step) -> ShardingSpec:
-    """The spec after a plan step (the planner's own transition, recomputed as a check)."""
-    dims = [tuple(ax) for ax in spec.dim_axes]
-    partial = list(spec.partial)
-    axes = tuple(step.axes)
-    if step.kind == "all_gather":
-        dims[step.src_dim] = dims[step.src_dim][: len(dims[step.src_dim]) - len(axes)]
-    elif step.kind == "slice":
-        dims[step.dst_dim] = dims[step.dst_dim] + axes
-    elif step.kind == "all_reduce":
-        partial = [a for a in partial if a not in axes]
-    elif step.kind == "reduce_scatter":
-        partial = [a for a in partial if a not in axes]
-        dims[step.dst_dim] = dims[step.dst_dim] + axes
-    elif step.kind == "all_to_all":
-        dims[step.src_dim] = dims[step.src_dim][: len(dims[step.src_dim]) - len(axes)]
-        dims[step.dst_dim] = dims[step.dst_dim] + axes
-    elif step.kind == "to_partial":
-        partial = partial + list(axes)
-    return ShardingSpec(spec.shape, tuple(dims), tuple(partial), spec.mesh_ndim)
-
-
 def _element(spec, i):
     return spec[i] if isinstance(spec, tuple) and isinstance(i, int) else None
 

@@ -99,13 +99,14 @@ def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None):
 
 
 def autopar_vocab_parallel_cross_entropy(x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0, *,
-                                         class_axes, batch_axes):
+                                         class_axes, batch_axes, whole: bool = False):
     """cross_entropy with the class dim of ``x`` split over ``class_axes``: the per-sample loss
     log(sum exp(x - m)) + m - x[target] (``VocabParallelCrossEntropy``), replicated over the class
-    axes; then ``reduction`` (mean: over the global count of valid targets)."""
+    axes; then ``reduction`` (mean: over the global count of valid targets). ``whole``: the class
+    axes are identical-gradient axes (the loss's gradient arrives whole, not as a pending sum)."""
     if weight is not None or label_smoothing:
         raise PlanError("vocabulary-parallel cross entropy supports no class weight and no label smoothing")
-    loss = VocabParallelCrossEntropy.apply(x, target, ignore_index, handle(class_axes))
+    loss = VocabParallelCrossEntropy.apply(x, target, ignore_index, handle(class_axes), whole)
     if reduction == 0:
         return loss
     if reduction == SUM:
@@ -122,7 +123,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     by autograd op by op instead, backward makes three more logits-sized tensors."""
 
     @staticmethod
-    def forward(ctx, x, target, ignore_index, g):
+    def forward(ctx, x, target, ignore_index, g, whole=False):
         cdim = 1 if x.dim() >= 2 else 0
         classes = x.shape[cdim]
         local_t = target - g.index * classes
@@ -146,7 +147,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         soft.div_(sum_exp.unsqueeze(cdim))
         loss = torch.where(valid, sum_exp.log() + m.squeeze(cdim) - picked, torch.zeros((), dtype=x.dtype))
         ctx.save_for_backward(soft, local_t, hit, valid)
-        ctx.g, ctx.cdim = g, cdim
+        ctx.g, ctx.cdim, ctx.whole = g, cdim, whole
         return loss
 
     @staticmethod
@@ -154,12 +155,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         soft, local_t, hit, valid = ctx.saved_tensors
         g, cdim = ctx.g, ctx.cdim
         grad = grad.contiguous().clone()
-        if g.size > 1:
+        if g.size > 1 and not ctx.whole:
             dist.all_reduce(grad, group=g.pg)
         per_sample = torch.where(valid, grad, torch.zeros((), dtype=grad.dtype)).unsqueeze(cdim)
         dx = soft.mul_(per_sample)  # the saved softmax is not needed again: reuse its memory
         dx.scatter_add_(cdim, local_t, -(per_sample * hit.unsqueeze(cdim).to(per_sample.dtype)))
-        return dx, None, None, None
+        return dx, None, None, None, None
 
 
 _SUM_OF_MEAN = {"aten.mean.default": "aten.sum.default", "aten.mean.dim": "aten.sum.dim_IntList"}
@@ -172,10 +173,10 @@ def autopar_mean_as_sum(op: str, args, kwargs, *, count: int):
 
 
 # ---- which lowering runs a node ------------------------------------------------------------------
-def lowering(node, node_plan, graph):
+def lowering(node, node_plan, graph, identical=()):
     """(function, extra keyword arguments, how to pass the node's args) for a node whose strategy
-    family needs lowering. ``how`` is "direct" (``fn(*args, **kwargs, **extra)``) or "packed"
-    (``fn(op, args, kwargs, **extra)``)."""
+    family needs lowering, on a plan whose gradients are whole on the ``identical`` axes. ``how``
+    is "direct" (``fn(*args, **kwargs, **extra)``) or "packed" (``fn(op, args, kwargs, **extra)``)."""
     parts = set(node_plan.family.split("+"))
     lowered = parts & LOWERED_FAMILIES
     target = node.target
@@ -189,7 +190,10 @@ def lowering(node, node_plan, graph):
         cdim = 1 if x_spec.ndim >= 2 else 0
         class_axes = tuple(x_spec.dim_axes[cdim])
         batch_axes = tuple(a for d, ax in enumerate(x_spec.dim_axes) if d != cdim for a in ax)
-        return autopar_vocab_parallel_cross_entropy, {"class_axes": class_axes, "batch_axes": batch_axes}, "direct"
+        extra = {"class_axes": class_axes, "batch_axes": batch_axes}
+        if class_axes and set(class_axes) <= set(identical):
+            extra["whole"] = True
+        return autopar_vocab_parallel_cross_entropy, extra, "direct"
     if lowered == {"reduce-partial(mean)"} and target in _SUM_OF_MEAN:
         shape = graph.nodes[node.inputs[0]].meta.shape
         dim = _arg(node.args, node.kwargs, 1, "dim") if target == "aten.mean.dim" else None

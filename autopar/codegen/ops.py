@@ -52,15 +52,17 @@ def handle(axes):
 
 
 # ---- resharding steps (see autopar.sharding_spec.reshard for their meaning) ----------------------
-def autopar_all_gather(x: torch.Tensor, axes, dim: int) -> torch.Tensor:
+# ``whole=True``: the step runs over identical-gradient axes (see collectives.py): gradients of
+# replicated values are whole there, and the step's backward follows that convention.
+def autopar_all_gather(x: torch.Tensor, axes, dim: int, whole: bool = False) -> torch.Tensor:
     g = handle(axes)
-    return x if g.size == 1 else C.AllGather.apply(x, dim, g)
+    return x if g.size == 1 else (C.AllGatherWhole if whole else C.AllGather).apply(x, dim, g)
 
 
-def autopar_all_gather_group(*xs, axes, dims):
+def autopar_all_gather_group(*xs, axes, dims, whole: bool = False):
     """``autopar_all_gather(x, axes, dim)`` of several shards in one collective; a tuple."""
     g = handle(axes)
-    return tuple(xs) if g.size == 1 else C.AllGatherGroup.apply(g, tuple(dims), *xs)
+    return tuple(xs) if g.size == 1 else (C.AllGatherGroupWhole if whole else C.AllGatherGroup).apply(g, tuple(dims), *xs)
 
 
 def autopar_reduce_scatter(x: torch.Tensor, axes, dim: int) -> torch.Tensor:
@@ -68,9 +70,9 @@ def autopar_reduce_scatter(x: torch.Tensor, axes, dim: int) -> torch.Tensor:
     return x if g.size == 1 else C.ReduceScatter.apply(x, dim, g)
 
 
-def autopar_all_reduce(x: torch.Tensor, axes) -> torch.Tensor:
+def autopar_all_reduce(x: torch.Tensor, axes, whole: bool = False) -> torch.Tensor:
     g = handle(axes)
-    return x if g.size == 1 else C.AllReduce.apply(x, g)
+    return x if g.size == 1 else (C.AllReduceWhole if whole else C.AllReduce).apply(x, g)
 
 
 def autopar_all_to_all(x: torch.Tensor, axes, src_dim: int, dst_dim: int) -> torch.Tensor:
@@ -78,14 +80,25 @@ def autopar_all_to_all(x: torch.Tensor, axes, src_dim: int, dst_dim: int) -> tor
     return x if g.size == 1 else C.AllToAll.apply(x, src_dim, dst_dim, g)
 
 
-def autopar_slice(x: torch.Tensor, axes, dim: int) -> torch.Tensor:
+def autopar_slice(x: torch.Tensor, axes, dim: int, whole: bool = False) -> torch.Tensor:
     g = handle(axes)
-    return x if g.size == 1 else C.Slice.apply(x, dim, g.index, g.size)
+    if g.size == 1:
+        return x
+    return C.SliceWhole.apply(x, dim, g) if whole else C.Slice.apply(x, dim, g.index, g.size)
 
 
-def autopar_to_partial(x: torch.Tensor, axes) -> torch.Tensor:
+def autopar_to_partial(x: torch.Tensor, axes, whole: bool = False) -> torch.Tensor:
     g = handle(axes)
-    return x if g.size == 1 else C.ToPartial.apply(x, g.index == 0)
+    return x if g.size == 1 else (C.ToPartialWhole if whole else C.ToPartial).apply(x, g.index == 0)
+
+
+def autopar_grad_sum(x: torch.Tensor, axes) -> torch.Tensor:
+    """Identity forward; backward all-reduces the gradient over ``axes`` (identical axes an op
+    splits while reading ``x`` whole)."""
+    g = handle(axes)
+    if g.size == 1 or not (isinstance(x, torch.Tensor) and x.requires_grad):
+        return x
+    return C.GradSum.apply(x, g)
 
 
 STEP_FUNCTIONS = {
@@ -98,9 +111,16 @@ STEP_FUNCTIONS = {
 }
 
 
-def step_kwargs(step) -> dict:
-    """The keyword arguments of a step's function, from a ``Step`` or a plan's ``StepPlan``."""
+# The kinds whose backward differs under whole gradients (reduce_scatter's and all_to_all's do not).
+WHOLE_KINDS = ("all_gather", "all_reduce", "slice", "to_partial")
+
+
+def step_kwargs(step, identical=()) -> dict:
+    """The keyword arguments of a step's function, from a ``Step`` or a plan's ``StepPlan``, on a
+    plan whose gradients are whole on the ``identical`` axes."""
     kw = {"axes": tuple(step.axes)}
+    if step.kind in WHOLE_KINDS and identical and set(step.axes) <= set(identical):
+        kw["whole"] = True
     if step.kind == "all_gather":
         kw["dim"] = step.src_dim
     elif step.kind in ("reduce_scatter", "slice"):
@@ -144,8 +164,8 @@ def autopar_backward_seed(x, idle_axes=()):
     """A replicated graph output. Every rank calls ``backward`` on it with the same seed, but in
     the dual layout the gradient of a replicated value is a pending sum: only the rank at
     coordinate 0 on every mesh axis keeps its seed, the others start from zeros. On the plan's
-    idle axes every rank computes the same thing, so there every rank keeps its seed and the
-    gradients come out identical (no gradient sync over those axes)."""
+    idle axes (every rank computes the same thing) and identical-gradient axes every rank keeps
+    its seed: gradients are whole there (``idle_axes`` names both)."""
     if not isinstance(x, torch.Tensor) or not (x.requires_grad and x.is_floating_point()):
         return x
     keep = all(c == 0 for a, c in enumerate(current_groups().coordinate) if a not in idle_axes)
@@ -171,7 +191,8 @@ def _register_builtins() -> None:
         from torch.fx.graph import _register_custom_builtin
     except ImportError:  # older/newer torch: generated code prints qualified names instead
         return
-    for fn in (*STEP_FUNCTIONS.values(), autopar_all_gather_group, autopar_shard_input, autopar_backward_seed):
+    for fn in (*STEP_FUNCTIONS.values(), autopar_all_gather_group, autopar_grad_sum, autopar_shard_input,
+               autopar_backward_seed):
         _register_custom_builtin(fn.__name__, f"from {__name__} import {fn.__name__}", fn)
 
 

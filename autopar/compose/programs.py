@@ -153,8 +153,10 @@ class VariantBuilder:
         return plan
 
     def _plan_kwargs(self) -> dict:
-        kw = {k: v for k, v in self.plan_kwargs.items() if k not in ("idle_axes", "force", "graph")}
+        kw = {k: v for k, v in self.plan_kwargs.items() if k not in ("idle_axes", "identical_axes", "force", "graph")}
         kw["idle_axes"] = tuple(self.main_plan.idle_axes)
+        # the reducer synchronises what the main plan's gradient convention leaves pending
+        kw["identical_axes"] = tuple(self.main_plan.identical_axes)
         return kw
 
     def _user_force(self, graph) -> dict:

@@ -18,8 +18,9 @@ from autopar.sharding_spec.rules.loss import MEAN_SPLIT, VOCAB_PARALLEL
 _CLASS_LOSSES = ("cross_entropy", "nll_loss")
 
 
-def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int = 4) -> float:
-    """Seconds of the collectives ``family`` runs inside the op (forward and backward)."""
+def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int = 4, identical=()) -> float:
+    """Seconds of the collectives ``family`` runs inside the op (forward and backward); on
+    ``identical`` gradient axes the loss gradient arrives whole and backward's all-reduce is not run."""
     parts = set(family.split("+"))
     total = 0.0
     if VOCAB_PARALLEL in parts and inputs and inputs[0] is not None:
@@ -30,7 +31,8 @@ def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int
         local = x.local_shape(mesh)
         samples = math.prod(local) // max(local[cdim], 1)
         if class_axes:
-            total += (2 * mesh_collective_time("all_reduce", samples * itemsize, mesh, class_axes)  # max; backward
+            backward = 0 if set(class_axes) <= set(identical) else 1
+            total += ((1 + backward) * mesh_collective_time("all_reduce", samples * itemsize, mesh, class_axes)  # max
                       + mesh_collective_time("all_reduce", 2 * samples * itemsize, mesh, class_axes))  # sum exp, target
         if batch_axes:
             total += mesh_collective_time("all_reduce", itemsize, mesh, batch_axes)

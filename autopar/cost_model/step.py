@@ -8,7 +8,8 @@ parameters are all-gathered in the same buckets before the next forward, and the
 every local shard. ``step_time`` prices exactly these, per rank:
 
     step = compute + op overheads + reshard collectives (forward and their backward duals)
-         + collectives inside lowered ops (vocabulary-parallel loss) + exposed gradient sync
+         + collectives inside lowered ops (vocabulary-parallel loss) + gradient sums of
+           identical-gradient axes (``autopar.cost_model.gradients``) + exposed gradient sync
          + ZeRO-2 parameter gathers + optimizer
 
     exposed sync = max(the last bucket's collective, sync - comm_overlap * backward compute)
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 
 from autopar.cost_model.comm import mesh_collective_time
+from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.graph import Role
 from autopar.sharding_spec.reshard import local_bytes
@@ -87,15 +89,18 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
             bwd_ops += 1
             backward_compute += n.compute_s * 2 / 3  # node compute is forward + backward (x2)
     overhead = fwd_ops * cluster.op_overhead_s + bwd_ops * cluster.backward_op_overhead_s
+    identical = tuple(getattr(plan, "identical_axes", ()))
     groups, grouped = param_gather_groups(graph, plan.edges)
-    reshard = sum(e.cost_s for e in plan.edges if (e.dst, e.position) not in grouped)
+    reshard = sum(e.forward_s + backward_reshard_s(e, mesh, identical, _itemsize(graph, e.src))
+                  for e in plan.edges if (e.dst, e.position) not in grouped)
     for (_, axes), members in groups.items():  # one gather per group, one reduce-scatter back
         nbytes = sum(e.steps[0].nbytes for _, e in members)
         reshard += mesh_collective_time("all_gather", nbytes, mesh, axes)
-        if any(e.backward for _, e in members):
+        if any(e.backward for _, e in members) and not (identical and set(axes) <= set(identical)):
             reshard += mesh_collective_time("reduce_scatter", nbytes, mesh, axes)
-    in_ops = sum(lowered_comm_s(n.target, n.family, n.inputs, n.output, mesh) for n in plan.nodes.values()
-                 if needs_lowering(n.family))
+    in_ops = sum(lowered_comm_s(n.target, n.family, n.inputs, n.output, mesh, identical=identical)
+                 for n in plan.nodes.values() if needs_lowering(n.family))
+    in_ops += grad_sum_s(plan, graph, mesh, identical)
 
     synced: dict[tuple, int] = {}  # (collective, axes) -> gradient bytes the reducer buckets
     gathered: dict[tuple, int] = {}  # the same for ZeRO-2's parameter all-gathers
@@ -134,6 +139,11 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         "step_time_s": total,
         "buckets": len(buckets),
     }
+
+
+def _itemsize(graph, name: str) -> int:
+    meta = graph.nodes[name].meta if name in graph.nodes else None
+    return getattr(meta, "itemsize", 4) if not isinstance(meta, tuple) else 4
 
 
 def _bucket_times(totals: dict, mesh, bucket_bytes: int) -> list[float]:

@@ -285,3 +285,26 @@ def naive_plan(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) ->
     if spec != dst:
         raise ReshardError(f"naive plan from {src} ended at {spec}, not {dst}")
     return ReshardPlan(src, dst, tuple(steps))
+
+
+def spec_after(spec: ShardingSpec, step) -> ShardingSpec:
+    """The spec after ``step`` (a Step or a saved plan's step: kind, axes, src_dim, dst_dim) from
+    ``spec``: the planner's own transition, recomputed from the step alone."""
+    dims = [tuple(ax) for ax in spec.dim_axes]
+    partial = list(spec.partial)
+    axes = tuple(step.axes)
+    if step.kind == "all_gather":
+        dims[step.src_dim] = dims[step.src_dim][: len(dims[step.src_dim]) - len(axes)]
+    elif step.kind == "slice":
+        dims[step.dst_dim] = dims[step.dst_dim] + axes
+    elif step.kind == "all_reduce":
+        partial = [a for a in partial if a not in axes]
+    elif step.kind == "reduce_scatter":
+        partial = [a for a in partial if a not in axes]
+        dims[step.dst_dim] = dims[step.dst_dim] + axes
+    elif step.kind == "all_to_all":
+        dims[step.src_dim] = dims[step.src_dim][: len(dims[step.src_dim]) - len(axes)]
+        dims[step.dst_dim] = dims[step.dst_dim] + axes
+    elif step.kind == "to_partial":
+        partial = partial + list(axes)
+    return ShardingSpec(spec.shape, tuple(dims), tuple(partial), spec.mesh_ndim)

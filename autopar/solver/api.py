@@ -1,11 +1,13 @@
 """`autopar.plan()`: trace, enumerate strategies, price them, solve, and package a Plan."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 import time
 
+from autopar.cost_model.gradients import identical_ok, param_sync_axes
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.graph import Role
@@ -15,8 +17,8 @@ from autopar.sharding_spec.strategy import active_axes
 from autopar.solver import ilp
 from autopar.solver.layout import Layout, layout_force
 from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
-from autopar.solver.problem import (build_problem, edge_itemsize, gather_latency_correction, node_choices,
-                                    produced_spec)
+from autopar.solver.problem import (build_problem, bucketed_collective_time, edge_itemsize,
+                                    gather_latency_correction, node_choices, produced_spec)
 from autopar.solver.simplify import block_ties, eliminate, prune, recover
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ def plan(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     microbatches: int = 1,
     pipeline=None,
+    identical_axes="auto",
 ) -> Plan:
     """The cheapest single-stage plan of ``model`` on ``mesh`` (no processes needed).
 
@@ -61,6 +64,9 @@ def plan(
         too (``autopar.solver.pipeline``; needs ``model`` and ``example_inputs`` with the batch
         first); a plan of more than one stage has ``plan.pipeline`` set (``parallelize`` runs it,
         ``pmodel.train_step`` trains it).
+    identical_axes: mesh axes on which gradients of replicated values are kept whole on every rank
+        (Megatron's tensor-parallel convention; ``autopar.cost_model.gradients``): "auto" prices
+        every set the plan can run and keeps the cheapest; a tuple fixes it (``()``: none).
     force: node name -> family label (e.g. ``{"linear": "1d-row", "p_fc_weight": "sharded"}``), or
         -> a predicate on a ``Strategy``: restricts that node's candidates (hand-written plans, tests);
         or an ``autopar.Layout`` (e.g. ``Layout(dp=2, tp=2, zero=2)``): the plan of that hand-style
@@ -78,7 +84,7 @@ def plan(
             raise ConfigError(f"pipeline={pipeline!r}: use None/False (one stage), 'auto' or autopar.Pipeline(...)")
         kw = dict(optimizer=optimizer, op_table=op_table, reuse_blocks=reuse_blocks, simplify=simplify,
                   time_limit_s=time_limit_s, solver=solver, optimizer_sharding=optimizer_sharding, bucket_bytes=bucket_bytes,
-                  force=force, idle_axes=idle_axes)
+                  force=force, idle_axes=idle_axes, identical_axes=())  # stages keep the dual convention
         choice = search(model, mesh, example_inputs, example_kwargs, pipeline=None if pipeline == "auto" else pipeline,
                         memory_budget=budget, plan_kwargs=kw)
         if len(choice.stages) > 1 or choice.microbatches > 1 or choice.stages[0].recompute:
@@ -123,7 +129,51 @@ def plan(
                  layout=layout.name if layout is not None else None)
     log.info("planned %s on %s: objective %.3g s, %d ILP variables (%.1f s)", graph.model_name, mesh,
              stats["objective_s"], stats.get("ilp_variables", 0), stats["total_s"])
-    return make_plan(graph, view, built, full, memory, stats, real_mesh=mesh, idle_axes=idle, bucket_bytes=bucket_bytes)
+    best_plan = make_plan(graph, view, built, full, memory, stats, real_mesh=mesh, idle_axes=idle, bucket_bytes=bucket_bytes)
+    return with_identical_axes(best_plan, graph, view, identical_axes, bucket_bytes)
+
+
+def with_identical_axes(plan: Plan, graph, mesh: Mesh, identical_axes="auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+    """``plan`` with gradients whole on ``identical_axes`` (a tuple), or on the set of active axes
+    that prices cheapest (``"auto"``; none when no set beats the dual convention). ``mesh``: the
+    mesh the plan was priced on."""
+    if identical_axes == "auto":
+        act = active_axes(mesh)
+        best = plan
+        for k in range(1, len(act) + 1):
+            for axes in itertools.combinations(act, k):
+                cand = _identical_plan(plan, graph, mesh, axes, bucket_bytes)
+                if cand is not None and cand.predicted["step_time_s"] < best.predicted["step_time_s"] - 1e-12:
+                    best = cand
+        return best
+    axes = tuple(sorted(mesh.axis(a) for a in (identical_axes or ())))
+    if not axes:
+        return plan
+    cand = _identical_plan(plan, graph, mesh, axes, bucket_bytes)
+    if cand is None:
+        raise PlanError(f"this plan cannot keep gradients whole on axes {axes}: {identical_ok(plan, graph, axes)}")
+    return cand
+
+
+def _identical_plan(plan: Plan, graph, mesh: Mesh, axes, bucket_bytes: int) -> Plan | None:
+    """The plan with gradients whole on ``axes``, its parameter syncs and prediction redone; None
+    when it cannot run that way."""
+    if identical_ok(plan, graph, axes) is not None:
+        return None
+    sync = param_sync_axes(plan, graph, axes)
+    params = {}
+    for fqn, p in plan.params.items():
+        if fqn in sync and tuple(sync[fqn]) != tuple(p.grad_sync[1]):
+            kind, _, nbytes = p.grad_sync
+            if sync[fqn]:
+                p = dataclasses.replace(p, grad_sync=(kind, sync[fqn], nbytes), grad_sync_s=bucketed_collective_time(
+                    kind, nbytes, mesh, sync[fqn], bucket_bytes))
+            else:
+                p = dataclasses.replace(p, grad_sync=None, grad_sync_s=0.0)
+        params[fqn] = p
+    new = dataclasses.replace(plan, params=params, identical_axes=tuple(axes), predicted=dict(plan.predicted))
+    new.predicted.update(step_time(new, graph, mesh, bucket_bytes=bucket_bytes))
+    return new
 
 
 def _replicated_compute_s(graph, mesh, op_table) -> float:

@@ -129,6 +129,10 @@ def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repea
         "parameter storage: " + ", ".join(f"{k} x{v}" for k, v in sorted(s["param_storage"].items())),
         f"collectives per step: {len(s['collectives'])}, {_fmt_b(sum(c[2] for c in s['collectives']))} in all",
     ]
+    if plan.identical_axes:
+        out.append(f"gradients whole on mesh axes {list(plan.identical_axes)} (Megatron's convention): parameters "
+                   "replicated there whose readers do not split them need no sync there; ops that split them "
+                   "all-reduce their replicated inputs' gradients in backward")
     if plan.solver.get("pruned"):
         out.append("note: the ILP was too big to solve whole; the widest nodes kept only their best-scored "
                    "candidates (autopar/solver/simplify.py: prune), so this plan may not be the optimum")

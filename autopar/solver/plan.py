@@ -13,8 +13,10 @@ from pathlib import Path
 from autopar.errors import AutoparError, PlanError
 from autopar.sharding_spec.spec import ShardingSpec
 
-SCHEMA_VERSION = 2  # 2: pipeline stages (version-1 files load as one-stage plans)
-READABLE_VERSIONS = (1, 2)
+# 2: pipeline stages (version-1 files load as one-stage plans); 3: identical-gradient axes (an
+# older reader would run such a plan with the wrong gradient convention, so it must refuse it)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 # The backward of each resharding step under the dual-layout gradient convention.
 BACKWARD_OF = {
@@ -23,6 +25,15 @@ BACKWARD_OF = {
     "all_reduce": "all_reduce",
     "all_to_all": "all_to_all",
     "slice": None,
+    "to_partial": None,
+}
+# ... and on identical-gradient axes (the backward all-reduces of grad_sum are not steps of an edge)
+BACKWARD_OF_WHOLE = {
+    "all_gather": None,
+    "reduce_scatter": "all_gather",
+    "all_reduce": None,
+    "all_to_all": "all_to_all",
+    "slice": "all_gather",
     "to_partial": None,
 }
 
@@ -184,6 +195,9 @@ class Plan:
     # Mesh axes the plan leaves unused: every rank along them computes the same thing (redundant
     # compute), so their gradients agree and need no synchronisation.
     idle_axes: tuple[int, ...] = ()
+    # Mesh axes on which gradients of replicated values are whole on every rank (Megatron's
+    # tensor-parallel convention) instead of pending sums: see autopar.cost_model.gradients.
+    identical_axes: tuple[int, ...] = ()
     # None: one stage (nodes, edges and params above). Else the stages, each with its own plan;
     # the fields above are then empty and the fingerprint is the microbatch graph's.
     pipeline: PipelinePlan | None = None
@@ -231,7 +245,8 @@ class Plan:
                 out.append((s.kind, tuple(s.axes), int(s.nbytes)))
             if e.backward:
                 for s in reversed(e.steps):
-                    kind = BACKWARD_OF[s.kind]
+                    whole = self.identical_axes and set(s.axes) <= set(self.identical_axes)
+                    kind = (BACKWARD_OF_WHOLE if whole else BACKWARD_OF)[s.kind]
                     if kind is not None:
                         out.append((kind, tuple(s.axes), int(s.nbytes)))
         for p in self.params.values():
@@ -308,6 +323,7 @@ class Plan:
             "model_fingerprint": self.model_fingerprint,
             "mesh": self.mesh,
             "idle_axes": list(self.idle_axes),
+            "identical_axes": list(self.identical_axes),
             "predicted": self.predicted,
             "solver": self.solver,
             "nodes": [
@@ -355,7 +371,7 @@ class Plan:
             params[p["name"]] = ParamPlan(**p)
         pipeline = PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") else None
         return Plan(d["model_name"], d["model_fingerprint"], d["mesh"], nodes, edges, params, d["predicted"], d["solver"],
-                    SCHEMA_VERSION, tuple(d.get("idle_axes", ())), pipeline)
+                    SCHEMA_VERSION, tuple(d.get("idle_axes", ())), tuple(d.get("identical_axes", ())), pipeline)
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))

@@ -1,0 +1,95 @@
+"""Which gradient convention a plan runs with per mesh axis (``autopar.cost_model.gradients``),
+checked by hand on a Megatron MLP block and against the step model. Runs on real ranks are in
+tests/runtime/test_identical_grads.py."""
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar import ir
+from autopar.cost_model.gradients import grad_sum_reads, param_sync_axes
+from autopar.errors import PlanError
+from autopar.solver.plan import Plan
+
+
+class Block(nn.Module):
+    """x -> LayerNorm -> fc1 -> gelu -> fc2 (+ bias after the sum) -> residual: a Megatron MLP."""
+
+    def __init__(self, d=1024, h=4096):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x, y):
+        out = x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+        return ((out - y) ** 2).mean()
+
+
+def _inputs(batch=8, seq=512, d=1024):
+    return torch.randn(batch, seq, d, device="meta"), torch.randn(batch, seq, d, device="meta")
+
+
+# Megatron's layout, by hand: fc1 column-parallel, fc2 row-parallel (its output all-reduced), the
+# layer norm and the residual add replicated over the tensor-parallel axis.
+MEGATRON = {"linear": "1d-col", "linear_1": "1d-row", "add": "replicate", "layer_norm": "replicate"}
+
+
+def _megatron(identical_axes="auto"):
+    model = Block().to("meta")
+    mesh = autopar.Mesh((4,), cluster="a100-80g")
+    inputs = _inputs()
+    return model, mesh, inputs, autopar.plan(model, mesh, inputs, force=MEGATRON, optimizer_sharding=False,
+                                              identical_axes=identical_axes)
+
+
+def test_megatron_block_keeps_tensor_parallel_gradients_whole():
+    model, mesh, inputs, plan = _megatron()
+    graph = ir.trace(model, inputs)
+    assert plan.identical_axes == (0,)
+    sync = {p.name: p.grad_sync for p in plan.params.values()}
+    # LayerNorm and fc2's bias (added after the all-reduce) are replicated over tp and read by ops
+    # that do not split it: no sync at all; the split weights never needed one
+    assert all(s is None for s in sync.values()), sync
+    # one backward all-reduce where fc1 reads the normed input whole (Megatron's "f"); none at fc2
+    reads = grad_sum_reads(plan, graph, plan.identical_axes)
+    assert list(reads.items()) == [(("linear", 0), (0,))]
+    # the dual convention pays the same activation all-reduce (the backward of fc2's forward
+    # all-reduce) plus a sync of the norm and the bias: the whole convention prices lower
+    _, _, _, dual = _megatron(identical_axes=())
+    assert dual.identical_axes == ()
+    dual_sync = {p.name: p.grad_sync and p.grad_sync[1] for p in dual.params.values()}
+    assert dual_sync == {"ln.weight": (0,), "ln.bias": (0,), "fc1.weight": None, "fc1.bias": None,
+                         "fc2.weight": None, "fc2.bias": (0,)}
+    assert plan.predicted["step_time_s"] < dual.predicted["step_time_s"]
+    assert plan.predicted["grad_sync_s"] == 0 < dual.predicted["grad_sync_s"]
+
+
+def test_a_set_the_plan_cannot_run_is_refused_by_name():
+    model = Block().to("meta")
+    mesh = autopar.Mesh((4,), cluster="a100-80g")
+    inputs = _inputs()
+    # with ZeRO-2 allowed the norm's gradient is reduce-scattered over tp; whole there, it could
+    # not be: refused when asked for, and "auto" keeps the dual convention
+    plan = autopar.plan(model, mesh, inputs, force=MEGATRON, identical_axes=())
+    assert plan.params["ln.weight"].grad_sync[0] == "reduce_scatter+all_gather"
+    with pytest.raises(PlanError, match=r"cannot keep gradients whole on axes \(0,\): ln\.\w+: a ZeRO-2 gradient"):
+        autopar.plan(model, mesh, inputs, force=MEGATRON, identical_axes=(0,))
+    assert autopar.plan(model, mesh, inputs, force=MEGATRON).identical_axes == ()
+
+
+def test_sync_axes_shrink_only_on_identical_axes():
+    model, mesh, inputs, plan = _megatron(identical_axes=())
+    graph = ir.trace(model, inputs)
+    planned = {p.name: p.grad_sync[1] for p in plan.params.values() if p.grad_sync is not None}
+    assert param_sync_axes(plan, graph, ()) == planned
+    sync = param_sync_axes(plan, graph, (0,))
+    assert sync == {"ln.weight": (), "ln.bias": (), "fc2.bias": ()}
+
+
+def test_the_convention_survives_a_save_and_load(tmp_path):
+    *_, plan = _megatron()
+    plan.save(tmp_path / "p.json")
+    back = Plan.load(tmp_path / "p.json")
+    assert back.identical_axes == plan.identical_axes == (0,)
+    assert {p.name: p.grad_sync for p in back.params.values()} == {p.name: p.grad_sync for p in plan.params.values()}
