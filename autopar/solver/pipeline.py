@@ -362,6 +362,9 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         inflight = count if schedule == "gpipe" else min(blocks - len(stages) % blocks, count)
         mem = prices.static_bytes[i:j + 1].sum() + inflight * prices.activation_bytes[i:j + 1].sum() + prices.stage_extra_bytes
         nodes = {name for name, u in unit.items() if i <= u <= j}
+        if not stages:  # state nothing reads is held by the first stage (as codegen's cut_stages holds it)
+            nodes |= {n for n, node in graph.nodes.items()
+                      if node.op == "placeholder" and node.role != Role.INPUT and not node.users}
         sub = restrict(prices.plan, graph, nodes, t, float(mem), budget)
         stages.append(StagePlan((i, j), (graph.layers[i], graph.layers[j]), (row, row + rows - 1),
                                 list(range(row * per_row, (row + rows) * per_row)), (rows, *mesh.shape[1:]),

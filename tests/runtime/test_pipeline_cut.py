@@ -113,3 +113,20 @@ def test_parallelize_plans_equal_stages():
     model, inputs = models.build("gpt", layers=3)
     plan = autopar.plan(model, autopar.Mesh((4,)), inputs, pipeline=autopar.Pipeline(stages=2, microbatches=2))
     assert [len(s.ranks) for s in plan.pipeline.stages] == [2, 2]
+
+
+def test_state_nothing_reads_is_held_and_lowered_by_the_first_stage():
+    # transformers 4.x GPT-2 registers a masked_bias buffer it never reads: every stage's program
+    # must still lower (it failed with "the plan has no strategy for node ..._masked_bias")
+    model, inputs = models.build("gpt", layers=4)
+    model.transformer.h[3].register_buffer("masked_bias", torch.tensor(-1e4), persistent=False)
+    plan, micro = _pipelined(model, inputs, autopar.Mesh((2,)), autopar.Pipeline(stages=2, microbatches=2))
+    cuts = cut_stages(micro, plan)
+    unread = [n for n, node in micro.nodes.items() if node.op == "placeholder" and not node.users]
+    assert unread and all(n in cuts[0].nodes for n in unread)
+    specs = sent_specs(micro, plan, cuts)
+    for cut, stage in zip(cuts, plan.pipeline.stages):
+        received = {v: specs[v] for v in cut.receives if micro.nodes[v].op != "placeholder"}
+        lowered = lower(micro, stage.plan, autopar.Mesh((1,)), nodes=cut.nodes, received=received)
+        assert set(lowered.state) >= {n for n in cut.nodes if micro.nodes[n].op == "placeholder"
+                                      and micro.nodes[n].role != Role.INPUT}
