@@ -33,6 +33,8 @@ def cases(draw):
         "mesh": draw(st.sampled_from([(2,), (4,), (2, 2)])),
         "force": draw(st.sampled_from(["none", "dp", "tp", "zero2", "zero3", "node"])),
         "seed": draw(st.integers(0, 2**16)),
+        # the gradient convention: priced ("auto"), dual everywhere, or whole on every axis
+        "identical": draw(st.sampled_from(["auto", "none", "all"])),
     }
 
 

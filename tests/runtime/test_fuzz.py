@@ -53,8 +53,9 @@ def run_case(case: dict, groups) -> dict:
     mesh = groups.mesh
     try:
         force = force_of(case, ir.trace(model, inputs) if case["force"] == "node" else None)
+        identical = {"auto": "auto", "none": (), "all": tuple(range(len(mesh.shape)))}[case.get("identical", "auto")]
         pm = autopar.parallelize(model, mesh, inputs, force=force, groups=groups, profile=False,
-                                 plan_kwargs={"idle_axes": ()})
+                                 plan_kwargs={"idle_axes": (), "identical_axes": identical})
     except AutoparError as err:
         return {"outcome": "typed", "error": f"{type(err).__name__}: {str(err)[:200]}"}
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
@@ -79,7 +80,8 @@ def run_case(case: dict, groups) -> dict:
     full, want_sd = pm.full_state_dict(), ref.state_dict()
     worst["state"] = max((full[k] - v).abs().max().item() / max(v.abs().max().item(), 1e-12) for k, v in want_sd.items())
     ok = worst["loss"] <= TOL and worst["grad"] <= TOL and worst["state"] <= STATE_TOL
-    return {"outcome": "exact" if ok else "wrong", **worst, "families": dict(pm.plan.summary()["families"])}
+    return {"outcome": "exact" if ok else "wrong", **worst, "families": dict(pm.plan.summary()["families"]),
+            "identical": list(pm.plan.identical_axes)}
 
 
 def _ranks(rank, world, batch: list[dict]) -> list[dict]:
