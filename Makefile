@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test fuzz bench bench-hybrid install clean
+.PHONY: demo test fuzz bench bench-hybrid bench-colossalai install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,5 +42,30 @@ bench: $(BENCH_STAMP)
 bench-hybrid: $(BENCH_STAMP)
 	$(PY) benchmarks/hybrid.py
 
+# Colossal-AI's own HybridParallelPlugin as a second hand-tuned baseline, checked exact and timed
+# next to autopar on 4 gloo ranks (benchmarks/colossalai_bench.py; ~10 min on 2 cores). It has a
+# virtualenv of its own: colossalai 0.5.0 pins torch<=2.5.1, of which no CPU build is reachable here,
+# so it goes in without its dependencies next to the CPU torch, with only the packages its imports
+# touch (pinned; transformers at the version its shardformer GPT-2 policy was written for), then
+# autopar itself and its runtime dependencies. autopar's profiles go to /tmp/cai_cache.
+CAI_VENV := .venv-colossalai
+CAI_PY := $(CAI_VENV)/bin/python
+CAI_STAMP := $(CAI_VENV)/.installed
+CAI_DEPS := transformers==4.51.3 peft==0.13.2 accelerate==1.16.0 bitsandbytes==0.50.2 galore-torch==1.0 \
+	einops==0.8.2 psutil==7.2.2
+
+$(CAI_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(CAI_VENV)
+	$(CAI_PY) -m pip install --quiet --upgrade pip
+	$(CAI_PY) -m pip install --quiet "$(TORCH)"
+	$(CAI_PY) -m pip install --quiet --no-deps colossalai==0.5.0
+	$(CAI_PY) -m pip install --quiet $(CAI_DEPS)
+	$(CAI_PY) -m pip install --quiet --no-deps -e .
+	$(CAI_PY) -m pip install --quiet networkx "pulp>=2.7,<4" numpy highspy
+	touch $(CAI_STAMP)
+
+bench-colossalai: $(CAI_STAMP)
+	AUTOPAR_CACHE_DIR=/tmp/cai_cache $(CAI_PY) benchmarks/colossalai_bench.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(CAI_VENV) .pytest_cache .hypothesis
