@@ -379,6 +379,20 @@ class ToPartialWhole(torch.autograd.Function):
         return grad, None
 
 
+class GradShare(torch.autograd.Function):
+    """Identity forward; backward keeps a whole gradient on group index 0 only (a pending share of
+    it, for a reducer that sums over the group)."""
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        ctx.keep = keep
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.keep else torch.zeros_like(grad)), None
+
+
 class GradSum(torch.autograd.Function):
     """Identity forward; backward all-reduces the gradient (Megatron's "f"): an op that splits an
     identical axis gives its replicated input a partial gradient, made whole here."""

@@ -71,19 +71,25 @@ class Lowered:
         return self.gm.code
 
 
-def lower(graph, plan, mesh, *, nodes=None, device: torch.device | None = None, received: dict | None = None) -> Lowered:
+def lower(graph, plan, mesh, *, nodes=None, device: torch.device | None = None, received: dict | None = None,
+          synced_as=None) -> Lowered:
     """The program of ``plan`` for ``graph`` on ``mesh``, over ``nodes`` (names; default all).
     ``device``: where factory ops put new tensors (the traced device otherwise). ``received``:
-    boundary value -> the spec it arrives in (default: the plan's spec of its producer)."""
+    boundary value -> the spec it arrives in (default: the plan's spec of its producer).
+    ``synced_as``: the plan whose gradient syncs the reducer runs (a program built for other
+    inputs shares the main program's reducer); each parameter's gradient is handed over pending on
+    exactly those axes (``autopar_grad_share`` / ``autopar_grad_sum`` where this plan's gradient
+    convention leaves it otherwise)."""
     if tuple(plan.mesh["shape"]) != tuple(mesh.shape):
         raise PlanError(f"the plan is for a mesh of shape {tuple(plan.mesh['shape'])}, not {mesh}")
     subset = list(graph.nodes) if nodes is None else [n for n in graph.nodes if n in set(nodes)]
-    return _Emitter(graph, plan, mesh, subset, device, dict(received or {})).run()
+    return _Emitter(graph, plan, mesh, subset, device, dict(received or {}), synced_as).run()
 
 
 class _Emitter:
-    def __init__(self, graph, plan, mesh, subset, device, received):
+    def __init__(self, graph, plan, mesh, subset, device, received, synced_as=None):
         self.graph, self.plan, self.mesh, self.device = graph, plan, mesh, device
+        self.synced_as = synced_as
         self.received = received
         self.rereads: dict = {}  # (boundary value, wanted spec) -> its resharded node
         self.subset = subset
@@ -156,9 +162,31 @@ class _Emitter:
     # ---- placeholders ------------------------------------------------------------------------
     def _state(self, node) -> None:
         ph = self.fx.placeholder(node.name)
-        self._note(ph, self._plan_of(node.name).output)
+        spec = self._plan_of(node.name).output
+        self._note(ph, spec)
         self.env[node.name] = ph
         self.state.append(node.name)
+        if self.synced_as is not None and node.role == Role.PARAMETER:
+            self.env[node.name] = self._synced_like(ph, node.name, spec)
+
+    def _synced_like(self, value: fx.Node, name: str, spec) -> fx.Node:
+        """A parameter read with its gradient pending on exactly the axes ``synced_as`` syncs."""
+        own = next((p for p in self.plan.params.values() if p.node == name), None)
+        want = self.synced_as.params.get(own.name) if own is not None else None
+        if own is None or want is None:
+            return value
+        have = set(own.grad_sync[1]) if own.grad_sync else set()
+        need = set(want.grad_sync[1]) if want.grad_sync else set()
+        if (have ^ need) - set(self.identical) - set(getattr(self.synced_as, "identical_axes", ())):
+            raise PlanError(f"{own.name}: this program's gradient sync {sorted(have)} cannot be handed to the "
+                            f"reducer's {sorted(need)}")
+        if need - have:  # whole here, summed by the reducer: hand it one share
+            value = self._emit(ops.autopar_grad_share, (value,), {"axes": tuple(sorted(need - have))},
+                               name=f"{name}_grad_share", spec=spec)
+        if have - need:  # pending here, not summed by the reducer: sum it now
+            value = self._emit(ops.autopar_grad_sum, (value,), {"axes": tuple(sorted(have - need))},
+                               name=f"{name}_grad_sum", spec=spec)
+        return value
 
     def _input(self, node) -> None:
         ph = self.fx.placeholder(node.name)

@@ -92,6 +92,15 @@ def autopar_to_partial(x: torch.Tensor, axes, whole: bool = False) -> torch.Tens
     return x if g.size == 1 else (C.ToPartialWhole if whole else C.ToPartial).apply(x, g.index == 0)
 
 
+def autopar_grad_share(x: torch.Tensor, axes) -> torch.Tensor:
+    """Identity forward; backward turns a whole gradient into a pending share over ``axes`` (kept
+    at index 0): for a parameter whose reducer sums over axes its program leaves it whole on."""
+    g = handle(axes)
+    if g.size == 1 or not (isinstance(x, torch.Tensor) and x.requires_grad):
+        return x
+    return C.GradShare.apply(x, g.index == 0)
+
+
 def autopar_grad_sum(x: torch.Tensor, axes) -> torch.Tensor:
     """Identity forward; backward all-reduces the gradient over ``axes`` (identical axes an op
     splits while reading ``x`` whole)."""
@@ -191,7 +200,7 @@ def _register_builtins() -> None:
         from torch.fx.graph import _register_custom_builtin
     except ImportError:  # older/newer torch: generated code prints qualified names instead
         return
-    for fn in (*STEP_FUNCTIONS.values(), autopar_all_gather_group, autopar_grad_sum, autopar_shard_input,
+    for fn in (*STEP_FUNCTIONS.values(), autopar_all_gather_group, autopar_grad_share, autopar_grad_sum, autopar_shard_input,
                autopar_backward_seed):
         _register_custom_builtin(fn.__name__, f"from {__name__} import {fn.__name__}", fn)
 

@@ -118,7 +118,7 @@ class VariantBuilder:
         if graph.fingerprint() == self.main_plan.model_fingerprint:
             return None
         plan = self._plan(graph)
-        lowered = lower(graph, plan, self.mesh, device=self.device)
+        lowered = lower(graph, plan, self.mesh, device=self.device, synced_as=self.main_plan)
         fqn_of = {ph: fqn for fqn, ph in {**graph.params, **graph.buffers}.items()}
         slots = []
         for ph in lowered.state:
@@ -153,10 +153,10 @@ class VariantBuilder:
         return plan
 
     def _plan_kwargs(self) -> dict:
+        # (the gradient convention is the variant's own: lower(synced_as=) hands each parameter's
+        # gradient to the main plan's reducer the way it syncs it)
         kw = {k: v for k, v in self.plan_kwargs.items() if k not in ("idle_axes", "identical_axes", "force", "graph")}
         kw["idle_axes"] = tuple(self.main_plan.idle_axes)
-        # the reducer synchronises what the main plan's gradient convention leaves pending
-        kw["identical_axes"] = tuple(self.main_plan.identical_axes)
         return kw
 
     def _user_force(self, graph) -> dict:
@@ -183,13 +183,9 @@ class VariantBuilder:
     def _check_same_storage(self, plan) -> None:
         for fqn, pp in plan.params.items():
             main = self.main_plan.params.get(fqn)
-            if main is None or (pp.storage, pp.family, _sync_key(pp)) != (main.storage, main.family, _sync_key(main)):
+            if main is None or (pp.storage, pp.family) != (main.storage, main.family):
                 raise PlanError(f"the plan for these inputs moved {fqn} ({pp.storage} {pp.family}); its storage must not change")
 
 
 def _pin(storage, family):
     return lambda s: s.output == storage and s.family == family
-
-
-def _sync_key(pp):
-    return None if pp.grad_sync is None else (pp.grad_sync[0], tuple(pp.grad_sync[1]))

@@ -136,6 +136,13 @@ class ParallelModule(nn.Module):
         if ap.pipeline is not None:
             raise ConfigError(f"{ap.graph.model_name} runs as a {len(ap.plan_full.pipeline.stages)}-stage pipeline: call "
                               "pmodel.train_step(*inputs) (forward and backward of the whole batch, returns the loss)")
+        program, out = self._run(args, kwargs)
+        return pytree.tree_unflatten(list(out), program.out_spec)
+
+    def _run(self, args, kwargs, program_of=None):
+        """(program, its flat outputs) of this call; ``program_of(program)`` picks another module
+        of the program to run (``Program.loss_only``)."""
+        ap = self._ap
         args, kwargs = self._normalize(args, kwargs)
         program, flat = self._program(args, kwargs)
         flat = [x.to(ap.device) if isinstance(x, torch.Tensor) and ap.device is not None else x for x in flat]
@@ -144,9 +151,10 @@ class ParallelModule(nn.Module):
             state = ap.reducer.tap(state)
         else:
             state = ap.reducer.working_copies(state)
+        gm = program.lowered.gm if program_of is None else program_of(program)
         with ops.bind(ap.groups):
-            out = program.lowered.gm(*program.state_inputs(state), *flat)
-        return pytree.tree_unflatten(list(out), program.out_spec)
+            out = gm(*program.state_inputs(state), *flat)
+        return program, out
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of the whole batch, gradients synchronised and ready for
@@ -154,7 +162,7 @@ class ParallelModule(nn.Module):
         its loss (return it, or a tuple / ModelOutput holding it). For every plan, pipelined or not."""
         ap = self._ap
         if ap.pipeline is None:
-            loss = _loss_of(self(*args, **kwargs), ap.graph.model_name)
+            _, (loss,) = self._run(args, kwargs, Program.loss_only)
             loss.backward()
             return loss.detach()
         args, kwargs = self._normalize(args, kwargs)
@@ -460,19 +468,6 @@ class _State:
         self.pipeline = None  # a PipelineRunner when the plan has stages (this module is one stage's)
         self.plan_full = None  # the plan with every stage (``plan`` is this stage's)
         self.all_state_keys = self.state_keys  # every stage's keys (full_state_dict)
-
-
-def _loss_of(out, model_name: str) -> torch.Tensor:
-    """The loss in a model's output: the output itself, its ``loss`` entry, or its first scalar."""
-    if isinstance(out, torch.Tensor) and out.dim() == 0:
-        return out
-    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
-        return out["loss"]
-    for x in pytree.tree_leaves(out):
-        if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point():
-            return x
-    raise ConfigError(f"train_step needs a loss: {model_name} returned no scalar (compute the loss in forward, e.g. pass "
-                      "labels to a transformers model)")
 
 
 def _grad_sync(param_plan) -> tuple[str, tuple[int, ...]] | None:

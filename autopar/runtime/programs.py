@@ -8,10 +8,15 @@ decides which; ``Program`` feeds it.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
+import torch.fx as fx
 import torch.utils._pytree as pytree
+
+from autopar.codegen import ops
+from autopar.errors import ConfigError
 
 
 DEFAULT_MAX_PROGRAMS = 8
@@ -29,9 +34,52 @@ class Program:
     constants: dict
     in_spec: object
     out_spec: object
+    loss_gm: object = None  # the program returning the loss alone (``loss_only``), built on first use
 
     def state_inputs(self, slot_values: list) -> list:
         return [slot_values[s] if s is not None else self.constants[i] for i, s in enumerate(self.state_slots)]
+
+    def loss_only(self) -> fx.GraphModule:
+        """The program with the loss as its one output, for ``train_step``: the other outputs'
+        resharding to whole values (e.g. a language model's logits all-gathered, batch x seq x
+        vocab) is left out, since nothing reads them."""
+        if self.loss_gm is None:
+            self.loss_gm = _keep_output(self.lowered.gm, loss_index(self.graph, self.out_spec))
+        return self.loss_gm
+
+
+# what the output edges emit after a value is made: removable when nothing else reads them
+_OUTPUT_CHAIN = (*ops.STEP_FUNCTIONS.values(), ops.autopar_backward_seed)
+
+
+def _keep_output(gm: fx.GraphModule, index: int) -> fx.GraphModule:
+    graph = copy.deepcopy(gm.graph)
+    out = next(n for n in graph.nodes if n.op == "output")
+    values = list(out.args[0])
+    out.args = ((values[index],),)
+    # drop each other output's own chain (its steps and backward seed), up to the value it starts from
+    for v in values[:index] + values[index + 1:]:
+        while isinstance(v, fx.Node) and v.op == "call_function" and v.target in _OUTPUT_CHAIN and not v.users:
+            src = v.args[0]
+            graph.erase_node(v)
+            v = src
+    graph.lint()
+    return fx.GraphModule(gm, graph, class_name="AutoparLossProgram")
+
+
+def loss_index(graph, out_spec) -> int:
+    """Which flat output is the loss: the output itself when it is one scalar, else a ``loss``
+    entry, else the first floating-point scalar (as ``train_step`` reads it)."""
+    out = next(n for n in graph.nodes.values() if n.op == "output")
+    metas = [graph.nodes[v].meta for v in out.inputs]
+    tree = pytree.tree_unflatten(list(range(len(metas))), out_spec)
+    if isinstance(tree, dict) and isinstance(tree.get("loss"), int):
+        return tree["loss"]
+    for i, m in enumerate(metas):
+        if m is not None and not isinstance(m, tuple) and tuple(m.shape) == () and "float" in m.dtype:
+            return i
+    raise ConfigError(f"train_step needs a loss: {graph.model_name} returned no scalar (compute the loss in forward, "
+                      "e.g. pass labels to a transformers model)")
 
 
 def call_key(training: bool, args, kwargs) -> tuple:

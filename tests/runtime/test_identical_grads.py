@@ -52,12 +52,47 @@ CASES = [
 ]
 
 
+def _other_shapes_case(groups):
+    """The main program keeps gradients whole on both axes; a call with another batch size runs a
+    program planned on its own (its convention priced afresh), whose parameter gradients must reach
+    the main program's reducer pending on exactly the axes it syncs."""
+    def go():
+        import copy
+
+        import torch
+
+        from parallel_harness import ADAM_EPS, grad_errors, rel
+
+        model, (idx, tgt) = models.build("gpt", **GPT)
+        ref = copy.deepcopy(model)
+        pm = autopar.parallelize(model, autopar.Mesh((2, 2), cluster="cpu-gloo"), (idx, tgt), groups=groups,
+                                 force=autopar.Layout(dp=2, tp=2), plan_kwargs={"idle_axes": (), "identical_axes": (0, 1)})
+        o_p = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
+        o_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
+        worst = 0.0
+        for step, rows in enumerate((4, 2, 2, 4)):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randint(0, GPT["vocab"], (rows, GPT["seq"]), generator=g)
+            y = torch.randint(0, GPT["vocab"], (rows, GPT["seq"]), generator=g)
+            lp, lr_ = pm.train_step(x, y), ref(x, y)
+            lr_.backward()
+            worst = max([worst, rel(lp, lr_), *grad_errors(pm, ref).values()])
+            o_p.step(), o_r.step(), o_p.zero_grad(), o_r.zero_grad()
+        (other,) = pm.programs.values()
+        code = other.lowered.code
+        return {"tag": "other-shapes", "worst": worst, "main": tuple(pm.plan.identical_axes),
+                "other": tuple(other.plan.identical_axes),
+                "handed": code.count("autopar_grad_share(") + code.count("autopar_grad_sum(")}
+
+    return run_case("other-shapes", go)
+
+
 def ranks(rank, world):
     from autopar.runtime.process_groups import MeshGroups
 
     groups = {(2, 2): MeshGroups(autopar.Mesh((2, 2))), (4,): MeshGroups(autopar.Mesh((4,)))}
     return [_case(tag, name, kw, shape, groups[shape], layout, identical)
-            for tag, name, kw, shape, layout, identical in CASES]
+            for tag, name, kw, shape, layout, identical in CASES] + [_other_shapes_case(groups[(2, 2)])]
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +152,13 @@ def test_data_parallel_and_zero3_keep_their_syncs(results):
 
 def test_auto_picks_a_convention_and_runs_it(results):
     assert results["gpt-2x2-auto"]["identical"] in ((), (0,), (1,), (0, 1))
+
+
+def test_a_program_for_other_inputs_hands_its_gradients_to_the_main_reducer(results):
+    case = results["other-shapes"]
+    assert "error" not in case, case.get("error")
+    assert case["worst"] <= TOL, case
+    # the batch of 2 prices whole gradients on the tensor-parallel axis only (cpu-gloo preset): the
+    # parameters it leaves whole on dp are handed to the reducer as shares, and the step is exact
+    assert case["main"] == (0, 1) and case["other"] == (1,), case
+    assert case["handed"] > 0, case

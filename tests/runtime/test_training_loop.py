@@ -202,6 +202,33 @@ def eval_case(tag, mesh, groups, *, hf=False):
             "programs": [k[0] for k in pm.programs], "requires_grad": a.requires_grad}
 
 
+def train_step_case(tag, mesh, groups, layout):
+    """train_step runs the program with the loss as its only output: a language model's logits are
+    not gathered whole (nothing reads them), and the step is exact. A plain call still returns
+    them whole."""
+    model = _hf_gpt2(dropout=0.0)
+    ids = torch.randint(0, HF_VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
+    kw = {"input_ids": ids, "labels": ids, "use_cache": False}
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, mesh, (), example_kwargs=kw, groups=groups, force=layout)
+    o_p = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
+    o_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
+    loss_err = grad_err = 0.0
+    for step in range(2):
+        b = _batch((ids,), step)[0]
+        lp, lr_ = pm.train_step(input_ids=b, labels=b, use_cache=False), ref(input_ids=b, labels=b, use_cache=False).loss
+        lr_.backward()
+        loss_err = max(loss_err, rel(lp, lr_))
+        grad_err = max([grad_err] + [rel(g, ref.get_parameter(k).grad) for k, g in pm.full_grads().items()])
+        o_p.step(), o_r.step(), o_p.zero_grad(), o_r.zero_grad()
+    with torch.no_grad():
+        logits_err = rel(pm(**kw).logits, ref(**kw).logits)
+    main = pm._ap.main
+    return {"tag": tag, "loss_err": loss_err, "grad_err": grad_err, "logits_err": logits_err,
+            "lp_requires_grad": lp.requires_grad, "state_err": _state_err(pm, ref),
+            "gathers": (main.lowered.code.count("autopar_all_gather("), main.loss_only().code.count("autopar_all_gather("))}
+
+
 class ConvNet(nn.Module):
     """A small CNN with batch norm (running statistics), as torchvision-style models use."""
 
@@ -406,6 +433,7 @@ def rank_2(rank, world_size):
     out.append(run_case("clip transformers", clip_case, "clip transformers", mesh, groups, None, hf=True, use_torch=True))
     out.append(run_case("clip errors", clip_errors_case, "clip errors", mesh, groups))
     out.append(run_case("call values", call_values_case, "call values", mesh, groups))
+    out.append(run_case("train_step dp", train_step_case, "train_step dp", mesh, groups, dp))
     return out
 
 
@@ -528,3 +556,12 @@ def test_names_parameter_groups_and_state_dict(results):
             assert c["cross_plan_err"] <= STATE_TOL, c
             assert c["strict"] and "missing keys" in c["strict"] and "ln_f" in c["strict"]
             assert c["missing"] == ["transformer.ln_f.weight", "transformer.ln_f.bias"]
+
+
+def test_train_step_leaves_unread_outputs_sharded(results):
+    (case,) = results["train_step dp"][:1]
+    _ok(case)
+    assert case["loss_err"] <= TOL and case["grad_err"] <= TOL and case["state_err"] <= STATE_TOL, case
+    assert case["logits_err"] <= TOL and not case["lp_requires_grad"]
+    full, loss_only = case["gathers"]
+    assert loss_only < full, case["gathers"]  # data parallel: the logits' gather over the batch is gone
