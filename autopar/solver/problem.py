@@ -276,18 +276,19 @@ def edge_itemsize(producer_meta, consumer) -> int:
 
 
 def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", op_table=None, choices=None,
-                  shared_gathers: bool = True) -> Built:
+                  shared_gathers: bool = True, memo: dict | None = None) -> Built:
     """The ILP of ``graph`` on ``mesh``. ``shared_gathers``: price a split-stored parameter's
     gather at its layer's share of the call's latency (exact when the whole layer is stored split,
     as FSDP stores it), else at a whole latency (exact when it is gathered alone); the true price
-    of a solution is either plus ``gather_latency_correction``."""
+    of a solution is either plus ``gather_latency_correction``. ``memo``: edge matrices already
+    priced for the same ``choices`` (a second build reuses all but the parameters' edges)."""
     choices = choices or node_choices(graph, mesh, optimizer=optimizer, op_table=op_table)
     grad = needs_grad(graph)
     edges: dict[tuple[str, str], np.ndarray] = {}
     edge_list = []
     # Nodes with equal signatures share one candidate list (node_choices' memo): their edges share
     # one matrix too. Key on those lists' identities, the input position and what decides the rest.
-    memo: dict = {}
+    memo = {} if memo is None else memo
     shares = _layer_share(graph) if shared_gathers else {}
     for node in graph.nodes.values():
         for pos, src in enumerate(node.inputs):
