@@ -1,7 +1,8 @@
 """autopar's plans as benchmark variants, with the interface of hand_tuned.HandVariant.
 
-    v = AutoparVariant("gpt", model_kw, Mesh((2, 2)), layout=Layout(dp=2, tp=2))   # inside each rank
-    v.step(); v.predicted_s; v.close()
+    v = AutoparVariant.builtin("gpt", model_kw, Mesh((2, 2)), layout=Layout(dp=2, tp=2))   # inside each rank
+    v = AutoparVariant(model, (), {"input_ids": ids, "labels": ids}, Mesh((4,)))          # any model and call
+    v.step(); v.predicted_s; v.describe(); v.close()
 
 The module is ``autopar.parallelize`` of the same seeded model on the same global batch (every rank
 passes the full batch; each keeps its slice), trained with the user's own ``torch.optim.AdamW``
@@ -17,20 +18,39 @@ import hand_tuned as ht
 
 
 class AutoparVariant:
-    def __init__(self, model_name: str, model_kw: dict, mesh, *, layout=None, plan_kwargs=None, pipeline=None):
+    def __init__(self, model, args: tuple, kwargs: dict, mesh, *, layout=None, plan_kwargs=None, pipeline=None,
+                 lr: float = ht.LR):
         import autopar
-        from autopar import models
 
-        model, (self.x, self.y) = models.build(model_name, **model_kw)
-        self.pm = autopar.parallelize(model, mesh, (self.x, self.y), force=layout, plan_kwargs=plan_kwargs,
-                                      pipeline=pipeline)
-        del model
+        self.args, self.kwargs = tuple(args), dict(kwargs)
+        self.pm = autopar.parallelize(model, mesh, self.args, example_kwargs=self.kwargs or None, force=layout,
+                                      plan_kwargs=plan_kwargs, pipeline=pipeline)
         self.plan = self.pm.plan
         self.predicted_s = self.plan.predicted["step_time_s"]
-        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=ht.LR)
+        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=lr)
+
+    @classmethod
+    def builtin(cls, model_name: str, model_kw: dict, mesh, **kw) -> "AutoparVariant":
+        """The built-in ``model_name`` (``autopar.models.build``), called with (inputs, targets)."""
+        from autopar import models
+
+        model, inputs = models.build(model_name, **model_kw)
+        return cls(model, inputs, {}, mesh, **kw)
 
     def forward_backward(self) -> float:
-        return self.pm.train_step(self.x, self.y).item()
+        return self.pm.train_step(*self.args, **self.kwargs).item()
+
+    def describe(self) -> str:
+        """The plan in one line: degrees, parameter storage, stages."""
+        s = self.plan.summary()
+        deg = f"tp {s.get('tp')} x pp {s.get('pp')} x dp {s.get('dp')}"
+        storage = ", ".join(f"{k} x{v}" for k, v in sorted(s.get("param_storage", {}).items(), key=lambda kv: -kv[1]))
+        pipe = s.get("pipeline")
+        if pipe and len(pipe["stages"]) > 1:
+            layers = [len(st["layers"]) for st in pipe["stages"]]
+            deg += (f", {len(pipe['stages'])} stages of {layers} layers on {[st['mesh_shape'] for st in pipe['stages']]}, "
+                    f"{pipe['schedule']}, {pipe['microbatches']} microbatches")
+        return f"{deg}; parameters {storage}"
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         grads = self.pm.full_grads()

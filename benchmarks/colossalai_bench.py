@@ -55,12 +55,17 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from autopar_variant import AutoparVariant  # noqa: E402
+from hybrid import timed_step  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = dict(vocab=8192, width=256, layers=8, heads=8, seq=128, batch=16)
@@ -317,53 +322,6 @@ def _gather_fused(g: torch.Tensor, split_sizes: list[int], group) -> torch.Tenso
     return torch.cat([pieces[r][i] for i in range(len(split_sizes)) for r in range(n)], dim=-1)
 
 
-class AutoparVariant:
-    """``autopar.parallelize`` of the same model on the full global batch (each rank keeps its
-    slice), trained with ``pmodel.train_step`` and the user's ``torch.optim.AdamW``."""
-
-    def __init__(self, kw: dict, world: int, pipeline):
-        import autopar
-
-        model, self.kwargs = build_model(kw)
-        self.pm = autopar.parallelize(model, autopar.Mesh((world,)), (), example_kwargs=self.kwargs, pipeline=pipeline)
-        self.plan = self.pm.plan
-        self.predicted_s = self.plan.predicted["step_time_s"]
-        self.opt = torch.optim.AdamW(self.pm.parameters(), lr=LR)
-
-    def forward_backward(self) -> float:
-        out = self.pm.train_step(**self.kwargs)
-        return (out.loss if hasattr(out, "loss") else out).item()
-
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        grads = self.pm.full_grads()
-        return {k: g for k, g in grads.items() if g is not None} if dist.get_rank() == 0 else {}
-
-    def optimizer_step(self) -> None:
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-
-    def step(self) -> float:
-        loss = self.forward_backward()
-        self.optimizer_step()
-        return loss
-
-    def describe(self) -> str:
-        """The plan in one line: degrees, parameter storage, stages."""
-        s = self.plan.summary()
-        deg = f"tp {s.get('tp')} x pp {s.get('pp')} x dp {s.get('dp')}"
-        storage = ", ".join(f"{k} x{v}" for k, v in sorted(s.get("param_storage", {}).items(), key=lambda kv: -kv[1]))
-        pipe = s.get("pipeline")
-        if pipe and len(pipe["stages"]) > 1:
-            layers = [len(st["layers"]) for st in pipe["stages"]]
-            deg += (f", {len(pipe['stages'])} stages of {layers} layers on {[st['mesh_shape'] for st in pipe['stages']]}, "
-                    f"{pipe['schedule']}, {pipe['microbatches']} microbatches")
-        return f"{deg}; parameters {storage}"
-
-    def close(self) -> None:
-        for attr in ("pm", "opt", "plan"):
-            if hasattr(self, attr):
-                delattr(self, attr)
-
 
 # ---- checking and timing, inside each rank ----------------------------------------------------
 def check_first_step(v, ref: dict | None, *, bf16: bool) -> dict:
@@ -407,14 +365,6 @@ def check_first_step(v, ref: dict | None, *, bf16: bool) -> dict:
     dist.broadcast_object_list(verdict, src=0)
     v.optimizer_step()
     return verdict[0]
-
-
-def timed_step(v) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    v.step()
-    dist.barrier()
-    return time.perf_counter() - t0
 
 
 def alternate(variants: dict, rounds: int, round_steps: int) -> dict[str, list[float]]:
@@ -506,9 +456,12 @@ def rank_main(rank, world, opts):
              + (f"(err {verdict['loss_err']:.1e}{grads})" if verdict["passed"]
                 else f"{'NOT EXACT' if cfg.precision == 'fp32' else 'FAILS the bf16 check'}: {verdict['error']}")
              + f"  built in {build_s:.1f} s, rank-0 RSS {_rss_mib():.0f} MiB")
+    import autopar
+
     for name, pipeline in opts["autopar"]:
         t0 = time.perf_counter()
-        v = AutoparVariant(kw, world, pipeline)
+        model, call = build_model(kw)
+        v = AutoparVariant(model, (), call, autopar.Mesh((world,)), pipeline=pipeline, lr=LR)
         build_s = time.perf_counter() - t0
         verdict = check_first_step(v, ref, bf16=False)
         if "failed" in verdict:

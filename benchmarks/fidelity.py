@@ -73,7 +73,7 @@ def rank_main(rank, world, opts):
             dist.barrier()
             t0 = time.perf_counter()
             try:
-                v = AutoparVariant(model_name, kw, Mesh(shape), layout=Layout(**fields) if fields else None)
+                v = AutoparVariant.builtin(model_name, kw, Mesh(shape), layout=Layout(**fields) if fields else None)
             except Exception as err:  # a layout the planner cannot form here: report, go on
                 rows[name] = dict(error=f"{type(err).__name__}: {err}")
                 continue

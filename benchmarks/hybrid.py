@@ -87,7 +87,7 @@ def extra_variants(model_name: str, model_kw: dict, rank: int, world: int) -> di
     out = {}
     for name, shape, fields, pipeline in AUTOPAR_VARIANTS:
         if math.prod(shape) == world:
-            out[name] = AutoparVariant(model_name, model_kw, Mesh(shape), layout=Layout(**fields) if fields else None,
+            out[name] = AutoparVariant.builtin(model_name, model_kw, Mesh(shape), layout=Layout(**fields) if fields else None,
                                        pipeline=pipeline)
     return out
 

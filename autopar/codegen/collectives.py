@@ -314,38 +314,24 @@ def _chunk(grad: torch.Tensor, dim: int, g: GroupHandle) -> torch.Tensor:
     return grad.narrow(dim, g.index * size, size).contiguous()
 
 
-class AllGatherWhole(torch.autograd.Function):
+class AllGatherWhole(AllGather):
     """all_gather whose output gradient is whole on every rank: backward keeps this rank's chunk."""
-
-    @staticmethod
-    def forward(ctx, x, dim, g):
-        ctx.dim, ctx.g = dim, g
-        return all_gather(x, dim, g)
 
     @staticmethod
     def backward(ctx, grad):
         return _chunk(grad, ctx.dim, ctx.g), None, None
 
 
-class AllGatherGroupWhole(torch.autograd.Function):
+class AllGatherGroupWhole(AllGatherGroup):
     """``AllGatherGroup`` with whole output gradients: backward keeps each one's chunk."""
-
-    @staticmethod
-    def forward(ctx, g, dims, *xs):
-        ctx.g, ctx.dims = g, dims
-        return tuple(all_gather_group(xs, dims, g))
 
     @staticmethod
     def backward(ctx, *grads):
         return (None, None, *(_chunk(gr, d, ctx.g) for gr, d in zip(grads, ctx.dims)))
 
 
-class AllReduceWhole(torch.autograd.Function):
+class AllReduceWhole(AllReduce):
     """all_reduce (P -> R) whose output gradient is whole: it is the gradient of every summand."""
-
-    @staticmethod
-    def forward(ctx, x, g):
-        return all_reduce(x, g)
 
     @staticmethod
     def backward(ctx, grad):
@@ -367,12 +353,8 @@ class SliceWhole(torch.autograd.Function):
         return all_gather(grad, ctx.dim, ctx.g), None, None
 
 
-class ToPartialWhole(torch.autograd.Function):
+class ToPartialWhole(ToPartial):
     """to_partial (R -> P) with whole gradients on both sides: backward is the identity."""
-
-    @staticmethod
-    def forward(ctx, x, keep):
-        return x.clone() if keep else torch.zeros_like(x)
 
     @staticmethod
     def backward(ctx, grad):
@@ -380,8 +362,8 @@ class ToPartialWhole(torch.autograd.Function):
 
 
 class GradShare(torch.autograd.Function):
-    """Identity forward; backward keeps a whole gradient on group index 0 only (a pending share of
-    it, for a reducer that sums over the group)."""
+    """Identity forward; backward keeps the gradient where ``keep`` and zeros it elsewhere: a whole
+    gradient becomes a pending share (for a reducer that sums it; the backward seed of an output)."""
 
     @staticmethod
     def forward(ctx, x, keep):

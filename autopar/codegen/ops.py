@@ -156,19 +156,6 @@ def autopar_shard_input(x, shape, dim_axes):
     return x
 
 
-class _BackwardSeed(torch.autograd.Function):
-    """Identity forward; backward keeps the gradient on one rank and zeros it elsewhere."""
-
-    @staticmethod
-    def forward(ctx, x, keep):
-        ctx.keep = keep
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad if ctx.keep else torch.zeros_like(grad)), None
-
-
 def autopar_backward_seed(x, idle_axes=()):
     """A replicated graph output. Every rank calls ``backward`` on it with the same seed, but in
     the dual layout the gradient of a replicated value is a pending sum: only the rank at
@@ -178,7 +165,7 @@ def autopar_backward_seed(x, idle_axes=()):
     if not isinstance(x, torch.Tensor) or not (x.requires_grad and x.is_floating_point()):
         return x
     keep = all(c == 0 for a, c in enumerate(current_groups().coordinate) if a not in idle_axes)
-    return _BackwardSeed.apply(x, keep)
+    return C.GradShare.apply(x, keep)
 
 
 # ---- no-autograd helpers for the runtime (gradient sync, unsharding) -------------------------------
