@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job on a built-in model")
     d.add_argument("--model", default="gpt", help="built-in model name (default: gpt)")
     d.add_argument("--mesh", type=parse_mesh, default=(2, 2), help="mesh shape, e.g. 2x2 (default)")
-    d.add_argument("--steps", type=int, default=5, help="AdamW steps (default: 5)")
+    d.add_argument("--steps", type=int, default=20, help="AdamW steps (default: 20)")
     d.set_defaults(func=cmd_demo)
     return p
 

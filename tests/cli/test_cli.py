@@ -168,3 +168,13 @@ def test_cli_model_and_what_if_errors_are_one_line(capsys, tmp_path, monkeypatch
 def test_explain_with_a_dtype_option(capsys):
     code, out, _ = run(capsys, "explain", "gpt:layers=1,dtype=bfloat16", "--mesh", "2", "--cluster", "a100-80g")
     assert code == 0 and "plan for GPT" in out
+
+
+def test_demo_runs_to_a_successful_exit(capsys, monkeypatch, tmp_path):
+    # `make demo` in short: 4 gloo ranks, a 2x2 plan and a 2-stage pipeline, both exact
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))  # the spawned ranks inherit it
+    code, out, err = run(capsys, "demo", "--steps", "3")
+    assert code == 0, out[-2000:] + err[-2000:]
+    assert "losses match the single-process model" in out
+    assert "pipelined losses match the single-process model" in out
+    assert "median step after the first (slowest rank)" in out and "plan predicted" in out
