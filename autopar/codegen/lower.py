@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from autopar.codegen import ops
 from autopar.codegen.lowerings import lowering
-from autopar.cost_model.gradients import grad_sum_reads
+from autopar.cost_model.gradients import grad_sum_reads, whole_on
 from autopar.cost_model.step import param_gather_groups
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.graph import NodeRef, Role
@@ -90,6 +90,7 @@ class _Emitter:
     def __init__(self, graph, plan, mesh, subset, device, received, synced_as=None):
         self.graph, self.plan, self.mesh, self.device = graph, plan, mesh, device
         self.synced_as = synced_as
+        self.param_of_node = {p.node: p for p in plan.params.values()}
         self.received = received
         self.rereads: dict = {}  # (boundary value, wanted spec) -> its resharded node
         self.subset = subset
@@ -106,7 +107,7 @@ class _Emitter:
         self.origin: str | None = None  # the traced node being lowered
         # gradients whole on these axes (Megatron's convention): steps take that backward, and reads
         # an op splits get their gradient summed (``autopar.cost_model.gradients``)
-        self.identical = tuple(getattr(plan, "identical_axes", ()))
+        self.identical = tuple(plan.identical_axes)
         self.sums = grad_sum_reads(plan, graph, self.identical)
         self.summed: dict = {}  # (value node name, axes) -> its grad_sum node
 
@@ -171,13 +172,13 @@ class _Emitter:
 
     def _synced_like(self, value: fx.Node, name: str, spec) -> fx.Node:
         """A parameter read with its gradient pending on exactly the axes ``synced_as`` syncs."""
-        own = next((p for p in self.plan.params.values() if p.node == name), None)
+        own = self.param_of_node.get(name)
         want = self.synced_as.params.get(own.name) if own is not None else None
         if own is None or want is None:
             return value
         have = set(own.grad_sync[1]) if own.grad_sync else set()
         need = set(want.grad_sync[1]) if want.grad_sync else set()
-        if (have ^ need) - set(self.identical) - set(getattr(self.synced_as, "identical_axes", ())):
+        if (have ^ need) - set(self.identical) - set(self.synced_as.identical_axes):
             raise PlanError(f"{own.name}: this program's gradient sync {sorted(have)} cannot be handed to the "
                             f"reducer's {sorted(need)}")
         if need - have:  # whole here, summed by the reducer: hand it one share
@@ -257,7 +258,7 @@ class _Emitter:
             axes = key[1]
             dims = tuple(e.steps[0].src_dim for _, e in members)
             kw = {"axes": axes, "dims": dims}
-            if self.identical and set(axes) <= set(self.identical):
+            if whole_on(axes, self.identical):
                 kw["whole"] = True
             call = self._emit(ops.autopar_all_gather_group, tuple(self.env[p] for p, _ in members), kw,
                               name=f"{members[0][0]}_group_all_gather")

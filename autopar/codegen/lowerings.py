@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.codegen.ops import autopar_all_reduce, handle
+from autopar.cost_model.gradients import whole_on
 from autopar.errors import PlanError
 from autopar.sharding_spec.rules import embedding as emb_rule
 from autopar.sharding_spec.rules import loss as loss_rule
@@ -191,7 +192,7 @@ def lowering(node, node_plan, graph, identical=()):
         class_axes = tuple(x_spec.dim_axes[cdim])
         batch_axes = tuple(a for d, ax in enumerate(x_spec.dim_axes) if d != cdim for a in ax)
         extra = {"class_axes": class_axes, "batch_axes": batch_axes}
-        if class_axes and set(class_axes) <= set(identical):
+        if whole_on(class_axes, identical):
             extra["whole"] = True
         return autopar_vocab_parallel_cross_entropy, extra, "direct"
     if lowered == {"reduce-partial(mean)"} and target in _SUM_OF_MEAN:

@@ -22,6 +22,7 @@ import contextvars
 import torch
 
 from autopar.codegen import collectives as C
+from autopar.cost_model.gradients import whole_on
 from autopar.errors import AutoparError
 
 _GROUPS: contextvars.ContextVar = contextvars.ContextVar("autopar_mesh_groups", default=None)
@@ -128,7 +129,7 @@ def step_kwargs(step, identical=()) -> dict:
     """The keyword arguments of a step's function, from a ``Step`` or a plan's ``StepPlan``, on a
     plan whose gradients are whole on the ``identical`` axes."""
     kw = {"axes": tuple(step.axes)}
-    if step.kind in WHOLE_KINDS and identical and set(step.axes) <= set(identical):
+    if step.kind in WHOLE_KINDS and whole_on(step.axes, identical):
         kw["whole"] = True
     if step.kind == "all_gather":
         kw["dim"] = step.src_dim

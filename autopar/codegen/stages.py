@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch.utils._pytree as pytree
+
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import unit_of_nodes
 from autopar.ir.graph import Role
@@ -105,11 +107,15 @@ def shared_params(graph, cuts: list[StageCut]) -> dict[str, frozenset]:
 
 
 def loss_position(graph) -> int:
-    """Index of the loss among the model's flat outputs: the first floating-point scalar."""
+    """Index of the loss among the model's flat outputs, as ``train_step`` reads it: a ``loss``
+    entry of a returned dict (a transformers ModelOutput), else the first floating-point scalar."""
     out = next(n for n in graph.nodes.values() if n.op == "output")
+    tree = pytree.tree_unflatten(list(range(len(out.inputs))), graph.exported.call_spec.out_spec)
+    if isinstance(tree, dict) and isinstance(tree.get("loss"), int):
+        return tree["loss"]
     for i, v in enumerate(out.inputs):
         meta = graph.nodes[v].meta
         if meta is not None and not isinstance(meta, tuple) and tuple(meta.shape) == () and "float" in meta.dtype:
             return i
-    raise ConfigError(f"{graph.model_name} returns no scalar loss; a pipelined plan trains a model that computes its loss "
+    raise ConfigError(f"{graph.model_name} returns no scalar loss; train_step trains a model that computes its loss "
                       "in forward (e.g. pass labels to a transformers model)")

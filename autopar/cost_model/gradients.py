@@ -23,9 +23,15 @@ the set can run at all (``identical_ok``) and the seconds it moves in backward
 from __future__ import annotations
 
 from autopar.cost_model.comm import mesh_collective_time
-from autopar.ir.graph import Role
+from autopar.ir.graph import Role, edge_itemsize
 from autopar.sharding_spec.reshard import local_bytes, spec_after
 from autopar.sharding_spec.spec import ShardingSpec
+
+
+def whole_on(axes, identical) -> bool:
+    """Whether a step (or a loss's class axes) over ``axes`` runs under the whole convention: every
+    one of its axes is an identical-gradient axis."""
+    return bool(axes) and set(axes) <= set(identical)
 
 
 def _flat(spec) -> list[ShardingSpec]:
@@ -101,17 +107,21 @@ def _deferred(plan, graph, identical, partial, edges) -> dict[str, tuple[int, ..
     return out
 
 
+def _analysis(plan, graph, identical) -> tuple[dict, dict]:
+    """(``_partial_reads``, ``_deferred``) of the plan for ``identical`` (both empty without it)."""
+    from autopar.cost_model.ops import needs_grad
+
+    if not identical:
+        return {}, {}
+    edges = {(e.dst, e.position): e for e in plan.edges}
+    partial = _partial_reads(plan, graph, identical, needs_grad(graph))
+    return partial, _deferred(plan, graph, identical, partial, edges)
+
+
 def grad_sum_reads(plan, graph, identical) -> dict[tuple[str, int], tuple[int, ...]]:
     """(consumer, input position) -> the identical axes its input's gradient is all-reduced over
     in backward (``autopar_grad_sum`` on that read)."""
-    from autopar.cost_model.ops import needs_grad
-
-    identical = tuple(identical)
-    if not identical:
-        return {}
-    edges = {(e.dst, e.position): e for e in plan.edges}
-    partial = _partial_reads(plan, graph, identical, needs_grad(graph))
-    deferred = _deferred(plan, graph, identical, partial, edges)
+    partial, deferred = _analysis(plan, graph, tuple(identical))
     out = {}
     for (name, pos), axes in partial.items():
         src = graph.nodes[name].inputs[pos]
@@ -125,12 +135,8 @@ def grad_sum_reads(plan, graph, identical) -> dict[tuple[str, int], tuple[int, .
 def param_sync_axes(plan, graph, identical) -> dict[str, tuple[int, ...]]:
     """Parameter fqn -> the axes its gradient is still synchronised over: its planned sync axes,
     less the identical axes on which its gradient comes out whole."""
-    from autopar.cost_model.ops import needs_grad
-
     identical = tuple(identical)
-    edges = {(e.dst, e.position): e for e in plan.edges}
-    partial = _partial_reads(plan, graph, identical, needs_grad(graph)) if identical else {}
-    deferred = _deferred(plan, graph, identical, partial, edges) if identical else {}
+    _, deferred = _analysis(plan, graph, identical)
     out = {}
     for fqn, p in plan.params.items():
         if p.buffer or p.grad_sync is None:
@@ -140,8 +146,9 @@ def param_sync_axes(plan, graph, identical) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def identical_ok(plan, graph, identical) -> str | None:
-    """None when the plan can run with gradients identical on ``identical``; else why not."""
+def identical_ok(plan, graph, identical, sync: dict) -> str | None:
+    """None when the plan can run with gradients identical on ``identical``; else why not.
+    ``sync``: ``param_sync_axes`` of that set."""
     identical = set(identical)
     for e in plan.edges:
         for s in e.steps:
@@ -154,7 +161,6 @@ def identical_ok(plan, graph, identical) -> str | None:
             classes = set(x.dim_axes[cdim])
             if identical & classes and not classes <= identical:
                 return f"{n.name}: class axes {sorted(classes)} only partly identical"
-    sync = param_sync_axes(plan, graph, identical)
     for fqn, p in plan.params.items():
         if p.grad_sync is not None and p.grad_sync[0] != "all_reduce" and tuple(sync[fqn]) != tuple(p.grad_sync[1]):
             return f"{fqn}: a ZeRO-2 gradient would come out whole on axes {sorted(set(p.grad_sync[1]) - set(sync[fqn]))}"
@@ -167,11 +173,10 @@ def backward_reshard_s(edge, mesh, identical, itemsize: int = 4) -> float:
     backward are local and a slice's is an all-gather (of ``itemsize``-byte elements)."""
     if not edge.backward:
         return 0.0
-    identical = set(identical)
     total, spec = 0.0, edge.src_spec
     for s in edge.steps:
         after = spec_after(spec, s)
-        if not (identical and set(s.axes) <= identical):
+        if not whole_on(s.axes, identical):
             total += s.cost_s
         elif s.kind == "slice":
             total += mesh_collective_time("all_gather", local_bytes(spec, mesh.shape, itemsize), mesh, s.axes)
@@ -194,7 +199,6 @@ def grad_sum_s(plan, graph, mesh, identical) -> float:
         spec = plan.nodes[name].inputs[pos]
         edge = edges.get((name, pos))
         key = (node.inputs[pos], spec, axes) if edge is None or not edge.steps else (name, pos, axes)
-        meta = graph.nodes[node.inputs[pos]].meta
-        itemsize = getattr(meta, "itemsize", 4)
+        itemsize = edge_itemsize(graph.nodes[node.inputs[pos]].meta, node)
         seen[key] = mesh_collective_time("all_reduce", local_bytes(spec, mesh.shape, itemsize), mesh, axes)
     return sum(seen.values())

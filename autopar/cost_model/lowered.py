@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from autopar.cost_model.comm import mesh_collective_time
+from autopar.cost_model.gradients import whole_on
 from autopar.sharding_spec.rules.loss import MEAN_SPLIT, VOCAB_PARALLEL
 
 _CLASS_LOSSES = ("cross_entropy", "nll_loss")
@@ -31,7 +32,7 @@ def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int
         local = x.local_shape(mesh)
         samples = math.prod(local) // max(local[cdim], 1)
         if class_axes:
-            backward = 0 if set(class_axes) <= set(identical) else 1
+            backward = 0 if whole_on(class_axes, identical) else 1
             total += ((1 + backward) * mesh_collective_time("all_reduce", samples * itemsize, mesh, class_axes)  # max
                       + mesh_collective_time("all_reduce", 2 * samples * itemsize, mesh, class_axes))  # sum exp, target
         if batch_axes:

@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 
 from autopar.cost_model.comm import mesh_collective_time
-from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s
+from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s, whole_on
 from autopar.cost_model.lowered import lowered_comm_s
-from autopar.ir.graph import Role
+from autopar.ir.graph import Role, edge_itemsize
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
 
@@ -89,14 +89,14 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
             bwd_ops += 1
             backward_compute += n.compute_s * 2 / 3  # node compute is forward + backward (x2)
     overhead = fwd_ops * cluster.op_overhead_s + bwd_ops * cluster.backward_op_overhead_s
-    identical = tuple(getattr(plan, "identical_axes", ()))
+    identical = plan.identical_axes
     groups, grouped = param_gather_groups(graph, plan.edges)
-    reshard = sum(e.forward_s + backward_reshard_s(e, mesh, identical, _itemsize(graph, e.src))
+    reshard = sum(e.forward_s + backward_reshard_s(e, mesh, identical, edge_itemsize(graph.nodes[e.src].meta, graph.nodes[e.dst]))
                   for e in plan.edges if (e.dst, e.position) not in grouped)
     for (_, axes), members in groups.items():  # one gather per group, one reduce-scatter back
         nbytes = sum(e.steps[0].nbytes for _, e in members)
         reshard += mesh_collective_time("all_gather", nbytes, mesh, axes)
-        if any(e.backward for _, e in members) and not (identical and set(axes) <= set(identical)):
+        if any(e.backward for _, e in members) and not whole_on(axes, identical):
             reshard += mesh_collective_time("reduce_scatter", nbytes, mesh, axes)
     in_ops = sum(lowered_comm_s(n.target, n.family, n.inputs, n.output, mesh, identical=identical)
                  for n in plan.nodes.values() if needs_lowering(n.family))
@@ -139,11 +139,6 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         "step_time_s": total,
         "buckets": len(buckets),
     }
-
-
-def _itemsize(graph, name: str) -> int:
-    meta = graph.nodes[name].meta if name in graph.nodes else None
-    return getattr(meta, "itemsize", 4) if not isinstance(meta, tuple) else 4
 
 
 def _bucket_times(totals: dict, mesh, bucket_bytes: int) -> list[float]:

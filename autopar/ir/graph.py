@@ -111,6 +111,18 @@ class Node:
         return f"{self.name} = {self.target}({args}) -> {_fmt_meta(self.meta)}"
 
 
+def edge_itemsize(producer_meta, consumer) -> int:
+    """Bytes per element of the value ``consumer`` reads from a producer (a getitem reads one
+    element of a tuple output)."""
+    meta = producer_meta
+    if isinstance(meta, tuple):
+        if consumer.target == "operator.getitem" and meta[consumer.args[1]] is not None:
+            return meta[consumer.args[1]].itemsize
+        metas = [m for m in meta if m is not None]
+        return metas[0].itemsize if metas else 4
+    return meta.itemsize if meta is not None else 4
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_fmt(v) for v in value) + "]"

@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.codegen import ops
-from autopar.errors import ConfigError
+from autopar.codegen.stages import loss_position
 
 
 DEFAULT_MAX_PROGRAMS = 8
@@ -44,7 +44,7 @@ class Program:
         resharding to whole values (e.g. a language model's logits all-gathered, batch x seq x
         vocab) is left out, since nothing reads them."""
         if self.loss_gm is None:
-            self.loss_gm = _keep_output(self.lowered.gm, loss_index(self.graph, self.out_spec))
+            self.loss_gm = _keep_output(self.lowered.gm, loss_position(self.graph))
         return self.loss_gm
 
 
@@ -65,21 +65,6 @@ def _keep_output(gm: fx.GraphModule, index: int) -> fx.GraphModule:
             v = src
     graph.lint()
     return fx.GraphModule(gm, graph, class_name="AutoparLossProgram")
-
-
-def loss_index(graph, out_spec) -> int:
-    """Which flat output is the loss: the output itself when it is one scalar, else a ``loss``
-    entry, else the first floating-point scalar (as ``train_step`` reads it)."""
-    out = next(n for n in graph.nodes.values() if n.op == "output")
-    metas = [graph.nodes[v].meta for v in out.inputs]
-    tree = pytree.tree_unflatten(list(range(len(metas))), out_spec)
-    if isinstance(tree, dict) and isinstance(tree.get("loss"), int):
-        return tree["loss"]
-    for i, m in enumerate(metas):
-        if m is not None and not isinstance(m, tuple) and tuple(m.shape) == () and "float" in m.dtype:
-            return i
-    raise ConfigError(f"train_step needs a loss: {graph.model_name} returned no scalar (compute the loss in forward, "
-                      "e.g. pass labels to a transformers model)")
 
 
 def call_key(training: bool, args, kwargs) -> tuple:

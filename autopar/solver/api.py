@@ -10,15 +10,15 @@ import time
 from autopar.cost_model.gradients import identical_ok, param_sync_axes
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time
 from autopar.errors import ConfigError, PlanError
-from autopar.ir.graph import Role
+from autopar.ir.graph import Role, edge_itemsize
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import plan_reshard
 from autopar.sharding_spec.strategy import active_axes
 from autopar.solver import ilp
 from autopar.solver.layout import Layout, layout_force
 from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
-from autopar.solver.problem import (build_problem, bucketed_collective_time, edge_itemsize,
-                                    gather_latency_correction, node_choices, produced_spec)
+from autopar.solver.problem import (build_problem, bucketed_collective_time, gather_latency_correction,
+                                    node_choices, produced_spec)
 from autopar.solver.simplify import block_ties, eliminate, prune, recover
 
 log = logging.getLogger(__name__)
@@ -151,24 +151,25 @@ def with_identical_axes(plan: Plan, graph, mesh: Mesh, identical_axes="auto", bu
                 # A tie keeps the dual convention: its sums wait in buckets for the end of backward,
                 # while a whole axis's sums block mid-backward, where ranks sharing cores have drifted
                 # apart (measured: 15 ms per sum on 4 ranks of 2 cores; the model prices a mean skew).
-                if cand is not None and cand.predicted["step_time_s"] < best.predicted["step_time_s"] * (1 - TIE):
+                if isinstance(cand, Plan) and cand.predicted["step_time_s"] < best.predicted["step_time_s"] * (1 - TIE):
                     best = cand
         return best
     axes = tuple(sorted(mesh.axis(a) for a in (identical_axes or ())))
     if not axes:
         return plan
     cand = _identical_plan(plan, graph, mesh, axes, bucket_bytes)
-    if cand is None:
-        raise PlanError(f"this plan cannot keep gradients whole on axes {axes}: {identical_ok(plan, graph, axes)}")
+    if isinstance(cand, str):
+        raise PlanError(f"this plan cannot keep gradients whole on axes {axes}: {cand}")
     return cand
 
 
-def _identical_plan(plan: Plan, graph, mesh: Mesh, axes, bucket_bytes: int) -> Plan | None:
-    """The plan with gradients whole on ``axes``, its parameter syncs and prediction redone; None
-    when it cannot run that way."""
-    if identical_ok(plan, graph, axes) is not None:
-        return None
+def _identical_plan(plan: Plan, graph, mesh: Mesh, axes, bucket_bytes: int) -> Plan | str:
+    """The plan with gradients whole on ``axes``, its parameter syncs and prediction redone; or
+    why it cannot run that way."""
     sync = param_sync_axes(plan, graph, axes)
+    why = identical_ok(plan, graph, axes, sync)
+    if why is not None:
+        return why
     params = {}
     for fqn, p in plan.params.items():
         if fqn in sync and tuple(sync[fqn]) != tuple(p.grad_sync[1]):

@@ -10,6 +10,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from autopar.cost_model.gradients import whole_on
 from autopar.errors import AutoparError, PlanError
 from autopar.sharding_spec.spec import ShardingSpec
 
@@ -245,8 +246,7 @@ class Plan:
                 out.append((s.kind, tuple(s.axes), int(s.nbytes)))
             if e.backward:
                 for s in reversed(e.steps):
-                    whole = self.identical_axes and set(s.axes) <= set(self.identical_axes)
-                    kind = (BACKWARD_OF_WHOLE if whole else BACKWARD_OF)[s.kind]
+                    kind = (BACKWARD_OF_WHOLE if whole_on(s.axes, self.identical_axes) else BACKWARD_OF)[s.kind]
                     if kind is not None:
                         out.append((kind, tuple(s.axes), int(s.nbytes)))
         for p in self.params.values():

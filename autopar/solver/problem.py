@@ -24,7 +24,7 @@ from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
 from autopar.cost_model.ops import needs_grad
-from autopar.ir.graph import NodeRef, Role
+from autopar.ir.graph import NodeRef, Role, edge_itemsize
 from autopar.sharding_spec.reshard import local_bytes, plan_reshard, reshard_costs_from
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import (OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep,
@@ -261,18 +261,6 @@ def _index(items):
     keys: dict = {}
     ids = [keys.setdefault(x, len(keys)) for x in items]
     return np.asarray(ids, dtype=int), list(keys)
-
-
-def edge_itemsize(producer_meta, consumer) -> int:
-    """Bytes per element of the value ``consumer`` reads from a producer (a getitem reads one
-    element of a tuple output)."""
-    meta = producer_meta
-    if isinstance(meta, tuple):
-        if consumer.target == "operator.getitem" and meta[consumer.args[1]] is not None:
-            return meta[consumer.args[1]].itemsize
-        metas = [m for m in meta if m is not None]
-        return metas[0].itemsize if metas else 4
-    return meta.itemsize if meta is not None else 4
 
 
 def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", op_table=None, choices=None,
