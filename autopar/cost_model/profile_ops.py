@@ -15,7 +15,8 @@ without tensor inputs (constants), non-ATen targets, and ops that fail on the lo
 reason is kept in ``table.skipped``; the roofline prices them).
 
 Inputs: floating tensors are ``randn``; integer tensors are zeros (always valid indices and
-targets); boolean tensors are all True (attention masks that mask nothing). Non-tensor arguments
+targets); boolean tensors are all True (attention masks that mask nothing); made once and reused
+by every run, as a training step reuses its memory. Non-tensor arguments
 are passed as traced, so ops whose arguments name sizes (views, ``expand``) are not profiled.
 
 The table is cached as JSON in ``cache_dir()/ops-<device>-torch<version>.json`` and extended, not
@@ -38,8 +39,9 @@ from autopar.cost_model.ops import is_floating, is_view, tensor_inputs
 from autopar.errors import AutoparError
 from autopar.ir.graph import NodeRef
 
-# 2: the call overheads of timing one op alone are subtracted; 3: fastest-half medians
-TABLE_VERSION = 3
+# 2: the call overheads of timing one op alone are subtracted; 3: fastest-half medians; 4: inputs
+# reused across runs (no page faults in the timing)
+TABLE_VERSION = 4
 
 
 def _mask_str(mask) -> str:
@@ -142,7 +144,7 @@ def profile_ops(
     device: str | torch.device = "cpu",
     repeats: int = 5,
     *,
-    warmup: int = 1,
+    warmup: int = 2,
     cache: bool = True,
     directory=None,
     select=None,
@@ -239,8 +241,12 @@ def _time_op(node, shapes, mask, graph, device, repeats: int, warmup: int) -> tu
 
     sync = synchronizer(device)
     forward, backward = [], []
+    # One set of inputs for every run, as a training step reuses its memory: fresh multi-MB inputs
+    # each run made every run pay first-touch page faults (cross-entropy over 512 x 8192 logits timed
+    # 25 ms backward instead of 2.7, and drove plans to vocabulary-parallel losses); the allocator
+    # settles after a run or two, hence the warm-up.
+    tensors = make_inputs()
     for it in range(warmup + repeats):
-        tensors = make_inputs()
         sync()
         t0 = time.perf_counter()
         out = call(tensors)

@@ -16,6 +16,9 @@ and FSDP2 do, with few, large, overlapped collectives:
     finish      the summed (all_reduce) or summed-and-split (reduce_scatter, ZeRO-2) bucket is
                 added into each parameter's ``.grad`` (or becomes it, as views of the bucket).
 
+A bucket keeps its flat buffer from step to step, as DDP does; while a ``.grad`` still views it (an
+optimizer that does not set gradients to None), the next backward takes a new one.
+
 Buckets hold parameters of one (collective, mesh axes, dtype, device), in the reverse of the order
 the forward first reads them (the order backward finishes their gradients): a small first bucket
 (``first_bucket_bytes``) so communication starts early, then ``bucket_bytes`` each.
@@ -107,18 +110,34 @@ class _Bucket:
         self.row_of_shard = list(handle.pg_of_shard)
         self.identity = self.row_of_shard == list(range(self.n))
         self.accum: torch.Tensor | None = None  # parts summed since the last launch
+        self._storage: torch.Tensor | None = None  # the flat buffer, kept from step to step
         self.fired = 0  # entries reported in the current backward
         self.slots = {e.slot for e in entries}
         self._versions: tuple | None = None  # ZeRO-2: chunk versions at the last gather
+        self._gather_buffers: tuple | None = None  # ZeRO-2: (this rank's chunks, every rank's)
 
     # ---- gradients in --------------------------------------------------------------------------
     def add(self, grads) -> None:
         if self.accum is None:
-            size = self.numel * (self.n if self.kind == "reduce_scatter" else 1)
-            self.accum = torch.zeros(size, dtype=self.dtype, device=self.device)
+            self.accum = self._fresh_buffer()
         for e, g in zip(self.entries, grads):
             if g is not None:
                 self._view(self.accum, e).add_(self._layout(e, g))
+
+    def _fresh_buffer(self) -> torch.Tensor:
+        """A zeroed flat buffer: the one of the last step when no ``.grad`` still views it (the
+        usual ``zero_grad()`` sets them to None), else a new one. As DDP keeps its buckets: a new
+        multi-MB buffer each step cost its page faults again (50-150 ms a step on 4 ranks of the
+        10M GPT, more than the all-reduce of it)."""
+        buf = self._storage
+        if buf is not None:
+            ptr = buf.untyped_storage().data_ptr()
+            if any(e.param.grad is not None and e.param.grad.untyped_storage().data_ptr() == ptr for e in self.entries):
+                buf = None
+        if buf is None:
+            size = self.numel * (self.n if self.kind == "reduce_scatter" else 1)
+            buf = self._storage = torch.empty(size, dtype=self.dtype, device=self.device)
+        return buf.zero_()
 
     def _view(self, buf: torch.Tensor, e: SyncEntry) -> torch.Tensor:
         if self.kind == "all_reduce":
@@ -174,10 +193,13 @@ class _Bucket:
         versions = tuple(e.param._version for e in self.entries)
         if versions == self._versions:
             return
-        shard = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        if self._gather_buffers is None:  # kept from step to step (nothing views them)
+            self._gather_buffers = (torch.empty(self.numel, dtype=self.dtype, device=self.device),
+                                    torch.empty(self.n * self.numel, dtype=self.dtype, device=self.device))
+        shard, out = self._gather_buffers
+        shard.zero_()
         for e in self.entries:
             shard[e.offset: e.offset + e.param.numel()].copy_(e.param.detach().reshape(-1))
-        out = shard.new_empty(self.n * self.numel)
         _all_gather_flat(out, shard, group=self.handle.pg)
         rows = out.view(self.n, self.numel)
         if not self.identity:
