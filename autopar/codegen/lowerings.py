@@ -4,7 +4,10 @@
     embedding-vocab-parallel   rules/embedding.py: masked lookup with the rank's row offset; the
                                output is a pending sum over the vocabulary axes.
     loss-batch-split(mean)     rules/loss.py: the op with reduction="sum", divided by the GLOBAL
-                               denominator; a pending sum over the batch axes.
+                               denominator; a pending sum over the batch axes. Cross entropy
+                               over class indices runs fused (``VocabParallelCrossEntropy``
+                               without collectives): ATen's makes four logits-sized tensors,
+                               whose allocation and page faults cost more than the op.
     loss-vocab-parallel        rules/loss.py: cross entropy over split classes (Megatron-style
                                max / sum-exp / target-logit all-reduces); replicated over them.
 
@@ -16,6 +19,7 @@ dual-layout convention (their all-reduces are ``collectives.AllReduce``: P -> R,
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 import torch.distributed as dist
@@ -28,6 +32,7 @@ from autopar.sharding_spec.rules import loss as loss_rule
 from autopar.sharding_spec.strategy import LOWERED_FAMILIES
 
 SUM = 2
+CROSS_ENTROPY = "aten.cross_entropy_loss.default"
 CLASS_LOSSES = {"aten.cross_entropy_loss.default", "aten.nll_loss_forward.default", "aten.nll_loss.default",
                 "aten.nll_loss_nd.default", "aten.nll_loss2d_forward.default"}
 # the positional index of ``reduction`` per loss op
@@ -88,6 +93,11 @@ def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None):
     divided by the global denominator (``count`` when static, else the weighted count of valid
     targets, all-reduced). A pending sum over ``batch_axes``; further outputs (nll's total_weight)
     are local sums, already pending sums."""
+    if op == CROSS_ENTROPY and count is None and _fusable_cross_entropy(args, kwargs):
+        # the fused cross entropy (no class split): one logits-sized tensor instead of four
+        target, ignore_index = args[1], _arg(args, kwargs, 4, "ignore_index", -100)
+        loss = VocabParallelCrossEntropy.apply(args[0], target, ignore_index, _CLASSES_WHOLE).sum()
+        return loss / class_denominator(target, None, ignore_index, loss.dtype, batch_axes)
     args, kwargs = _with_arg(args, kwargs, REDUCTION_POS[op], "reduction", SUM)
     out = _aten(op)(*args, **kwargs)
     loss = out[0] if isinstance(out, tuple) else out
@@ -97,6 +107,13 @@ def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None):
         target, weight = args[1], _arg(args, kwargs, 2, "weight")
         loss = loss / class_denominator(target, weight, _arg(args, kwargs, 4, "ignore_index", -100), loss.dtype, batch_axes)
     return (loss, *out[1:]) if isinstance(out, tuple) else loss
+
+
+def _fusable_cross_entropy(args, kwargs) -> bool:
+    """Class-index targets, no class weight, no label smoothing: what the fused loss computes."""
+    x, target = args[0], args[1]
+    return (x.is_floating_point() and not target.is_floating_point() and _arg(args, kwargs, 2, "weight") is None
+            and not _arg(args, kwargs, 5, "label_smoothing", 0.0))
 
 
 def autopar_vocab_parallel_cross_entropy(x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0, *,
@@ -163,6 +180,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         dx.scatter_add_(cdim, local_t, -(per_sample * hit.unsqueeze(cdim).to(per_sample.dtype)))
         return dx, None, None, None, None
 
+
+# the group of a class dim held whole: the fused loss without collectives
+_CLASSES_WHOLE = types.SimpleNamespace(size=1, index=0, pg=None)
 
 _SUM_OF_MEAN = {"aten.mean.default": "aten.sum.default", "aten.mean.dim": "aten.sum.dim_IntList"}
 
