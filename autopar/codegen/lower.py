@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from autopar.codegen import ops
 from autopar.codegen.lowerings import lowering
-from autopar.cost_model.gradients import grad_sum_reads, whole_on
+from autopar.cost_model.gradients import grad_sum_reads, output_whole_axes, whole_on
 from autopar.cost_model.step import param_gather_groups
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.graph import NodeRef, Role
@@ -207,8 +207,9 @@ class _Emitter:
         self.boundary.append(name)
 
     # ---- edges -------------------------------------------------------------------------------
-    def _reshard(self, value: fx.Node, src: str, dst: str, pos: int, want) -> fx.Node:
-        """``value`` (``src``'s output as ``dst`` reads it) after the plan's steps on that edge."""
+    def _reshard(self, value: fx.Node, src: str, dst: str, pos: int, want, whole=()) -> fx.Node:
+        """``value`` (``src``'s output as ``dst`` reads it) after the plan's steps on that edge;
+        ``whole``: axes on which the steps' output gradients are whole besides the plan's."""
         edge = self.edges.get((dst, pos))
         if edge is None and src in self.received:
             return self._reread(value, src, want)
@@ -227,10 +228,11 @@ class _Emitter:
         if (dst, pos) in self.group_of:
             return self._gathered_param(self.group_of[(dst, pos)], src)
         spec = edge.src_spec
+        identical = tuple(sorted(set(self.identical) | set(whole)))
         for step in edge.steps:
             spec = spec_after(spec, step)
             fn = ops.STEP_FUNCTIONS[step.kind]
-            value = self._emit(fn, (value,), ops.step_kwargs(step, self.identical), name=f"{src}_{step.kind}", spec=spec)
+            value = self._emit(fn, (value,), ops.step_kwargs(step, identical), name=f"{src}_{step.kind}", spec=spec)
         if spec != edge.dst_spec:
             raise PlanError(f"edge {src} -> {dst}: the plan's steps end at {spec}, not at {edge.dst_spec}")
         return value
@@ -308,15 +310,24 @@ class _Emitter:
         self.env[node.name] = out
 
     def _output(self, node):
+        """The graph's outputs, replicated, each with its backward seed. Every rank seeds an output
+        with the same gradient, so on the axes its own gathers and all-reduces run over the seed is
+        whole: their backwards keep a chunk or nothing (not a reduce-scatter or an all-reduce of a
+        seed held by one rank, as the dual layout would; DDP's loss has no collective at all)."""
         node_plan = self._plan_of(node.name)
-        vals = self._read_inputs(node, node_plan)
-        whole = tuple(sorted(set(self.plan.idle_axes) | set(self.identical)))
-        seeded = [
-            self._emit(ops.autopar_backward_seed, (v,), {"idle_axes": whole} if whole else None,
-                       name=f"{v.name}_out", spec=self.specs.get(v.name))
-            if _is_float_tensor(self.graph.nodes[src].meta) else v
-            for v, src in zip(vals, node.inputs)
-        ]
+        base = set(self.plan.idle_axes) | set(self.identical)
+        seeded = []
+        for pos, src in enumerate(node.inputs):
+            want = node_plan.inputs[pos] if pos < len(node_plan.inputs) else None
+            edge = self.edges.get((node.name, pos))
+            steps = edge.steps if edge is not None and (node.name, pos) not in self.group_of else ()
+            gathered = output_whole_axes(steps)
+            v = self._reshard(self.env[src], src, node.name, pos, want, whole=gathered)
+            whole = tuple(sorted(base | set(gathered)))
+            if _is_float_tensor(self.graph.nodes[src].meta):
+                v = self._emit(ops.autopar_backward_seed, (v,), {"idle_axes": whole} if whole else None,
+                               name=f"{v.name}_out", spec=self.specs.get(v.name))
+            seeded.append(v)
         structure = node.args[0] if len(node.args) == 1 else node.args
         flat = _subst(structure, iter(seeded), self.device)
         return flat if isinstance(flat, (tuple, list)) else (flat,)

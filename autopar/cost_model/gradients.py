@@ -167,6 +167,18 @@ def identical_ok(plan, graph, identical, sync: dict) -> str | None:
     return None
 
 
+OUTPUT_WHOLE_KINDS = ("all_gather", "all_reduce")
+
+
+def output_whole_axes(steps) -> tuple[int, ...]:
+    """Axes on which an output's gradient is whole because of its own steps: every rank seeds a
+    graph output with the same gradient, so where the steps bringing it to every rank are gathers
+    and all-reduces their backwards keep a chunk or nothing (codegen's ``_output``)."""
+    if not steps or any(s.kind not in OUTPUT_WHOLE_KINDS for s in steps):
+        return ()
+    return tuple(sorted({a for s in steps for a in s.axes}))
+
+
 def backward_reshard_s(edge, mesh, identical, itemsize: int = 4) -> float:
     """Seconds of the backward of ``edge``'s steps: each step's dual priced as its forward under the
     dual convention; under the identical one a gather's, an all-reduce's and a to_partial's

@@ -7,7 +7,7 @@ import logging
 import math
 import time
 
-from autopar.cost_model.gradients import identical_ok, param_sync_axes
+from autopar.cost_model.gradients import identical_ok, output_whole_axes, param_sync_axes
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.graph import Role, edge_itemsize
@@ -314,7 +314,9 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
             continue
         rp = plan_reshard(s_spec, d_spec, mesh, edge_itemsize(graph.nodes[src].meta, graph.nodes[dst]))
         steps = [StepPlan(st.kind, tuple(st.axes), int(st.nbytes), float(st.cost), st.src_dim, st.dst_dim) for st in rp.steps]
-        edges.append(EdgePlan(src, dst, pos, s_spec, d_spec, steps, src in built.requires_grad))
+        # an output's gathers and all-reduces run no backward collective (codegen seeds it whole)
+        backward = src in built.requires_grad and not output_whole_axes(rp.steps if graph.nodes[dst].op == "output" else ())
+        edges.append(EdgePlan(src, dst, pos, s_spec, d_spec, steps, backward))
     params = {}
     for fqn, node_name in list(graph.params.items()) + list(graph.buffers.items()):
         if node_name not in choices:

@@ -31,8 +31,11 @@ def _inputs(batch=8, seq=512, d=1024):
 
 
 # Megatron's layout, by hand: fc1 column-parallel, fc2 row-parallel (its output all-reduced), the
-# layer norm and the residual add replicated over the tensor-parallel axis.
-MEGATRON = {"linear": "1d-col", "linear_1": "1d-row", "add": "replicate", "layer_norm": "replicate"}
+# layer norm, the residual add and the loss replicated over the tensor-parallel axis. (Left free,
+# the loss splits over it: its output all-reduce has no backward, and the slice that feeds it
+# would all-gather in a whole backward.)
+MEGATRON = {"linear": "1d-col", "linear_1": "1d-row", "add": "replicate", "layer_norm": "replicate",
+            "sub": "replicate", "pow_1": "replicate", "mean": "replicate"}
 
 
 def _megatron(identical_axes="auto"):

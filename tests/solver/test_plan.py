@@ -105,8 +105,15 @@ def test_bf16_tuple_outputs_price_their_element_bytes():
 
 def ilp_objective(plan) -> float:
     """The ILP's objective re-added from the plan: node prices (ops' compute, parameters'
-    optimizer step), edge reshards (forward and backward) and the parameters' gradient sync."""
-    return (sum(n.compute_s for n in plan.nodes.values()) + sum(e.cost_s for e in plan.edges)
+    optimizer step, collectives inside lowered ops), edge reshards (forward and backward) and the
+    parameters' gradient sync."""
+    from autopar.cost_model.lowered import lowered_comm_s
+    from autopar.sharding_spec.strategy import needs_lowering
+
+    mesh = autopar.Mesh.from_dict(plan.mesh)
+    in_ops = sum(lowered_comm_s(n.target, n.family, n.inputs, n.output, mesh)
+                 for n in plan.nodes.values() if needs_lowering(n.family))
+    return (sum(n.compute_s for n in plan.nodes.values()) + in_ops + sum(e.cost_s for e in plan.edges)
             + sum(p.grad_sync_s for p in plan.params.values()))
 
 
