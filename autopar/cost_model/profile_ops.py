@@ -40,8 +40,9 @@ from autopar.errors import AutoparError
 from autopar.ir.graph import NodeRef
 
 # 2: the call overheads of timing one op alone are subtracted; 3: fastest-half medians; 4: inputs
-# reused across runs (no page faults in the timing)
-TABLE_VERSION = 4
+# reused across runs (no page faults in the timing); 5: live tables scaled by the slowest rank's
+# contention
+TABLE_VERSION = 5
 
 
 def _mask_str(mask) -> str:
