@@ -330,7 +330,8 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                     if sol is not None and virtual > 1:
                         sol.step_time = interleaved_time(sol.stage_times, len(sol.stages) // virtual, virtual, count)
                     if sol is not None:
-                        sol.step_time = shared_core_time(sol, devices[keep], count, contention, mesh.shape[0])
+                        sol.step_time = shared_core_time(sol, devices[keep], count, contention, mesh.shape[0],
+                                                         schedule if virtual == 1 else "interleaved-1f1b")
                     if sol is not None and (found is None or sol.step_time < found[0].step_time - 1e-15):
                         sol.stages = [(i, j, int(np.flatnonzero(keep)[m])) for i, j, m in sol.stages]
                         found = (sol, count, schedule, variants, graph, groups)
@@ -419,18 +420,65 @@ def interleaved_time(stage_times, ranks: int, virtual: int, count: int) -> float
     return float((count + (ranks - 1) / virtual) * busiest)
 
 
-def shared_core_time(sol, devices: np.ndarray, count: int, contention: float, total_rows: int) -> float:
+def shared_core_time(sol, devices: np.ndarray, count: int, contention: float, total_rows: int,
+                     schedule: str = "1f1b") -> float:
     """A pipeline's step time where ranks share CPU cores (``rank_contention`` c > 1: an op runs c
-    times slower while every rank computes). Stage prices assume every rank busy; in a pipeline's
-    bubbles fewer are, and the busy ones run faster, up to c times. So the step is the larger of
-    the schedule's critical path at full speed (the DP's time / c) and the host's capacity: every
-    stage's work (``count`` microbatches on its devices) spread over all devices at the contended
-    speed. With c = 1 (a device per rank) it is the DP's time."""
-    if contention <= 1.0:
+    times slower while every rank computes). Stage prices assume every rank busy; in a pipeline
+    fewer are at times (fill, drain, a stage waiting for its neighbour), and the busy ones run
+    faster. So the schedule is simulated (``simulate_shared``): each stage runs its microbatches'
+    forwards (a third of its time) and backwards in the schedule's order, and the busy ranks share
+    the host's capacity (``total_rows / c`` ranks' worth of full speed). Interleaved schedules, and
+    c = 1 (a device per rank), keep the DP's time."""
+    if contention <= 1.0 or schedule not in ("1f1b", "gpipe"):
         return sol.step_time
     rows = [int(devices[m]) for _, _, m in sol.stages]
-    work = sum(count * t * r for t, r in zip(sol.stage_times, rows)) / total_rows
-    return max(sol.step_time / contention, work)
+    alone = [t / contention for t in sol.stage_times]
+    return simulate_shared(alone, rows, count, schedule, total_rows / contention)
+
+
+def simulate_shared(alone_s, rows, count: int, schedule: str, capacity: float) -> float:
+    """Seconds of one step of a GPipe or 1F1B pipeline whose stage ``s`` takes ``alone_s[s]`` per
+    microbatch (forward one third, backward two) at full speed on ``rows[s]`` ranks, where the busy
+    ranks share ``capacity`` ranks' worth of full speed (each runs at min(1, capacity / busy)).
+    Forward k of a stage waits for forward k of the one before, backward k for backward k of the
+    one after and its own forward k; each stage runs its tasks in the schedule's order (1F1B: the
+    warm-up forwards, then one forward and one backward in turn, then the remaining backwards)."""
+    p = len(alone_s)
+    orders = []
+    for st in range(p):
+        warm = count if schedule == "gpipe" else min(p - st - 1, count)
+        order = [("F", k) for k in range(warm)]
+        for k in range(count - warm):
+            order += [("F", warm + k), ("B", k)]
+        order += [("B", k) for k in range(count - warm, count)]
+        orders.append(order)
+    done: set = set()
+    nxt = [0] * p
+    left = [None] * p  # remaining full-speed seconds of the task in progress
+    now = 0.0
+    while any(i < len(o) for i, o in zip(nxt, orders)):
+        for st in range(p):
+            if left[st] is None and nxt[st] < len(orders[st]):
+                kind, k = orders[st][nxt[st]]
+                deps = [("F", st - 1, k)] if kind == "F" and st else []
+                if kind == "B":
+                    deps = [("F", st, k)] + ([("B", st + 1, k)] if st < p - 1 else [])
+                if all(d in done for d in deps):
+                    left[st] = alone_s[st] * (1 / 3 if kind == "F" else 2 / 3)
+        running = [st for st in range(p) if left[st] is not None]
+        if not running:  # cannot happen for these schedules; never loop forever
+            raise PlanError(f"pipeline simulation stalled ({schedule}, {p} stages, {count} microbatches)")
+        speed = min(1.0, capacity / sum(rows[st] for st in running))
+        dt = min(left[st] for st in running) / speed
+        now += dt
+        for st in running:
+            left[st] -= dt * speed
+            if left[st] <= 1e-12:
+                kind, k = orders[st][nxt[st]]
+                done.add((kind, st, k))
+                nxt[st] += 1
+                left[st] = None
+    return now
 
 
 def _stage_shapes(devices: np.ndarray, rows: int, stages: int | None, equal: bool):

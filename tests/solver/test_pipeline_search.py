@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,9 +12,10 @@ import autopar
 from autopar import ir, models
 from autopar.errors import ConfigError, PlanError
 from autopar.solver.pipeline import (
-    Pipeline, _search_counts, layer_groups, microbatch_candidates, row_options, search, sub_mesh, unit_of_nodes,
-    unit_prices,
+    Pipeline, _search_counts, layer_groups, microbatch_candidates, row_options, search, shared_core_time,
+    simulate_shared, sub_mesh, unit_of_nodes, unit_prices,
 )
+from autopar.solver.stage_dp import StageSolution
 
 
 def test_microbatch_candidates():
@@ -284,3 +286,34 @@ def test_gpt3_175b_plans_with_pipeline_stages_like_megatron():
     params = sum(t.numel() for t in model.parameters())
     mfu = 6 * params * 1536 * 2048 / (s["step_time_s"] * 1024 * 312e12)
     assert 0.40 <= mfu <= 0.60, mfu
+
+
+# ---- pipelines on shared cores ---------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("times", [[3.0, 3.0, 3.0, 3.0], [1.0, 2.0, 4.0], [2.0, 5.0]])
+@pytest.mark.parametrize("count", [1, 2, 4, 8])
+def test_simulation_with_a_core_per_rank_is_the_schedule_formula(schedule, times, count):
+    # enough capacity for every rank: GPipe and 1F1B take sum + (B - 1) * max (Alpa's objective)
+    got = simulate_shared(times, [1] * len(times), count, schedule, capacity=100.0)
+    assert got == pytest.approx(sum(times) + (count - 1) * max(times))
+
+
+def test_simulation_shares_the_host_among_busy_ranks():
+    # one stage on every rank: all 4 busy, each at capacity / 4 of full speed
+    assert simulate_shared([1.0], [4], 1, "1f1b", capacity=2.0) == pytest.approx(2.0)
+    # 2 stages of 2 ranks on a host of 2 ranks' capacity, 1F1B, 2 microbatches, stage time 3
+    # (forward 1, backward 2), worked by hand: s0 F0 alone [0, 1]; s0 F1 + s1 F0 at half speed
+    # [1, 3]; s1 B0 alone [3, 5]; s0 B0 + s1 F1 at half speed [5, 7] (B0 has 1 left); s0 B0 +
+    # s1 B1 at half speed [7, 9] (B1 has 1 left); s1 B1 alone [9, 10]; s0 B1 alone [10, 12]
+    assert simulate_shared([3.0, 3.0], [2, 2], 2, "1f1b", capacity=2.0) == pytest.approx(12.0)
+    # idle stages cost nothing when the others can use their share: a short first stage
+    short = simulate_shared([0.3, 3.0], [2, 2], 4, "1f1b", capacity=2.0)
+    assert short < simulate_shared([3.0, 3.0], [2, 2], 4, "1f1b", capacity=2.0)
+
+
+def test_shared_core_time_keeps_the_dp_time_on_devices_of_their_own():
+    sol = StageSolution([(0, 0, 0), (1, 1, 0)], step_time=7.0, t_max=4.0, stage_times=[3.0, 4.0])
+    assert shared_core_time(sol, np.array([1]), 2, 1.0, 2) == 7.0
+    assert shared_core_time(sol, np.array([1]), 2, 2.0, 2, "interleaved-1f1b") == 7.0
+    # c = 2 on 2 ranks: capacity 1, stage times at full speed 1.5 and 2
+    assert shared_core_time(sol, np.array([1]), 2, 2.0, 2) == pytest.approx(simulate_shared([1.5, 2.0], [1, 1], 2, "1f1b", 1.0))
