@@ -202,3 +202,15 @@ def test_zero3_gathers_each_layers_parameters_in_one_collective():
     code = lower(graph, plan, mesh).code
     assert code.count("autopar_all_gather_group(") == 3  # two blocks and the rest
     assert "autopar_all_gather(p_" not in code  # no parameter gathered alone
+
+
+def test_an_outputs_all_reduce_keeps_the_seed_whole():
+    # the batch-split loss is all-reduced to every rank with the whole backward (identity), and
+    # every rank keeps its seed on that axis: no all-reduce of the seed at the start of backward
+    model, inputs = models.build("gpt", layers=1)
+    graph = ir.trace(model, inputs)
+    mesh = autopar.Mesh((4,), cluster="cpu-gloo")
+    plan = autopar.plan(model, mesh, inputs, graph=graph, force=autopar.Layout(dp=4))
+    code = lower(graph, plan, mesh).code
+    assert "autopar_all_reduce(cross_entropy_loss, axes = (0,), whole = True)" in code
+    assert "autopar_backward_seed(cross_entropy_loss_all_reduce, idle_axes = (0,))" in code

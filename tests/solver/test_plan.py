@@ -142,3 +142,16 @@ def test_diff_sees_totals_and_cluster_changes():
     lines = a.diff(c).lines()
     assert any(line.startswith("cluster: cpu-gloo -> a100-80g") for line in lines)
     assert not any(line.startswith("mesh:") for line in lines)
+
+
+def test_an_outputs_all_reduce_has_no_backward():
+    # every rank seeds the loss with the same gradient: the all-reduce that brings the batch-split
+    # loss to every rank runs forward only (codegen seeds it whole), and is priced so
+    model, inputs = models.build("gpt", layers=1)
+    plan = autopar.plan(model, autopar.Mesh((4,), cluster="cpu-gloo"), inputs, force=autopar.Layout(dp=4))
+    assert plan.nodes["cross_entropy_loss"].family == "loss-batch-split(mean)"
+    (out,) = [e for e in plan.edges if e.dst == "output"]
+    assert [s.kind for s in out.steps] == ["all_reduce"] and not out.backward
+    assert out.cost_s == out.forward_s
+    loss_bytes = out.steps[0].nbytes
+    assert plan.summary()["collectives"].count(("all_reduce", (0,), loss_bytes)) == 1
