@@ -1,4 +1,5 @@
-"""The fused vocabulary-parallel cross entropy on one rank (the class axes of size 1): loss and
+"""The lowerings on one rank, through the real functions against torch: the fused vocabulary-
+parallel cross entropy (the class axes of size 1), batch-split mean losses, split means. Loss and
 gradient equal torch's, ignored targets included. Split over ranks it runs in
 tests/runtime/test_parallelize.py (the vocab-parallel lm and every GPT plan with that loss)."""
 import pytest
@@ -78,3 +79,38 @@ def test_batch_split_mean_cross_entropy_equals_torch(case):
     assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-6)
     assert torch.allclose(gx, gref, rtol=1e-5, atol=1e-7)
     assert ("VocabParallelCrossEntropyBackward" in _grad_fns(loss)) == fused
+
+
+@pytest.mark.parametrize("op, ref, extra", [
+    ("aten.mse_loss.default", F.mse_loss, ()),
+    ("aten.l1_loss.default", F.l1_loss, ()),
+    ("aten.smooth_l1_loss.default", lambda x, y: F.smooth_l1_loss(x, y, beta=0.5), (0.5,)),
+    ("aten.huber_loss.default", lambda x, y: F.huber_loss(x, y, delta=2.0), (2.0,)),
+    ("aten.binary_cross_entropy_with_logits.default", F.binary_cross_entropy_with_logits, (None, None)),
+])
+def test_batch_split_mean_of_elementwise_losses_equals_torch(op, ref, extra):
+    # the lowering runs the op with reduction="sum" and divides by the global element count: on one
+    # rank holding everything, torch's mean, value and gradient
+    from autopar.codegen.lowerings import REDUCTION_POS, autopar_loss_global_mean
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 5, generator=g).requires_grad_()
+    y = torch.rand(6, 5, generator=g) * 3 if "binary" not in op else torch.rand(6, 5, generator=g)
+    args = [x, y, *extra]
+    args.insert(REDUCTION_POS[op], 1)  # reduction=mean, as traced; the lowering makes it a sum
+    loss = autopar_loss_global_mean(op, tuple(args), {}, batch_axes=(), count=x.numel())
+    (gx,) = torch.autograd.grad(loss, x)
+    x_ref = x.detach().clone().requires_grad_()
+    expected = ref(x_ref, y)
+    (gref,) = torch.autograd.grad(expected, x_ref)
+    assert torch.allclose(loss, expected, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(gx, gref, rtol=1e-5, atol=1e-7)
+
+
+def test_mean_as_sum_divides_by_the_global_count():
+    from autopar.codegen.lowerings import autopar_mean_as_sum
+
+    x = torch.randn(4, 6, 8)
+    # a rank holding a quarter of dim 0 of a (16, 6, 8) tensor: its share of the global mean
+    assert torch.allclose(autopar_mean_as_sum("aten.mean.dim", (x, [0, 2]), {}, count=16 * 8), x.sum((0, 2)) / 128)
+    assert torch.allclose(autopar_mean_as_sum("aten.mean.default", (x,), {}, count=x.numel()), x.mean())
