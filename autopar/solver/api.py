@@ -315,7 +315,8 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
         rp = plan_reshard(s_spec, d_spec, mesh, edge_itemsize(graph.nodes[src].meta, graph.nodes[dst]))
         steps = [StepPlan(st.kind, tuple(st.axes), int(st.nbytes), float(st.cost), st.src_dim, st.dst_dim) for st in rp.steps]
         # an output's gathers and all-reduces run no backward collective (codegen seeds it whole)
-        backward = src in built.requires_grad and not output_whole_axes(rp.steps if graph.nodes[dst].op == "output" else ())
+        output_only = graph.nodes[dst].op == "output" and bool(output_whole_axes(rp.steps))
+        backward = src in built.requires_grad and not output_only
         edges.append(EdgePlan(src, dst, pos, s_spec, d_spec, steps, backward))
     params = {}
     for fqn, node_name in list(graph.params.items()) + list(graph.buffers.items()):

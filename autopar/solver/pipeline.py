@@ -330,8 +330,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                     if sol is not None and virtual > 1:
                         sol.step_time = interleaved_time(sol.stage_times, len(sol.stages) // virtual, virtual, count)
                     if sol is not None:
-                        sol.step_time = shared_core_time(sol, devices[keep], count, contention, mesh.shape[0],
-                                                         schedule if virtual == 1 else "interleaved-1f1b")
+                        sol.step_time = shared_core_time(sol, devices[keep], count, contention, mesh.shape[0], schedule)
                     if sol is not None and (found is None or sol.step_time < found[0].step_time - 1e-15):
                         sol.stages = [(i, j, int(np.flatnonzero(keep)[m])) for i, j, m in sol.stages]
                         found = (sol, count, schedule, variants, graph, groups)

@@ -284,14 +284,14 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
                 continue
             prod, cons = choices[src], choices[node.name]
             share = shares.get((src, node.layer), 1.0)
-            key = (id(prod.strategies), id(cons.strategies), pos, src in grad and node.op != "output",
+            # an output's steps (gathers and all-reduces) have a local backward: its seed is whole
+            # on every rank (cost_model.gradients.output_whole_axes)
+            backward = src in grad and node.op != "output"
+            key = (id(prod.strategies), id(cons.strategies), pos, backward,
                    node.args[1] if node.target == "operator.getitem" else None,
                    edge_itemsize(graph.nodes[src].meta, node), share)
             if key not in memo:
-                # an output's steps (gathers and all-reduces) have a local backward: its seed is
-                # whole on every rank (cost_model.gradients.output_whole_axes)
-                memo[key] = edge_matrix(graph, prod, cons, pos, mesh, with_backward=src in grad and node.op != "output",
-                                        latency_share=share)
+                memo[key] = edge_matrix(graph, prod, cons, pos, mesh, with_backward=backward, latency_share=share)
             mat = memo[key]
             edge_list.append((src, node.name, pos))
             key = (src, node.name)
