@@ -31,7 +31,9 @@ from autopar.runtime.process_groups import MeshGroups
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.spec import ShardingSpec
 
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                    "zero-bubble": "ScheduleInterleavedZeroBubble"}
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")  # torch's classes that take a list of stages
 
 
 @dataclasses.dataclass
@@ -93,11 +95,16 @@ class _StageProgram(nn.Module):
     """The module a ``PipelineStage`` runs: this stage's program over the received values. It owns
     no parameters (the ParallelModule does; gradients reach them through its reducer's taps)."""
 
-    def __init__(self, pmodel, program, cut: StageCut, last: bool, recompute: bool, unit_of: dict | None = None):
+    def __init__(self, pmodel, program, cut: StageCut, last: bool, recompute: bool, unit_of: dict | None = None,
+                 split_backward: bool = False):
         super().__init__()
         object.__setattr__(self, "pmodel", pmodel)
         object.__setattr__(self, "feeds", program)  # the Program: its lowered graph and state slots
         self.cut, self.last = cut, last
+        # Under a split backward: microbatch -> (state slot, the view of it the program read).
+        self.weight_reads: dict | None = {} if split_backward else None
+        self.chunk = 0  # the microbatch the stage runs (set by the split-backward stage)
+        self.read_slots = {slot for slot in program.state_slots if slot is not None}
         gm = program.lowered.gm
         # Recomputation per layer, as the plan priced it: one checkpointed piece per layer.
         self.program = checkpointed_by_layer(gm, unit_of, pmodel._ap.groups) if recompute else gm
@@ -109,6 +116,12 @@ class _StageProgram(nn.Module):
         feed = [vals[n] for n in lowered.inputs] + [vals[n] for n in lowered.boundary_inputs]
         state = [owner._parameters[a] if a in owner._parameters else owner._buffers[a] for owner, a in ap.slots]
         state = ap.reducer.tap(state) if torch.is_grad_enabled() else ap.reducer.working_copies(state)
+        if self.weight_reads is not None and torch.is_grad_enabled():  # a split backward: one view per parameter
+            reads = [(slot, state[slot].view_as(state[slot])) for slot in sorted(self.read_slots)
+                     if state[slot].requires_grad]
+            for slot, view in reads:
+                state[slot] = view
+            self.weight_reads[self.chunk] = reads
         state = self.feeds.state_inputs(state)
 
         with ops.bind(ap.groups):
@@ -160,6 +173,124 @@ def checkpointed_by_layer(gm, unit_of: dict, groups) -> nn.Module:
     return split
 
 
+_SPLIT_STAGE = None
+
+
+def _split_backward_stage():
+    """``PipelineStage`` whose backward splits into an input half and a weight half (what torch's
+    zero-bubble schedules run), through autopar's gradient taps.
+
+    torch finds each weight's branch of the stage's autograd graph from ``submod.parameters()``.
+    autopar's stage module owns no parameters, and the program reads most through a bucket's tap
+    (one autograd node for many parameters, which would join every weight's branch into one).
+    So under this stage the program reads every parameter through a view of its own
+    (``_StageProgram.weight_reads``): torch's input half runs as is with those views as the
+    weights (it computes the stage's input gradients only, keeping the gradients where each
+    weight's branch leaves that path); the weight half (``backward_weights``) computes each view's
+    gradient from them and hands it to the reducer's bucket, or to ``.grad`` for a parameter no
+    collective synchronises."""
+    global _SPLIT_STAGE
+    if _SPLIT_STAGE is None:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining._backward import stage_backward_input
+
+        class SplitBackwardStage(PipelineStage):
+            def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+                self.submod.chunk = fwd_chunk_id
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+            def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+                self.submod.chunk = bwd_chunk_id
+                return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+            def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+                self.submod.chunk = bwd_chunk_id
+                return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+            def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+                reads = self.submod.weight_reads
+                if backward_type == "input":
+                    views = [v for _, v in reads[self.submod.chunk]]
+                    return stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                                bwd_kwargs["input_values"], iter(views))
+                if backward_type == "weight":
+                    backward_weights(self.submod.pmodel, reads.pop(self.submod.chunk), bwd_kwargs["param_groups"])
+                    return (), None
+                reads.pop(self.submod.chunk, None)  # the first stage's whole backward reaches the taps itself
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+        _SPLIT_STAGE = SplitBackwardStage
+    return _SPLIT_STAGE
+
+
+def backward_weights(pmodel, reads: list, param_groups: list) -> None:
+    """The weight half of a split backward. ``reads``: (state slot, the view the program read)
+    per parameter; ``param_groups``: torch's input half's record, per group of weights (views)
+    the nodes where their branches left the input path and the gradients those nodes received.
+    Per group, as torch does: one ``autograd.grad`` from those nodes to the group's views
+    (intermediates clamped to their saved gradients when there are several, so none counts
+    twice); the gradients go, in one hand-off, where a backward through the views would have sent
+    them."""
+    from torch.autograd.graph import GradientEdge
+
+    slot_of = {v.grad_fn: slot for slot, v in reads}
+    found = {}
+    for nodes, saved, inters in _disjoint(param_groups):
+        edges, grads = [], []
+        for grads_in, node in zip(saved, inters):
+            for i, g in enumerate(grads_in or ()):  # None: no gradient reached this intermediate
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        if not edges:
+            continue
+        handles = [node.register_prehook(lambda _, kept=grads_in: kept) for grads_in, node in zip(saved, inters)] \
+            if len(inters) > 1 else []
+        try:
+            dws = torch.autograd.grad(edges, [GradientEdge(n, 0) for n in nodes], grad_outputs=grads, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        found.update((slot_of[n], dw) for n, dw in zip(nodes, dws) if dw is not None)
+    pmodel._ap.reducer.accumulate(found, pmodel._ap.slots)
+
+
+def _disjoint(param_groups: list) -> list[tuple[list, list, list]]:
+    """torch's groups merged where they share a weight or an intermediate (torch's grouping can
+    leave a weight in two groups), as (weights, saved gradients, intermediates); groups no
+    gradient reached are dropped."""
+    parent = list(range(len(param_groups)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner = {}
+    for i, group in enumerate(param_groups):
+        for node in [*group["params"], *group.get("intermediates", [])]:
+            if node in owner:
+                parent[root(i)] = root(owner[node])
+            else:
+                owner[node] = i
+    merged: dict = {}
+    for i, group in enumerate(param_groups):
+        saved = group.pop("grads", None)
+        inters = group.pop("intermediates", [])
+        nodes, grads, seen = merged.setdefault(root(i), ([], [], {}))
+        nodes.extend(n for n in group["params"] if n not in nodes)
+        for g, node in zip(saved or [], inters):
+            if node not in seen:  # the same intermediate in two of torch's groups: one saved gradient
+                seen[node] = len(grads)
+                grads.append((g, node))
+    out = []
+    for nodes, grads, _ in merged.values():
+        if grads:
+            out.append((nodes, [g for g, _ in grads], [n for _, n in grads]))
+    return out
+
+
 class PipelineRunner:
     """This rank's part of a pipelined plan (see the module docstring); ``ParallelModule.train_step``
     calls ``step``."""
@@ -189,14 +320,19 @@ class PipelineRunner:
         self.modules, self.pipeline_stages = [], []
         for s in sg.stages:
             cut, last = cuts[s], s == self.stages - 1
-            module = _StageProgram(pmodel, programs[s], cut, last, bool(plan.pipeline.stages[s].recompute), unit_of)
+            module = _StageProgram(pmodel, programs[s], cut, last, bool(plan.pipeline.stages[s].recompute), unit_of,
+                                   split_backward=plan.pipeline.schedule == "zero-bubble")
             inputs = tuple(self._example(v, specs, mesh) for v in cut.receives)
             outputs = tuple(self._example(v, {} if last else specs, mesh) for v in (out_node.inputs if last else cut.sends))
             self.modules.append(module)
-            self.pipeline_stages.append(pipelining.PipelineStage(module, s, self.stages, device, input_args=inputs,
-                                                                 output_args=outputs, group=sg.pp_group))
+            stage_cls = _split_backward_stage() if plan.pipeline.schedule == "zero-bubble" else pipelining.PipelineStage
+            self.pipeline_stages.append(stage_cls(module, s, self.stages, device, input_args=inputs,
+                                                  output_args=outputs, group=sg.pp_group))
         m = self.microbatches
         schedule = plan.pipeline.schedule
+        if schedule == "zero-bubble" and any(st.recompute for st in plan.pipeline.stages):
+            raise ConfigError("this plan recomputes stages under the zero-bubble schedule, whose split backward would "
+                              "recompute once per group of weights; plan it again (autopar.Pipeline refuses the pair)")
         if schedule == "1f1b" and m < self.stages:  # GPipe's order (torch's 1F1B refuses fewer microbatches)
             schedule = "gpipe"
         if schedule not in SCHEDULE_CLASSES:
@@ -210,7 +346,7 @@ class PipelineRunner:
 
         chunks = tuple(pipelining.microbatch.TensorChunkSpec(0) if split else pipelining.microbatch._Replicate
                        for split in batch_dims)
-        stages = self.pipeline_stages if schedule == "interleaved-1f1b" else self.pipeline_stages[0]
+        stages = self.pipeline_stages if schedule in MULTI_STAGE_SCHEDULES else self.pipeline_stages[0]
         self.schedule = schedule_cls(stages, m, loss_fn=loss_fn, args_chunk_spec=chunks, scale_grads=False)
 
     def check_call(self, training: bool, flat: list) -> None:

@@ -349,6 +349,24 @@ class GradReducer:
             self._ready.discard(self._next)
             self._next += 1
 
+    def accumulate(self, grads: dict, slots: list) -> None:
+        """Parts computed outside the taps (the weight half of a split backward): state slot ->
+        gradient part, added to the slot's bucket, or to the ``.grad`` of a parameter no
+        collective synchronises (``slots[slot]``: its owner module and attribute). Synchronised by
+        the next ``synchronize()``, as parts accumulated under ``no_sync()`` are."""
+        per_bucket: dict = {}
+        for slot, g in grads.items():
+            bucket = self._by_slot.get(slot)
+            if bucket is None:
+                owner, attr = slots[slot]
+                param = owner._parameters[attr]
+                param.grad = g.detach().clone() if param.grad is None else param.grad.add_(g)
+                continue
+            per_bucket.setdefault(bucket.index, {})[slot] = g
+        for index, parts in per_bucket.items():
+            bucket = self.buckets[index]
+            bucket.add([parts.get(e.slot) for e in bucket.entries])
+
     def _launch(self, bucket: _Bucket) -> None:
         self._inflight.append((bucket, *bucket.launch()))
         self.launched += 1

@@ -43,13 +43,13 @@ from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
 from autopar.solver.plan import PipelinePlan, Plan, StagePlan
+from autopar.solver.schedule_time import interleaved_time, simulate_shared
 from autopar.solver.stage_dp import solve_stages
 
 log = logging.getLogger(__name__)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-SEARCHED_SCHEDULES = ("1f1b", "gpipe")  # what "auto" tries; interleaved 1F1B when asked (virtual_stages)
-PRICED_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+SEARCHED_SCHEDULES = ("1f1b", "gpipe", "zero-bubble")  # what "auto" tries; interleaved 1F1B when asked (virtual_stages)
 MEMORY_VARIANTS = (0.25,)  # leaner ILP solutions per sub-mesh, as fractions of the fastest's memory
 MAX_UNITS = 24  # more layers than this are cut only between groups of consecutive layers (Alpa clusters them too)
 
@@ -83,8 +83,10 @@ class Pipeline:
             raise ConfigError(f"Pipeline(microbatches={self.microbatches}): need at least one microbatch")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ConfigError(f"Pipeline(schedule={self.schedule!r}): schedules are {list(SCHEDULES)}")
-        if self.schedule is not None and self.schedule not in PRICED_SCHEDULES:
-            raise ConfigError(f"Pipeline(schedule={self.schedule!r}) is not priced yet; the search prices {list(PRICED_SCHEDULES)}")
+        if self.schedule == "zero-bubble" and self.recompute:
+            raise ConfigError("Pipeline(schedule='zero-bubble', recompute=True): the zero-bubble schedule splits each "
+                              "backward into one autograd call per group of weights, and a recomputed layer would run "
+                              "its forward again in each; use recompute with 'gpipe', '1f1b' or 'interleaved-1f1b'")
         if self.virtual_stages is not None and self.virtual_stages < 1:
             raise ConfigError(f"Pipeline(virtual_stages={self.virtual_stages}): need at least one stage per rank")
         if self.virtual_stages is not None and self.virtual_stages > 1:
@@ -312,21 +314,31 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
             if pipeline.layers is not None:
                 time_t = _fixed_cuts(time_t, pipeline.layers, groups)
             devices = np.array([rows for rows, _ in variants])
+            recomputed = np.array([p.recompute for _, p in variants])
             for schedule in schedules:
                 virtual = pipeline.virtual_stages if schedule == "interleaved-1f1b" else 1
                 if virtual > 1 and not equal_stages:
                     raise ConfigError("interleaved 1F1B places several equal stages on each rank: plan it with equal_stages")
                 for keep, counts in _stage_shapes(devices, mesh.shape[0], pipeline.stages, equal_stages):
+                    if schedule == "zero-bubble":  # its split backward does not recompute (see Pipeline)
+                        keep = keep & ~recomputed
+                    if not keep.any():
+                        continue
                     if schedule == "1f1b":  # torch's 1F1B runs at least one microbatch per stage
                         counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if c <= count}
-                        if not counts:
-                            continue
+                    if schedule == "zero-bubble":  # torch's runs the microbatches in equal rounds of >= p
+                        counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if count % max(1, count // c) == 0}
+                    if counts is not None and not counts:
+                        continue
                     if virtual > 1:  # v stages per rank: the DP cuts p * v stages on v copies of the rows
                         counts = {c * virtual for c in counts}
                     sol = solve_stages(time_t[:, :, keep], devices[keep], mesh.shape[0] * virtual, count,
                                        mem=mem_t[:, :, keep], act=act_t[:, :, keep], budget=budget / virtual,
-                                       schedule="1f1b" if virtual > 1 else schedule, stage_counts=counts,
-                                       tolerance=tolerance)
+                                       schedule="1f1b" if virtual > 1 or schedule == "zero-bubble" else schedule,
+                                       stage_counts=counts, tolerance=tolerance)
+                    if sol is not None and schedule == "zero-bubble" and not _fits_zero_bubble(
+                            sol, mem_t[:, :, keep], act_t[:, :, keep], count, budget):
+                        sol = None
                     if sol is not None and virtual > 1:
                         sol.step_time = interleaved_time(sol.stage_times, len(sol.stages) // virtual, virtual, count)
                     if sol is not None:
@@ -359,7 +371,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         rows, prices = variants[m]
         if virtual > 1:
             row = (len(stages) % blocks) * rows
-        inflight = count if schedule == "gpipe" else min(blocks - len(stages) % blocks, count)
+        inflight = inflight_microbatches(schedule, len(stages) % blocks, blocks, count)
         mem = prices.static_bytes[i:j + 1].sum() + inflight * prices.activation_bytes[i:j + 1].sum() + prices.stage_extra_bytes
         nodes = {name for name, u in unit.items() if i <= u <= j}
         if not stages:  # state nothing reads is held by the first stage (as codegen's cut_stages holds it)
@@ -410,13 +422,20 @@ def _fixed_cuts(time_t: np.ndarray, layers: tuple[int, ...], groups) -> np.ndarr
     return out
 
 
-def interleaved_time(stage_times, ranks: int, virtual: int, count: int) -> float:
-    """Interleaved 1F1B's step: each rank runs ``virtual`` stages (stage i on rank i mod ``ranks``);
-    with T the busiest rank's time per microbatch, ``count`` microbatches take count x T plus a
-    bubble of (ranks - 1) x T / virtual (Narayanan et al., SC'21)."""
-    per_rank = [sum(stage_times[b::ranks]) for b in range(ranks)]
-    busiest = max(per_rank)
-    return float((count + (ranks - 1) / virtual) * busiest)
+def inflight_microbatches(schedule: str, stage: int, stages: int, count: int) -> int:
+    """Microbatches whose activations stage ``stage`` of ``stages`` holds at its peak: GPipe all;
+    1F1B those its warm-up forwards start (``stages - stage``); zero bubble also those whose weight
+    half it defers (``stage``), so ``stages`` on every stage."""
+    held = {"gpipe": count, "zero-bubble": stages}.get(schedule, stages - stage)
+    return min(held, count)
+
+
+def _fits_zero_bubble(sol, mem_t: np.ndarray, act_t: np.ndarray, count: int, budget: float) -> bool:
+    """The DP checked memory with 1F1B's microbatches in flight; zero bubble holds more on early
+    stages (``inflight_microbatches``)."""
+    p = len(sol.stages)
+    held = inflight_microbatches("zero-bubble", 0, p, count)
+    return all(mem_t[i, j, m] + held * act_t[i, j, m] <= budget for i, j, m in sol.stages)
 
 
 def shared_core_time(sol, devices: np.ndarray, count: int, contention: float, total_rows: int,
@@ -425,59 +444,19 @@ def shared_core_time(sol, devices: np.ndarray, count: int, contention: float, to
     times slower while every rank computes). Stage prices assume every rank busy; in a pipeline
     fewer are at times (fill, drain, a stage waiting for its neighbour), and the busy ones run
     faster. So the schedule is simulated (``simulate_shared``): each stage runs its microbatches'
-    forwards (a third of its time) and backwards in the schedule's order, and the busy ranks share
-    the host's capacity (``total_rows / c`` ranks' worth of full speed). Interleaved schedules, and
-    c = 1 (a device per rank), keep the DP's time."""
-    if contention <= 1.0 or schedule not in ("1f1b", "gpipe"):
+    tasks in the schedule's order, and the busy ranks share the host's capacity (``total_rows / c``
+    ranks' worth of full speed). Zero bubble is always simulated (the DP prices stages as 1F1B);
+    interleaved schedules, and GPipe and 1F1B at c = 1 (a device per rank), keep the DP's time."""
+    if schedule == "zero-bubble":
+        c = max(1.0, contention)
+        capacity = total_rows / c if c > 1.0 else math.inf
+    elif contention <= 1.0 or schedule not in ("1f1b", "gpipe"):
         return sol.step_time
+    else:
+        c, capacity = contention, total_rows / contention
     rows = [int(devices[m]) for _, _, m in sol.stages]
-    alone = [t / contention for t in sol.stage_times]
-    return simulate_shared(alone, rows, count, schedule, total_rows / contention)
-
-
-def simulate_shared(alone_s, rows, count: int, schedule: str, capacity: float) -> float:
-    """Seconds of one step of a GPipe or 1F1B pipeline whose stage ``s`` takes ``alone_s[s]`` per
-    microbatch (forward one third, backward two) at full speed on ``rows[s]`` ranks, where the busy
-    ranks share ``capacity`` ranks' worth of full speed (each runs at min(1, capacity / busy)).
-    Forward k of a stage waits for forward k of the one before, backward k for backward k of the
-    one after and its own forward k; each stage runs its tasks in the schedule's order (1F1B: the
-    warm-up forwards, then one forward and one backward in turn, then the remaining backwards)."""
-    p = len(alone_s)
-    orders = []
-    for st in range(p):
-        warm = count if schedule == "gpipe" else min(p - st - 1, count)
-        order = [("F", k) for k in range(warm)]
-        for k in range(count - warm):
-            order += [("F", warm + k), ("B", k)]
-        order += [("B", k) for k in range(count - warm, count)]
-        orders.append(order)
-    done: set = set()
-    nxt = [0] * p
-    left = [None] * p  # remaining full-speed seconds of the task in progress
-    now = 0.0
-    while any(i < len(o) for i, o in zip(nxt, orders)):
-        for st in range(p):
-            if left[st] is None and nxt[st] < len(orders[st]):
-                kind, k = orders[st][nxt[st]]
-                deps = [("F", st - 1, k)] if kind == "F" and st else []
-                if kind == "B":
-                    deps = [("F", st, k)] + ([("B", st + 1, k)] if st < p - 1 else [])
-                if all(d in done for d in deps):
-                    left[st] = alone_s[st] * (1 / 3 if kind == "F" else 2 / 3)
-        running = [st for st in range(p) if left[st] is not None]
-        if not running:  # cannot happen for these schedules; never loop forever
-            raise PlanError(f"pipeline simulation stalled ({schedule}, {p} stages, {count} microbatches)")
-        speed = min(1.0, capacity / sum(rows[st] for st in running))
-        dt = min(left[st] for st in running) / speed
-        now += dt
-        for st in running:
-            left[st] -= dt * speed
-            if left[st] <= 1e-12:
-                kind, k = orders[st][nxt[st]]
-                done.add((kind, st, k))
-                nxt[st] += 1
-                left[st] = None
-    return now
+    alone = [t / c for t in sol.stage_times]
+    return simulate_shared(alone, rows, count, schedule, capacity)
 
 
 def _stage_shapes(devices: np.ndarray, rows: int, stages: int | None, equal: bool):

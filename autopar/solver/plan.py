@@ -13,6 +13,7 @@ from pathlib import Path
 from autopar.cost_model.gradients import whole_on
 from autopar.errors import AutoparError, PlanError
 from autopar.sharding_spec.spec import ShardingSpec
+from autopar.solver.schedule_time import bubble_fraction
 
 # 2: pipeline stages (version-1 files load as one-stage plans); 3: identical-gradient axes (an
 # older reader would run such a plan with the wrong gradient convention, so it must refuse it)
@@ -155,15 +156,9 @@ class PipelinePlan:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of a step: fill and drain over the whole step (GPipe/1F1B), or its interleaved
-        share (ranks - 1) / virtual over count + (ranks - 1) / virtual."""
-        times = [s.time_per_microbatch_s for s in self.stages]
-        if self.virtual_stages > 1:
-            ranks = len(self.stages) // self.virtual_stages
-            bubble = (ranks - 1) / self.virtual_stages
-            return bubble / (self.microbatches + bubble)
-        total = sum(times) + (self.microbatches - 1) * max(times)
-        return 0.0 if total <= 0 else max(0.0, 1.0 - self.microbatches * max(times) / total)
+        """Idle share of a step (``schedule_time.bubble_fraction``)."""
+        return bubble_fraction([s.time_per_microbatch_s for s in self.stages], self.microbatches, self.schedule,
+                               self.virtual_stages)
 
     def memory_per_device(self) -> float:
         """The most any device holds: the sum over the stages its block of ranks runs."""

@@ -46,9 +46,44 @@ def _loss(out):
     return out.loss if hasattr(out, "loss") else (out[0] if isinstance(out, tuple) else out)
 
 
+class _CountSplit:
+    """Counts, per train step, the taps' backwards (a whole backward reaching the buckets) and the
+    weight halves handed to the reducer (``accumulate``) on this rank."""
+
+    def __init__(self):
+        from autopar.runtime import reducer
+
+        self.taps = self.weight_halves = 0
+        self._patches = [(reducer._BucketTap, "backward"), (reducer.GradReducer, "accumulate")]
+        self._saved = [getattr(cls, name) for cls, name in self._patches]
+        counter = self
+
+        def tap_backward(ctx, *grads):
+            counter.taps += 1
+            return counter._saved[0](ctx, *grads)
+
+        def accumulate(self, *a, **k):
+            counter.weight_halves += 1
+            return counter._saved[1](self, *a, **k)
+
+        reducer._BucketTap.backward = staticmethod(tap_backward)
+        reducer.GradReducer.accumulate = accumulate
+
+    def close(self):
+        for (cls, name), fn in zip(self._patches, self._saved):
+            setattr(cls, name, staticmethod(fn) if name == "backward" else fn)
+
+
 def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=None, clip=False):
     """Train ``STEPS`` AdamW steps with ``train_step`` next to one process; errors and the stages."""
     def go():
+        counts = _CountSplit()
+        try:
+            return {**run(), "taps": counts.taps, "weight_halves": counts.weight_halves}
+        finally:
+            counts.close()
+
+    def run():
         warnings.simplefilter("ignore")
         if model in ("gpt", "llama"):
             net, inputs = models.build(model, layers=layers)
@@ -144,6 +179,13 @@ CASES = [
     ("hf gpt2 interleaved (tied across ranks)", (4,), dict(stages=2, virtual_stages=2, microbatches=2),
      dict(model="gpt2", layers=4, layout=autopar.Layout(tp=2))),
     ("hf llama 1+3 layers", (4,), dict(layers=(1, 3), microbatches=4, schedule="gpipe"), dict(model="hf-llama", layers=4)),
+    ("gpt zero bubble 4 stages", (4,), dict(stages=4, microbatches=4, schedule="zero-bubble"), {}),
+    ("gpt zero bubble 3+1 layers x dp2 zero2", (4,), dict(layers=(3, 1), microbatches=2, schedule="zero-bubble"),
+     dict(layout=autopar.Layout(dp=2, zero=2))),
+    ("llama zero bubble 2 stages x tp2 clip", (4,), dict(stages=2, microbatches=4, schedule="zero-bubble"),
+     dict(model="llama", layout=autopar.Layout(tp=2), clip=True)),
+    ("hf gpt2 zero bubble (tied across stages)", (4,), dict(stages=2, microbatches=2, schedule="zero-bubble"),
+     dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2))),
 ]
 
 
@@ -232,6 +274,24 @@ def test_stages_are_what_was_asked(results):
     assert [r["pieces"] for r in results["llama interleaved 4 ranks x 2 stages recompute"]] == [2, 2, 2, 2]
 
 
+def test_zero_bubble_splits_the_backward(results):
+    """Under zero bubble the first stage runs whole backwards (torch defers each as the weight task),
+    every later stage only split ones: no tap fires there, and each microbatch's weight half
+    reaches the reducer in one hand-off. (A stage of one rank synchronises nothing: no taps.)"""
+    for tag in ("gpt zero bubble 4 stages", "llama zero bubble 2 stages x tp2 clip"):
+        m = next(c[2]["microbatches"] for c in CASES if c[0] == tag)
+        for r in results[tag]:
+            assert r["schedule"] == "zero-bubble", r
+            if r["stage"] == 0:
+                assert r["weight_halves"] == 0, r
+            else:
+                assert r["taps"] == 0 and r["weight_halves"] == STEPS * m, r
+    # with tensor parallelism the first stage's whole backward does reach its taps
+    assert all(r["taps"] > 0 for r in results["llama zero bubble 2 stages x tp2 clip"] if r["stage"] == 0)
+    for r in results["gpt 2 stages x tp2 1f1b"]:  # 1F1B: whole backwards everywhere
+        assert r["taps"] > 0 and r["weight_halves"] == 0, r
+
+
 def test_pipelined_module_errors(results):
     for r in results["errors"]:
         assert "error" not in r, r.get("error")
@@ -245,3 +305,21 @@ def test_a_saved_pipelined_plan_runs_a_meta_model_exactly(results):
         assert r["stages"] == 2 and r["still_meta"]
         assert r["init_err"] == 0.0, r
         assert r["loss_err"] <= TOL and r["state_err"] <= STATE_TOL, r
+
+
+def test_weight_groups_are_made_disjoint():
+    """torch's input half can leave a weight in two groups (a weight whose branches meet the input
+    path at several nodes); the weight half merges such groups, keeps one saved gradient per
+    intermediate, and drops groups no gradient reached."""
+    from autopar.runtime.pipeline import _disjoint
+
+    w1, w2, w3, x1, x2, x3 = (object() for _ in range(6))
+    g1, g2 = ("g1",), ("g2",)
+    groups = [{"params": {w1}, "intermediates": [x1], "grads": [g1]},
+              {"params": {w1, w2}, "intermediates": [x1, x2], "grads": [g1, g2]},
+              {"params": {w3}, "intermediates": [x3]}]  # never reached: no "grads"
+    out = _disjoint(groups)
+    assert len(out) == 1
+    nodes, saved, inters = out[0]
+    assert set(nodes) == {w1, w2} and len(nodes) == 2
+    assert inters == [x1, x2] and saved == [g1, g2]

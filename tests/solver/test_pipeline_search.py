@@ -12,9 +12,10 @@ import autopar
 from autopar import ir, models
 from autopar.errors import ConfigError, PlanError
 from autopar.solver.pipeline import (
-    Pipeline, _search_counts, layer_groups, microbatch_candidates, row_options, search, shared_core_time,
-    simulate_shared, sub_mesh, unit_of_nodes, unit_prices,
+    Pipeline, _search_counts, layer_groups, microbatch_candidates, row_options, search, shared_core_time, sub_mesh,
+    unit_of_nodes, unit_prices,
 )
+from autopar.solver.schedule_time import bubble_fraction, schedule_orders, simulate_shared
 from autopar.solver.stage_dp import StageSolution
 
 
@@ -56,8 +57,10 @@ def test_search_counts_finds_the_minimum_with_few_evaluations():
 def test_pipeline_options_are_checked():
     with pytest.raises(ConfigError, match="schedules are"):
         Pipeline(schedule="round-robin")
-    with pytest.raises(ConfigError, match="not priced yet"):
-        Pipeline(schedule="zero-bubble")
+    with pytest.raises(ConfigError, match="recompute"):
+        Pipeline(schedule="zero-bubble", recompute=True)
+    with pytest.raises(ConfigError, match="interleaved-1f1b"):
+        Pipeline(schedule="zero-bubble", virtual_stages=2)
     with pytest.raises(ConfigError, match="at least one stage"):
         Pipeline(stages=0)
 
@@ -105,11 +108,16 @@ def _check_choice(choice, mesh, n_layers, budget):
     assert all(b[0] == a[1] + 1 for a, b in zip(layers, layers[1:]))
     assert all(s.memory_bytes <= budget for s in choice.stages)
     times = [s.time_per_microbatch_s for s in choice.stages]
-    assert choice.step_time_s == pytest.approx(sum(times) + (choice.microbatches - 1) * max(times))
+    if choice.schedule == "zero-bubble":  # its step is simulated (the weight halves fill the drain)
+        want = simulate_shared(times, [1] * len(times), choice.microbatches, "zero-bubble", math.inf)
+        assert want <= sum(times) + (choice.microbatches - 1) * max(times)
+    else:
+        want = sum(times) + (choice.microbatches - 1) * max(times)
+    assert choice.step_time_s == pytest.approx(want)
     ranks = [r for s in choice.stages for r in s.ranks]
     assert ranks == list(range(mesh.size))
     summary = choice.summary()
-    assert summary["schedule"] in ("1f1b", "gpipe") and 0 <= summary["bubble_fraction"] < 1
+    assert summary["schedule"] in ("1f1b", "gpipe", "zero-bubble") and 0 <= summary["bubble_fraction"] < 1
 
 
 def test_search_without_memory_pressure_keeps_one_stage_when_it_is_fastest():
@@ -157,7 +165,7 @@ def test_plan_with_pipeline_stages_round_trips_and_explains(tmp_path):
     pipe = plan.summary()["pipeline"]
     assert [s["ranks"] for s in pipe["stages"]] == [[0, 1], [2, 3]]
     assert [s["layers"] for s in pipe["stages"]][0][0] == 0 and pipe["stages"][-1]["layers"][1] == 7
-    assert pipe["schedule"] in ("1f1b", "gpipe") and pipe["microbatches"] > 1 and 0 <= pipe["bubble_fraction"] < 1
+    assert pipe["schedule"] in ("1f1b", "gpipe", "zero-bubble") and pipe["microbatches"] > 1 and 0 <= pipe["bubble_fraction"] < 1
     assert all(s["memory_bytes"] <= 800 * 2**20 for s in pipe["stages"])
     # every node of the microbatch graph runs in some stage
     graph = ir.trace(model, tuple(t[: 16 // pipe["microbatches"]] for t in inputs))
@@ -317,3 +325,53 @@ def test_shared_core_time_keeps_the_dp_time_on_devices_of_their_own():
     assert shared_core_time(sol, np.array([1]), 2, 2.0, 2, "interleaved-1f1b") == 7.0
     # c = 2 on 2 ranks: capacity 1, stage times at full speed 1.5 and 2
     assert shared_core_time(sol, np.array([1]), 2, 2.0, 2) == pytest.approx(simulate_shared([1.5, 2.0], [1, 1], 2, "1f1b", 1.0))
+
+
+# ---- zero bubble -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p, count", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 2), (3, 6)])
+def test_zero_bubble_orders_are_torchs(p, count):
+    """Each rank's tasks in the order torch's ScheduleInterleavedZeroBubble (one stage per rank)
+    builds them (its private helper, the truth for the pinned torch)."""
+    from torch.distributed.pipelining import schedules as ts
+
+    rounds = max(1, count // p)
+    kind = {ts._ComputationType.FORWARD: "F", ts._ComputationType.BACKWARD_INPUT: "B",
+            ts._ComputationType.BACKWARD_WEIGHT: "W"}
+    ours = schedule_orders(p, count, "zero-bubble")
+    for rank in range(p):
+        warm = ts._get_warmup_ops(rank, 1, count // rounds, p, count, multiply_factor=1)
+        ops = ts._get_1f1b_rank_ops(1, p, warm, count - warm, warm, rank, lambda _: rank, lambda _: rank,
+                                    num_1f1b_microbatches=rank, enable_zero_bubble=True)
+        assert ours[rank] == [(kind[a.computation_type], a.microbatch_index) for a in ops if a is not None]
+
+
+def test_zero_bubble_hand_worked():
+    # 2 stages of time 3 (forward 1, input half 1, weight half 1; stage 0's whole backward, 2, is its
+    # weight task), 2 microbatches, a device per rank. s0: F0 [0,1] F1 [1,2]; s1: F0 [1,2] B0 [2,3]
+    # F1 [3,4] B1 [4,5] W0 [5,6] W1 [6,7]; s0: B0 at 3 (nothing to do) W0 [3,5], B1 at 5, W1 [5,7].
+    assert simulate_shared([3.0, 3.0], [1, 1], 2, "zero-bubble", math.inf) == pytest.approx(7.0)
+    # 1F1B takes sum + (B - 1) max = 9: the weight halves fill the drain
+    assert simulate_shared([3.0, 3.0], [1, 1], 2, "1f1b", math.inf) == pytest.approx(9.0)
+
+
+@pytest.mark.parametrize("p, count", [(2, 4), (4, 4), (4, 16), (8, 8)])
+def test_zero_bubble_bubble_is_a_third_of_1f1bs_on_equal_stages(p, count):
+    # ZB-H1 (Qi et al., 2024): equal stages with F = B = W leave (p - 1)(F + B - W) idle, a third
+    # of 1F1B's (p - 1)(F + B + W). The first stage's whole backward runs as its weight task, so
+    # the drain ends one W later there; the step is count x 3 + (p - 1) x 1 (+ 1: stage 0's W).
+    zb = simulate_shared([3.0] * p, [1] * p, count, "zero-bubble", math.inf)
+    f1b = simulate_shared([3.0] * p, [1] * p, count, "1f1b", math.inf)
+    assert f1b == pytest.approx(3.0 * count + 3.0 * (p - 1))
+    assert zb < f1b
+    assert zb - 3.0 * count <= (p - 1) * 1.0 + 1.0 + 1e-9
+    assert bubble_fraction([3.0] * p, count, "zero-bubble") < bubble_fraction([3.0] * p, count, "1f1b")
+    assert bubble_fraction([3.0] * p, count, "1f1b") == pytest.approx((p - 1) / (count + p - 1))
+
+
+def test_search_with_zero_bubble_plans_it_without_recomputation():
+    model, inputs = models.build("gpt", layers=4)
+    plan = autopar.plan(model, autopar.Mesh((4,)), inputs, pipeline=Pipeline(stages=2, schedule="zero-bubble"))
+    s = plan.summary()["pipeline"]
+    assert s["schedule"] == "zero-bubble" and len(s["stages"]) == 2
+    assert not any(st["recompute"] for st in s["stages"])
+    assert 0 <= s["bubble_fraction"] < 1

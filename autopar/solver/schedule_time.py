@@ -1,0 +1,118 @@
+"""Step time of one pipeline schedule from its stages' times per microbatch: the task order torch's
+schedule classes run, and an event simulation of it (dependencies between neighbouring stages;
+ranks sharing CPU cores share their capacity). Used by the stage search and by ``PipelinePlan``'s
+bubble; no torch import.
+"""
+from __future__ import annotations
+
+import math
+
+from autopar.errors import PlanError
+
+
+def interleaved_time(stage_times, ranks: int, virtual: int, count: int) -> float:
+    """Interleaved 1F1B's step: each rank runs ``virtual`` stages (stage i on rank i mod ``ranks``);
+    with T the busiest rank's time per microbatch, ``count`` microbatches take count x T plus a
+    bubble of (ranks - 1) x T / virtual (Narayanan et al., SC'21)."""
+    per_rank = [sum(stage_times[b::ranks]) for b in range(ranks)]
+    busiest = max(per_rank)
+    return float((count + (ranks - 1) / virtual) * busiest)
+
+
+def schedule_orders(p: int, count: int, schedule: str) -> list[list[tuple[str, int]]]:
+    """Each stage's tasks in the order torch's schedule runs them (one stage per rank): ("F", k)
+    forward of microbatch k, ("B", k) its backward (under zero bubble: the input-gradient half),
+    ("W", k) the weight-gradient half (zero bubble only). GPipe: every forward, then every
+    backward. 1F1B: ``p - s - 1`` warm-up forwards on stage s, then one forward and one backward
+    in turn, then the remaining backwards. Zero bubble (ZB-H1, torch's
+    ``ScheduleInterleavedZeroBubble`` with one stage per rank): 1F1B's order, each backward
+    followed by a weight half once stage s has ``s`` weight halves deferred; the deferred ones run
+    at the end, in the drain the other stages leave."""
+    orders = []
+    for st in range(p):
+        warm = count if schedule == "gpipe" else min(p - st - 1, count)
+        order = [("F", k) for k in range(warm)]
+        backwards = 0
+        weights = 0
+
+        def backward(k):
+            nonlocal backwards, weights
+            order.append(("B", k))
+            if schedule == "zero-bubble" and backwards >= st:
+                order.append(("W", weights))
+                weights += 1
+            backwards += 1
+
+        for k in range(count - warm):
+            order.append(("F", warm + k))
+            backward(k)
+        for k in range(count - warm, count):
+            backward(k)
+        if schedule == "zero-bubble":
+            order += [("W", k) for k in range(weights, count)]
+        orders.append(order)
+    return orders
+
+
+def task_fractions(schedule: str, stage: int) -> dict[str, float]:
+    """The share of a stage's per-microbatch time each task takes: forward a third, backward two
+    (the input and the weight gradient a third each under zero bubble; stage 0 has no input
+    gradient to send, and torch runs its whole backward as the weight task)."""
+    if schedule != "zero-bubble":
+        return {"F": 1 / 3, "B": 2 / 3}
+    return {"F": 1 / 3, "B": 0.0, "W": 2 / 3} if stage == 0 else {"F": 1 / 3, "B": 1 / 3, "W": 1 / 3}
+
+
+def simulate_shared(alone_s, rows, count: int, schedule: str, capacity: float) -> float:
+    """Seconds of one step of a pipeline (``schedule_orders``) whose stage ``s`` takes ``alone_s[s]``
+    per microbatch (split by ``task_fractions``) at full speed on ``rows[s]`` ranks, where the busy
+    ranks share ``capacity`` ranks' worth of full speed (each runs at min(1, capacity / busy);
+    ``math.inf``: a device per rank). Forward k of a stage waits for forward k of the one before,
+    backward k for backward k of the one after and its own forward k, a weight half for its
+    backward; each stage runs its tasks in order."""
+    p = len(alone_s)
+    orders = schedule_orders(p, count, schedule)
+    share = [task_fractions(schedule, st) for st in range(p)]
+    done: set = set()
+    nxt = [0] * p
+    left = [None] * p  # remaining full-speed seconds of the task in progress
+    now = 0.0
+    while any(i < len(o) for i, o in zip(nxt, orders)):
+        for st in range(p):
+            if left[st] is None and nxt[st] < len(orders[st]):
+                kind, k = orders[st][nxt[st]]
+                deps = [("F", st - 1, k)] if kind == "F" and st else []
+                if kind == "B":
+                    deps = [("F", st, k)] + ([("B", st + 1, k)] if st < p - 1 else [])
+                if kind == "W":
+                    deps = [("B", st, k)]
+                if all(d in done for d in deps):
+                    left[st] = alone_s[st] * share[st][kind]
+        running = [st for st in range(p) if left[st] is not None]
+        if not running:  # cannot happen for these schedules; never loop forever
+            raise PlanError(f"pipeline simulation stalled ({schedule}, {p} stages, {count} microbatches)")
+        speed = min(1.0, capacity / sum(rows[st] for st in running))
+        dt = min(left[st] for st in running) / speed
+        now += dt
+        for st in running:
+            left[st] -= dt * speed
+            if left[st] <= 1e-12:
+                kind, k = orders[st][nxt[st]]
+                done.add((kind, st, k))
+                nxt[st] += 1
+                left[st] = None
+    return now
+
+
+def bubble_fraction(stage_times, count: int, schedule: str, virtual: int = 1) -> float:
+    """Idle share of a step with a device per rank: 1 - (count x the slowest stage) / the step.
+    Interleaved: (ranks - 1) / virtual over count + (ranks - 1) / virtual; else the simulated
+    schedule (GPipe and 1F1B: fill and drain, sum + (count - 1) x the slowest)."""
+    times = [float(t) for t in stage_times]
+    if virtual > 1:
+        bubble = (len(times) // virtual - 1) / virtual
+        return bubble / (count + bubble)
+    if not times or max(times) <= 0:
+        return 0.0
+    total = simulate_shared(times, [1] * len(times), count, schedule, math.inf)
+    return max(0.0, 1.0 - count * max(times) / total)
