@@ -18,7 +18,7 @@ import hand_tuned as ht
 
 
 class AutoparVariant:
-    def __init__(self, model, args: tuple, kwargs: dict, mesh, *, layout=None, plan_kwargs=None, pipeline=None,
+    def __init__(self, model, args: tuple, kwargs: dict, mesh, *, layout=None, plan_kwargs=None, pipeline=False,
                  lr: float = ht.LR):
         import autopar
 

@@ -22,7 +22,8 @@ Everything runs inside one spawn of ``--ranks`` processes (one torch thread each
        warm-up. A configuration the plugin refuses or that fails is skipped with the reason; one
        that is not exact is reported and not timed. The exact ones stay alive for step 4.
     3. autopar's plans of the same model in the same processes: ``autopar.parallelize`` on
-       ``Mesh((4,))``, the default plan and ``pipeline="auto"``, trained with ``pmodel.train_step``
+       ``Mesh((4,))``, the one-stage plan (``pipeline=False``) and the default ``pipeline="auto"``,
+       trained with ``pmodel.train_step``
        and ``torch.optim.AdamW(pmodel.parameters())``, checked exact the same way.
     4. ``--rounds`` alternating rounds (the order rotates each round) of ``--round-steps`` steps of
        every live variant; every step is bracketed by barriers, its time is the slowest rank's,
@@ -553,7 +554,7 @@ def main():
 
     shapes = TINY if a.tiny else SHAPES
     only = [s for s in a.only.split(",") if s]
-    plans = [("autopar 4 default", None), ("autopar 4 auto", "auto")]
+    plans = [("autopar 4 one-stage", False), ("autopar 4 auto", "auto")]
     plans = [(n.replace(" 4 ", f" {a.ranks} "), pl) for n, pl in plans]
     opts = dict(shapes=shapes, rounds=a.rounds, round_steps=a.round_steps, only=only,
                 autopar=[(n, pl) for n, pl in plans if not only or any(s in n for s in only)])

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/fidelity.py [--model gpt|llama|both] [--ranks 4] [--rounds 3] [--round-steps 2] [--tiny]
 
 For each model (the GPT and LLaMA of benchmarks/hybrid.py) and each case of ``CASES`` -- autopar's
-default plan on Mesh((4,)) and Mesh((2, 2)), and plans forced to hand-style layouts
+one-stage plan (``pipeline=False``) on Mesh((4,)) and Mesh((2, 2)), and plans forced to hand-style layouts
 (``autopar.Layout``: data parallel, ZeRO-2, ZeRO-3, Megatron tensor parallel, 2D = dp x tp, with and
 without the vocabulary-parallel loss) -- every rank runs ``autopar.parallelize`` (priced as it
 prices by default: the live collective profile and the live op profile) with the user's AdamW.
@@ -35,7 +35,7 @@ import hand_tuned as ht  # noqa: E402
 from autopar_variant import AutoparVariant  # noqa: E402
 from hybrid import RESULTS, SHAPES, TINY, alternate, first_step, pyplot  # noqa: E402
 
-# (mesh shape, Layout fields or None for the default plan)
+# (mesh shape, Layout fields or None for the planner's own one-stage plan)
 CASES = [
     ((4,), None),
     ((2, 2), None),
@@ -56,7 +56,7 @@ def case_name(shape, fields) -> str:
     from autopar import Layout
 
     mesh = "x".join(map(str, shape))
-    return f"{mesh} default" if fields is None else f"{mesh} {Layout(**fields).name}"
+    return f"{mesh} one-stage" if fields is None else f"{mesh} {Layout(**fields).name}"
 
 
 def rank_main(rank, world, opts):

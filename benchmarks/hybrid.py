@@ -68,19 +68,20 @@ FINALISTS = 3
 
 
 # ---- autopar's plans ----------------------------------------------------------------------------
-# (name, mesh shape, Layout fields or None for the default plan, pipeline=)
+# (name, mesh shape, Layout fields or None for the planner's choice, pipeline=)
 AUTOPAR_VARIANTS = [
-    ("autopar 4 auto", (4,), None, "auto"),
-    ("autopar 4 default", (4,), None, None),
-    ("autopar 2x2 default", (2, 2), None, None),
-    ("autopar 4 data-parallel", (4,), dict(dp=4), None),
+    ("autopar 4 auto", (4,), None, "auto"),  # the default of parallelize
+    ("autopar 4 one-stage", (4,), None, False),
+    ("autopar 2x2 one-stage", (2, 2), None, False),
+    ("autopar 4 data-parallel", (4,), dict(dp=4), False),
 ]
 
 
 def extra_variants(model_name: str, model_kw: dict, rank: int, world: int) -> dict:
     """autopar's plans, built inside each rank: name -> AutoparVariant (HandVariant's interface,
-    with ``predicted_s``): the plan with pipeline="auto" (stages allowed), the default one-stage plan
-    on a (world,) and a 2-D mesh, and a plan forced to pure data parallelism."""
+    with ``predicted_s``): the default plan (pipeline="auto": stages allowed), the planner's
+    one-stage plan (pipeline=False) on a (world,) and a 2-D mesh, and a plan forced to pure data
+    parallelism."""
     from autopar import Layout, Mesh
     from autopar_variant import AutoparVariant
 

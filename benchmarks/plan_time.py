@@ -1,4 +1,5 @@
-"""Planning time (trace + strategies + solve) and ILP size for the built-in GPT.
+"""Planning time (trace + strategies + solve) and ILP size for the built-in GPT, one stage (the intra-op
+ILP; benchmarks/gpt3_pipeline.py times the pipeline search).
 
     .venv/bin/python benchmarks/plan_time.py [--layers 2,4,8,16,24,48] [--meshes 8,2x4,4x4,8x8]
 
@@ -28,7 +29,7 @@ def run(layers, meshes, repeats: int = 1):
                 t0 = time.perf_counter()
                 graph = ir.trace(model, inputs)
                 t1 = time.perf_counter()
-                plan = autopar.plan(model, autopar.Mesh(shape, cluster="a100-80g"), inputs, graph=graph)
+                plan = autopar.plan(model, autopar.Mesh(shape, cluster="a100-80g"), inputs, graph=graph, pipeline=False)
                 total = time.perf_counter() - t0
                 if best is None or total < best[0]:
                     best = (total, t1 - t0, plan)

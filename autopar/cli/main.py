@@ -273,8 +273,8 @@ def _planning_arguments(parser) -> None:
     parser.add_argument("--mesh", type=parse_mesh, default=None, help="mesh shape, e.g. 8 or 2x4 (needed unless MODEL is a plan file)")
     parser.add_argument("--cluster", default=None, help="preset (a100-80g, h100-80g, cpu-gloo) or JSON file")
     parser.add_argument("--memory-budget", default=None, help="per-device memory, e.g. 40GB")
-    parser.add_argument("--pipeline", choices=("off", "auto"), default="off",
-                        help="auto: also search pipeline stages (microbatches, schedule, sub-meshes); default off")
+    parser.add_argument("--pipeline", choices=("off", "auto"), default="auto",
+                        help="auto (default): also search pipeline stages (microbatches, schedule, sub-meshes), as autopar.plan does; off: one stage")
     parser.add_argument("--profiled", action="store_true",
                         help="price with this machine's cached profiles (`autopar profile --mesh ...` / `--ops ...`)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines (they show only on a terminal)")

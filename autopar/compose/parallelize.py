@@ -43,7 +43,7 @@ def parallelize(
     memory_budget=None,
     plan=None,
     cluster=None,
-    pipeline=None,
+    pipeline="auto",
     state_dict: dict | None = None,
     init_fn=None,
     device=None,
@@ -63,9 +63,11 @@ def parallelize(
     plan: a Plan (or a path to a plan JSON) to run instead of planning; checked against the model.
     cluster: cluster preset/spec to price the plan with (default: the mesh's, else a profile of
         the live groups, see ``live_cluster``, else cpu-gloo).
-    pipeline: None/False: one stage; "auto": the planner may cut pipeline stages; an
-        ``autopar.Pipeline(...)`` fixes what it gives. A pipelined module trains with
-        ``pmodel.train_step(*inputs)`` (``autopar.runtime.pipeline``).
+    pipeline: "auto" (default): the planner may cut pipeline stages where they are faster (or
+        needed to fit); an ``autopar.Pipeline(...)`` fixes what it gives; None/False: one stage.
+        A pipelined module trains with ``pmodel.train_step(*inputs)`` (``autopar.runtime.pipeline``),
+        which every module has; calling it (``pmodel(...)``) raises a ``ConfigError`` naming
+        ``train_step``. Pass ``pipeline=False`` to keep ``loss = pmodel(...); loss.backward()``.
     state_dict: full (unsharded) tensors to load, original keys; else the model's own values, or
         for a meta-device model its modules' ``reset_parameters()`` then ``init_fn(module)``.
     device: where the shards live (default: the model's device; for a meta model cuda:LOCAL_RANK

@@ -147,6 +147,8 @@ class ClusterSpec:
         d = dataclasses.asdict(self)
         d["peak_flops"] = dict(self.peak_flops)
         d["collective_factors"] = {k: {"alpha": a, "beta": b} for k, a, b in self.collective_factors}
+        if d["axis_links"] is not None:  # a list, as JSON gives it back (plans compare equal after a round trip)
+            d["axis_links"] = list(d["axis_links"])
         return d
 
     @staticmethod

@@ -134,8 +134,10 @@ class ParallelModule(nn.Module):
     def forward(self, *args, **kwargs):
         ap = self._ap
         if ap.pipeline is not None:
-            raise ConfigError(f"{ap.graph.model_name} runs as a {len(ap.plan_full.pipeline.stages)}-stage pipeline: call "
-                              "pmodel.train_step(*inputs) (forward and backward of the whole batch, returns the loss)")
+            raise ConfigError(f"{ap.graph.model_name} runs as a {len(ap.plan_full.pipeline.stages)}-stage pipeline "
+                              f"({ap.plan_full.pipeline.microbatches} microbatches): call pmodel.train_step(*inputs) "
+                              "(forward and backward of the whole batch, returns the loss), or parallelize with "
+                              "pipeline=False for a module you call")
         program, out = self._run(args, kwargs)
         return pytree.tree_unflatten(list(out), program.out_spec)
 

@@ -48,10 +48,10 @@ def plan(
     idle_axes="auto",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     microbatches: int = 1,
-    pipeline=None,
+    pipeline="auto",
     identical_axes="auto",
 ) -> Plan:
-    """The cheapest single-stage plan of ``model`` on ``mesh`` (no processes needed).
+    """The cheapest plan of ``model`` on ``mesh`` (no processes needed).
 
     memory_budget: bytes per device (int/float) or a string like "40GB"/"512MiB".
     reuse_blocks: tie structurally identical layers together (solve one block, reuse it).
@@ -65,10 +65,12 @@ def plan(
     bucket_bytes: the runtime's gradient bucket size, for pricing the gradient sync.
     microbatches: how many times a step runs the traced graph (pipeline microbatches): gradient
         sync and optimizer, paid once per step, are priced at 1 / microbatches of a run.
-    pipeline: None / False: one stage. "auto" or an ``autopar.Pipeline``: search pipeline stages
-        too (``autopar.solver.pipeline``; needs ``model`` and ``example_inputs`` with the batch
-        first); a plan of more than one stage has ``plan.pipeline`` set (``parallelize`` runs it,
-        ``pmodel.train_step`` trains it).
+    pipeline: "auto" (default): search pipeline stages too (``autopar.solver.pipeline``), one
+        stage allowed; it plans one stage where no pipeline can be searched (``can_pipeline``: no
+        batch among the example inputs, a mesh whose slowest axis has one row, a forced
+        ``Layout``, a model with no layers to cut). An ``autopar.Pipeline``: search with its given
+        fields fixed. None / False: one stage. A plan of more than one stage (or microbatch) has
+        ``plan.pipeline`` set (``parallelize`` runs it, ``pmodel.train_step`` trains it).
     identical_axes: mesh axes on which gradients of replicated values are kept whole on every rank
         (Megatron's tensor-parallel convention; ``autopar.cost_model.gradients``): "auto" prices
         every set the plan can run and keeps the cheapest; a tuple fixes it (``()``: none).
@@ -82,6 +84,8 @@ def plan(
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    if pipeline == "auto" and not can_pipeline(model, mesh, example_inputs, example_kwargs, force):
+        pipeline = None
     if pipeline not in (None, False):
         from autopar.solver.pipeline import Pipeline, search
 
@@ -89,10 +93,17 @@ def plan(
             raise ConfigError(f"pipeline={pipeline!r}: use None/False (one stage), 'auto' or autopar.Pipeline(...)")
         kw = dict(optimizer=optimizer, op_table=op_table, reuse_blocks=reuse_blocks, simplify=simplify,
                   time_limit_s=time_limit_s, solver=solver, optimizer_sharding=optimizer_sharding, bucket_bytes=bucket_bytes,
-                  force=force, idle_axes=idle_axes, identical_axes=())  # stages keep the dual convention
-        choice = search(model, mesh, example_inputs, example_kwargs, pipeline=None if pipeline == "auto" else pipeline,
-                        memory_budget=budget, plan_kwargs=kw)
-        if len(choice.stages) > 1 or choice.microbatches > 1 or choice.stages[0].recompute:
+                  force=force, idle_axes=idle_axes, identical_axes=(), pipeline=False)  # stages keep the dual convention
+        try:
+            choice = search(model, mesh, example_inputs, example_kwargs, pipeline=None if pipeline == "auto" else pipeline,
+                            memory_budget=budget, plan_kwargs=kw)
+        except PlanError as err:
+            if pipeline != "auto":
+                raise
+            # e.g. a model without layers to cut; planning one stage says what else is wrong
+            log.info("no pipeline searched (%s); planning one stage", err)
+            choice = None
+        if choice is not None and (len(choice.stages) > 1 or choice.microbatches > 1 or choice.stages[0].recompute):
             pplan = choice.to_plan()
             pplan.solver["memory_budget"] = budget
             return pplan
@@ -183,6 +194,18 @@ def _identical_plan(plan: Plan, graph, mesh: Mesh, axes, bucket_bytes: int) -> P
     new = dataclasses.replace(plan, params=params, identical_axes=tuple(axes), predicted=dict(plan.predicted))
     new.predicted.update(step_time(new, graph, mesh, bucket_bytes=bucket_bytes))
     return new
+
+
+def can_pipeline(model, mesh: Mesh, example_inputs, example_kwargs, force) -> bool:
+    """Whether ``pipeline="auto"`` searches stages: a model and a batch to split (a tensor input
+    with a leading dim), a mesh whose slowest axis can be cut, and no forced ``Layout`` (a hand
+    layout of the whole mesh, with no pipeline degree)."""
+    import torch
+
+    if model is None or isinstance(force, Layout) or mesh.shape[0] < 2:
+        return False
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    return any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in inputs + tuple((example_kwargs or {}).values()))
 
 
 def _replicated_compute_s(graph, mesh, op_table) -> float:

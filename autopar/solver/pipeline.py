@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import node_readers, unit_of_nodes
@@ -343,6 +344,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                         sol.step_time = interleaved_time(sol.stage_times, len(sol.stages) // virtual, virtual, count)
                     if sol is not None:
                         sol.step_time = shared_core_time(sol, devices[keep], count, contention, mesh.shape[0], schedule)
+                        sol.step_time += step_extras(graph, groups, sol.stages, len(sol.stages) // virtual, mesh)
                     if sol is not None and (found is None or sol.step_time < found[0].step_time - 1e-15):
                         sol.stages = [(i, j, int(np.flatnonzero(keep)[m])) for i, j, m in sol.stages]
                         found = (sol, count, schedule, variants, graph, groups)
@@ -420,6 +422,33 @@ def _fixed_cuts(time_t: np.ndarray, layers: tuple[int, ...], groups) -> np.ndarr
         out[i, j] = time_t[i, j]
         start += n
     return out
+
+
+def step_extras(graph, groups, stages, blocks: int, mesh: Mesh) -> float:
+    """What a pipelined step runs after its schedule, blocking, that no stage price holds
+    (``PipelineRunner.step``): the loss sent from the last stage to every rank (one small
+    collective over the pipeline group), and each parameter that several blocks of ranks read (a
+    tied embedding and head) summed over them (an all-reduce of its whole gradient). Both cross
+    the mesh's first axis. 0 for one stage."""
+    if len(stages) < 2:
+        return 0.0
+    import torch
+
+    link = mesh.resolved_cluster().with_axis_links([mesh.links()[0]])
+    block_of_unit = {}
+    for s, (gi, gj, _) in enumerate(stages):
+        for g in groups[gi: gj + 1]:
+            for u in g:
+                block_of_unit[u] = s % blocks
+    unit, readers = unit_of_nodes(graph), node_readers(graph)
+    total = mesh_collective_time("all_reduce", 4, Mesh((blocks,), cluster=link), (0,))  # the loss
+    for ph in graph.params.values():
+        holders = {block_of_unit[unit[r]] for r in readers.get(ph, ()) if r in unit}
+        if len(holders) > 1:
+            meta = graph.nodes[ph].meta
+            nbytes = math.prod(meta.shape) * getattr(torch, meta.dtype).itemsize
+            total += mesh_collective_time("all_reduce", nbytes, Mesh((len(holders),), cluster=link), (0,))
+    return total
 
 
 def inflight_microbatches(schedule: str, stage: int, stages: int, count: int) -> int:
@@ -548,12 +577,13 @@ def _tables(variants, n_units, count, mesh):
     mem_t = np.zeros_like(time_t)
     act_t = np.zeros_like(time_t)
     link = mesh.links()[0]
+    call_s = mesh.resolved_cluster().collective_overhead_s  # a send reached from compute, as a collective
     for m, (rows, p) in enumerate(variants):
         per_unit = p.per_microbatch_s + p.per_step_s  # per-step prices are already 1 / count (plan(microbatches=))
         c_time, c_static, c_act = (np.concatenate([[0.0], np.cumsum(a)]) for a in (per_unit, p.static_bytes, p.activation_bytes))
         for i in range(n_units):
             # the activation entering the stage (forward) and its gradient leaving it (backward)
-            recv = 0.0 if i == 0 else 2 * (link.alpha + p.boundary_bytes[i] * link.beta)
+            recv = 0.0 if i == 0 else 2 * (link.alpha + call_s + p.boundary_bytes[i] * link.beta)
             j = np.arange(i, n_units)
             time_t[i, i:, m] = c_time[j + 1] - c_time[i] + recv
             mem_t[i, i:, m] = c_static[j + 1] - c_static[i] + p.stage_extra_bytes

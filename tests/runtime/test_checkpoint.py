@@ -181,7 +181,7 @@ def test_foreign_partial_and_mismatched_checkpoints_are_refused(tmp_path, saved_
 def _save_into(rank, world, path):
     """Every rank hears rank 0's refusal of the directory (none waits for the others)."""
     model, inputs = _model()
-    pm = autopar.parallelize(model, autopar.Mesh((2,)), inputs, profile=False)
+    pm = autopar.parallelize(model, autopar.Mesh((2,)), inputs, profile=False, pipeline=False)
     try:
         autopar.save(path, pm)
     except CheckpointError as err:
@@ -198,7 +198,7 @@ def test_saving_into_a_foreign_directory_is_refused_on_every_rank(tmp_path):
 
 def _model_only(rank, world, path):
     model, inputs = _model()
-    pm = autopar.parallelize(model, autopar.Mesh((2,)), inputs, profile=False)
+    pm = autopar.parallelize(model, autopar.Mesh((2,)), inputs, profile=False, pipeline=False)
     autopar.save(path, pm)
 
 

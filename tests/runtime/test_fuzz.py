@@ -55,7 +55,7 @@ def run_case(case: dict, groups) -> dict:
         force = force_of(case, ir.trace(model, inputs) if case["force"] == "node" else None)
         identical = {"auto": "auto", "none": (), "all": tuple(range(len(mesh.shape)))}[case.get("identical", "auto")]
         pm = autopar.parallelize(model, mesh, inputs, force=force, groups=groups, profile=False,
-                                 plan_kwargs={"idle_axes": (), "identical_axes": identical})
+                                 plan_kwargs={"idle_axes": (), "identical_axes": identical}, pipeline=False)
     except AutoparError as err:
         return {"outcome": "typed", "error": f"{type(err).__name__}: {str(err)[:200]}"}
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)

@@ -163,7 +163,7 @@ def profile_case(groups):
     model, inputs = models.build("mlp")
     res = summary("profiled", compare(model, inputs, mesh, groups))
     model, inputs = models.build("mlp")
-    preset = autopar.parallelize(model, mesh, inputs, groups=groups, profile=False).plan
+    preset = autopar.parallelize(model, mesh, inputs, groups=groups, profile=False, pipeline=False).plan
     ops = cached_live_op_table("cpu")
     return {"tag": "profile", "first_s": first_s, "cached_s": cached_s, "same": cluster == again,
             "name": cluster.name, "links": len(cluster.axis_links or ()),
@@ -195,7 +195,7 @@ def shape_error_case(mesh, groups):
     original signature."""
     model, inputs = models.build("mlp", batch=4)
     ref = copy.deepcopy(model)
-    pm = autopar.parallelize(model, mesh, inputs, groups=groups, max_programs=1)
+    pm = autopar.parallelize(model, mesh, inputs, groups=groups, max_programs=1, pipeline=False)
     same = torch.equal(pm(inputs[0], targets=inputs[1]), pm(*inputs))
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g)
@@ -223,7 +223,7 @@ def meta_init_case(mesh, groups):
     model, meta_inputs = models.build("mlp", device="meta")
     force = {ph: "sharded" for ph in ir.trace(model, meta_inputs).params.values()}
     torch.manual_seed(7)
-    pm = autopar.parallelize(model, mesh, meta_inputs, groups=groups, force=force, device="cpu")
+    pm = autopar.parallelize(model, mesh, meta_inputs, groups=groups, force=force, device="cpu", pipeline=False)
     torch.manual_seed(7)
     real, inputs = models.build("mlp")  # its own seed, in a forked RNG: the global one stays at 7
     with torch.no_grad():  # Module.apply visits children first, as materialization does
@@ -312,7 +312,7 @@ def fail_mid_step(rank, world_size, mode):
     warnings.simplefilter("ignore")
     mesh = autopar.Mesh((2, 2) if world_size == 4 else (world_size,), cluster="cpu-gloo")
     model, inputs = models.build("mlp")
-    pm = autopar.parallelize(model, mesh, inputs, timeout=MID_STEP_TIMEOUT_S, plan_kwargs={"idle_axes": ()})
+    pm = autopar.parallelize(model, mesh, inputs, timeout=MID_STEP_TIMEOUT_S, plan_kwargs={"idle_axes": ()}, pipeline=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     pm(*inputs).backward()
     opt.step()
@@ -519,7 +519,7 @@ def test_parallelize_outside_ranks_is_a_config_error(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     model, inputs = models.build("mlp")
     with pytest.raises(ConfigError, match="inside each rank"):
-        autopar.parallelize(model, autopar.Mesh((2,)), inputs)
+        autopar.parallelize(model, autopar.Mesh((2,)), inputs, pipeline=False)
 
 
 def test_a_rank_raising_mid_step_stops_every_rank():

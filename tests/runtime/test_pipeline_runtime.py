@@ -189,6 +189,40 @@ CASES = [
 ]
 
 
+def default_case():
+    """``parallelize`` with no ``pipeline=`` searches stages (the default is "auto"): on 4 ranks of
+    the cpu-gloo preset it cuts the small GPT into stages, trains it exactly through train_step,
+    and a plain call says to use train_step or pipeline=False."""
+    def go():
+        warnings.simplefilter("ignore")
+        net, inputs = models.build("gpt", layers=4)
+        ref = copy.deepcopy(net)
+        pm = autopar.parallelize(net, autopar.Mesh((4,)), inputs, profile=False)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
+        loss_err = 0.0
+        for step in range(STEPS):
+            x = fresh_inputs(inputs, step)
+            loss, want = pm.train_step(*x), ref(*x)
+            want.backward()
+            loss_err = max(loss_err, rel(loss, want))
+            opt.step()
+            ropt.step()
+            opt.zero_grad()
+            ropt.zero_grad()
+        state_err = max(rel(v, ref.state_dict()[k]) for k, v in pm.full_state_dict().items())
+        try:
+            pm(*inputs)
+            call = "no error"
+        except ConfigError as e:
+            call = str(e)
+        return {"tag": "default plan", "stages": len(pm.plan.summary()["pipeline"]["stages"]),
+                "microbatches": pm.plan.summary()["pipeline"]["microbatches"], "loss_err": loss_err,
+                "state_err": state_err, "call": call}
+
+    return run_case("default plan", go)
+
+
 def saved_plan_meta_case(path):
     """A pipelined plan saved to a file by rank 0, run by every rank on a meta-device GPT: each stage
     materializes only its own layers, yet the values are those of initializing the whole model (the
@@ -231,6 +265,7 @@ def saved_plan_meta_case(path):
 def _rank_main(rank, world, path):
     out = [pipeline_case(tag, shape, autopar.Pipeline(**pipe), **kw) for tag, shape, pipe, kw in CASES]
     out.append(errors_case())
+    out.append(default_case())
     out.append(saved_plan_meta_case(path))
     return out
 
@@ -297,6 +332,14 @@ def test_pipelined_module_errors(results):
         assert "error" not in r, r.get("error")
         assert "train_step" in r["call"], r
         assert "shape" in r["shape"] and "microbatches" in r["shape"], r
+
+
+def test_the_default_plan_may_pipeline_and_trains_exactly(results):
+    for r in results["default plan"]:
+        assert "error" not in r, r.get("error")
+        assert r["stages"] > 1 or r["microbatches"] > 1, r  # the search found a pipeline faster here
+        assert r["loss_err"] <= TOL and r["state_err"] <= STATE_TOL, r
+        assert "train_step" in r["call"] and "pipeline=False" in r["call"], r
 
 
 def test_a_saved_pipelined_plan_runs_a_meta_model_exactly(results):

@@ -72,11 +72,11 @@ def clip_case(tag, mesh, groups, layout, *, norm_type=2.0, use_torch=False, hf=F
         inputs = (ids, ids)
         call = lambda m, x: m(input_ids=x[0], labels=x[1], use_cache=False)  # noqa: E731
         pm = autopar.parallelize(model, mesh, (), example_kwargs={"input_ids": ids, "labels": ids, "use_cache": False},
-                                 groups=groups, force=layout)
+                                 groups=groups, force=layout, pipeline=False)
     else:
         model, inputs = _gpt()
         call = lambda m, x: m(*x)  # noqa: E731
-        pm = autopar.parallelize(model, mesh, inputs, groups=groups, force=layout)
+        pm = autopar.parallelize(model, mesh, inputs, groups=groups, force=layout, pipeline=False)
     ref = copy.deepcopy(model)
     o_p = torch.optim.SGD(pm.parameters(), lr=0.5, momentum=0.9)
     o_r = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
@@ -125,7 +125,7 @@ def clip_errors_case(tag, mesh, groups):
     except RuntimeError as err:
         out["nan_inf"] = str(err)
     mlp, mlp_inputs = models.build("mlp")
-    pmlp = autopar.parallelize(mlp, mesh, mlp_inputs, groups=groups)
+    pmlp = autopar.parallelize(mlp, mesh, mlp_inputs, groups=groups, pipeline=False)
     pmlp.eval()
     with torch.no_grad():
         out["mode_free_eval_err"] = rel(pmlp(*mlp_inputs), mlp.eval()(*mlp_inputs))
@@ -156,7 +156,7 @@ def call_values_case(tag, mesh, groups):
     model = Scaled()
     ref = copy.deepcopy(model)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
-    pm = autopar.parallelize(model, mesh, (x, y), example_kwargs={"scale": 2.0}, groups=groups)
+    pm = autopar.parallelize(model, mesh, (x, y), example_kwargs={"scale": 2.0}, groups=groups, pipeline=False)
     out = {"tag": tag, "same_value": rel(pm(x, y, scale=2.0), ref(x, y, scale=2.0)),
            "other_value": rel(pm(x, y, scale=5.0), ref(x, y, scale=5.0)), "programs": len(pm.programs)}
     outer = nn.ModuleDict({"inner": pm})
@@ -179,11 +179,11 @@ def eval_case(tag, mesh, groups, *, hf=False):
         model = _hf_gpt2(dropout=0.1)
         ids = torch.randint(0, HF_VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
         kw = {"input_ids": ids, "labels": ids, "use_cache": False}
-        pm = autopar.parallelize(model, mesh, (), example_kwargs=kw, groups=groups)
+        pm = autopar.parallelize(model, mesh, (), example_kwargs=kw, groups=groups, pipeline=False)
         call = lambda m: m(**kw).loss  # noqa: E731
     else:
         model, inputs = _gpt(dropout=0.1)
-        pm = autopar.parallelize(model, mesh, inputs, groups=groups)
+        pm = autopar.parallelize(model, mesh, inputs, groups=groups, pipeline=False)
         call = lambda m: _loss(m(*inputs))  # noqa: E731
     ref = copy.deepcopy(model).eval()
     torch.manual_seed(groups.rank)
@@ -210,7 +210,7 @@ def train_step_case(tag, mesh, groups, layout):
     ids = torch.randint(0, HF_VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
     kw = {"input_ids": ids, "labels": ids, "use_cache": False}
     ref = copy.deepcopy(model)
-    pm = autopar.parallelize(model, mesh, (), example_kwargs=kw, groups=groups, force=layout)
+    pm = autopar.parallelize(model, mesh, (), example_kwargs=kw, groups=groups, force=layout, pipeline=False)
     o_p = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
     o_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
     loss_err = grad_err = 0.0
@@ -278,7 +278,7 @@ def batchnorm_case(tag, mesh, groups, force=None, ema=False):
         x, y = torch.randn(8, 3, 6, 6), torch.randint(0, 5, (8,))
     ref = copy.deepcopy(model)
     pm = autopar.parallelize(model, mesh, (x, y), groups=groups, force=force,
-                             plan_kwargs={"idle_axes": ()} if force is None else None)
+                             plan_kwargs={"idle_axes": ()} if force is None else None, pipeline=False)
     o_p, o_r = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     loss_err = 0.0
     for step, b in enumerate((8, 6, 8)):
@@ -300,7 +300,7 @@ def shapes_case(tag, mesh, groups, layout):
     each new shape builds one program, reused on its next call."""
     model, inputs = _gpt()
     ref = copy.deepcopy(model)
-    pm = autopar.parallelize(model, mesh, inputs, groups=groups, force=layout)
+    pm = autopar.parallelize(model, mesh, inputs, groups=groups, force=layout, pipeline=False)
     o_p = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
     o_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
     b, t = inputs[0].shape
@@ -320,7 +320,7 @@ def accumulation_case(tag, mesh, groups, layout):
     synchronise once: as many collectives as the reducer has buckets."""
     model, inputs = _gpt()
     ref = copy.deepcopy(model)
-    pm = autopar.parallelize(model, mesh, inputs, groups=groups, force=layout)
+    pm = autopar.parallelize(model, mesh, inputs, groups=groups, force=layout, pipeline=False)
     o_p = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
     o_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
     launches = []
@@ -349,7 +349,7 @@ def names_case(tag, mesh, groups, layout):
 
     model, inputs = _gpt()
     ref = copy.deepcopy(model)
-    pm = autopar.parallelize(model, mesh, inputs, groups=groups, force=layout)
+    pm = autopar.parallelize(model, mesh, inputs, groups=groups, force=layout, pipeline=False)
     out = {"tag": tag, "names_equal": [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()],
            "buffers_equal": [n for n, _ in pm.named_buffers()][:len(list(ref.named_buffers()))] == [n for n, _ in ref.named_buffers()]}
 
@@ -383,7 +383,7 @@ def names_case(tag, mesh, groups, layout):
     n = mesh.size
     other_layout = (autopar.Layout(dp=2, tp=2, zero=3) if mesh.ndim == 2
                     else autopar.Layout(tp=n) if layout.tp == 1 else autopar.Layout(dp=n))
-    other = autopar.parallelize(other_model, mesh, inputs, groups=groups, force=other_layout)
+    other = autopar.parallelize(other_model, mesh, inputs, groups=groups, force=other_layout, pipeline=False)
     other.load_state_dict(pm.state_dict())  # another plan's DTensors
     out["cross_plan_err"] = _state_err(other, ref)
     try:

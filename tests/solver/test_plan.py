@@ -13,7 +13,7 @@ from autopar.errors import PlanError
 def gpt_plan():
     warnings.simplefilter("ignore")
     model, inputs = models.build("gpt", layers=2)
-    return autopar.plan(model, autopar.Mesh((2, 2)), inputs)
+    return autopar.plan(model, autopar.Mesh((2, 2)), inputs, pipeline=False)  # the one-stage plan's contract
 
 
 def test_json_round_trip_is_exact(gpt_plan, tmp_path):
@@ -98,7 +98,7 @@ def test_bad_budgets_and_solvers_are_config_errors():
 
 def test_bf16_tuple_outputs_price_their_element_bytes():
     model, inputs = models.build("gpt", layers=1, dtype=__import__("torch").bfloat16)
-    plan = autopar.plan(model, autopar.Mesh((4,)), inputs)
+    plan = autopar.plan(model, autopar.Mesh((4,)), inputs, pipeline=False)
     assert plan.solver["objective_s"] == pytest.approx(ilp_objective(plan), rel=1e-9)
     assert plan.predicted["reshard_s"] == pytest.approx(sum(e.cost_s for e in plan.edges), rel=1e-9)
 

@@ -28,8 +28,8 @@ def test_simplified_optimum_equals_full_ilp(name, kw, mesh):
     model, inputs = models.build(name, **kw)
     graph = ir.trace(model, inputs)
     m = autopar.Mesh(mesh, cluster="a100-80g")
-    fast = autopar.plan(model, m, inputs, graph=graph)
-    full = autopar.plan(model, m, inputs, graph=graph, simplify=False, reuse_blocks=False)
+    fast = autopar.plan(model, m, inputs, graph=graph, pipeline=False)
+    full = autopar.plan(model, m, inputs, graph=graph, simplify=False, reuse_blocks=False, pipeline=False)
     assert fast.solver["ilp_nodes_solved"] < full.solver["ilp_nodes_solved"]
     assert fast.solver["objective_s"] == pytest.approx(full.solver["objective_s"], rel=1e-6)
 
