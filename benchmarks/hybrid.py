@@ -105,15 +105,16 @@ def predict_hands(model_name: str, model_kw: dict, configs, meshes: dict) -> dic
 
     model, example = models.build(model_name, device="meta", **model_kw)
     graph = ir.trace(model, example)
-    table = cached_live_op_table(torch.device("cpu"))
     out = {}
     for cfg in configs:
         shape = tuple(d for d in (cfg.dp, cfg.tp) if d > 1) or (1,)
         if cfg.pp > 1 or shape not in meshes:
             continue
         layout = Layout(dp=cfg.dp, tp=cfg.tp, zero=cfg.zero)
+        mesh = Mesh.from_dict(meshes[shape])
+        table = cached_live_op_table(torch.device("cpu"), mesh.resolved_cluster().rank_contention)
         try:
-            p = plan(model, Mesh.from_dict(meshes[shape]), graph=graph, force=layout, op_table=table)
+            p = plan(model, mesh, graph=graph, force=layout, op_table=table)
         except Exception as err:  # a layout autopar cannot form on this model: no prediction
             _say(0, f"  no prediction for {cfg.name}: {type(err).__name__}: {str(err)[:120]}")
             continue

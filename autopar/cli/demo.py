@@ -108,8 +108,9 @@ def rank_main(rank, world_size, model_name, mesh_shape, steps):
         out["predicted_s"] = pmodel.plan.summary()["step_time_s"]
         from autopar.compose.live_profile import cached_live_op_table
 
-        free = autopar.plan(model, autopar.Mesh(mesh_shape, cluster=pmodel.plan.mesh_obj.cluster), inputs,
-                            op_table=cached_live_op_table("cpu"))  # priced as parallelize priced its plan
+        cluster = pmodel.plan.mesh_obj.cluster  # priced as parallelize priced its plan
+        free = autopar.plan(model, autopar.Mesh(mesh_shape, cluster=cluster), inputs, pipeline=False,
+                            op_table=cached_live_op_table("cpu", cluster.rank_contention))
         out["free_choice"] = (
             f"left free to leave mesh axes idle, autopar would leave axes {free.idle_axes} idle "
             f"(predicted {free.predicted['step_time_s'] * 1e3:.2f} ms vs {out['predicted_s'] * 1e3:.2f} ms using every axis)"

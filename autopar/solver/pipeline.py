@@ -50,7 +50,7 @@ from autopar.solver.stage_dp import solve_stages
 log = logging.getLogger(__name__)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-SEARCHED_SCHEDULES = ("1f1b", "gpipe", "zero-bubble")  # what "auto" tries; interleaved 1F1B when asked (virtual_stages)
+SEARCHED_SCHEDULES = ("1f1b", "gpipe", "zero-bubble", "interleaved-1f1b")  # what "auto" tries (interleaved: 2 per rank)
 MEMORY_VARIANTS = (0.25,)  # leaner ILP solutions per sub-mesh, as fractions of the fastest's memory
 MAX_UNITS = 24  # more layers than this are cut only between groups of consecutive layers (Alpa clusters them too)
 
@@ -317,8 +317,10 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
             devices = np.array([rows for rows, _ in variants])
             recomputed = np.array([p.recompute for _, p in variants])
             for schedule in schedules:
-                virtual = pipeline.virtual_stages if schedule == "interleaved-1f1b" else 1
+                virtual = (pipeline.virtual_stages or 2) if schedule == "interleaved-1f1b" else 1
                 if virtual > 1 and not equal_stages:
+                    if pipeline.schedule is None:
+                        continue  # searched, not asked for: it needs equal stages
                     raise ConfigError("interleaved 1F1B places several equal stages on each rank: plan it with equal_stages")
                 for keep, counts in _stage_shapes(devices, mesh.shape[0], pipeline.stages, equal_stages):
                     if schedule == "zero-bubble":  # its split backward does not recompute (see Pipeline)
@@ -327,8 +329,9 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                         continue
                     if schedule == "1f1b":  # torch's 1F1B runs at least one microbatch per stage
                         counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if c <= count}
-                    if schedule == "zero-bubble":  # torch's runs the microbatches in equal rounds of >= p
-                        counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if count % max(1, count // c) == 0}
+                    if schedule in ("zero-bubble", "interleaved-1f1b"):  # torch's run equal rounds of >= p microbatches
+                        counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if count % max(1, count // c) == 0
+                                  and (virtual == 1 or 1 < c <= count)}  # interleaving: 2+ blocks, a microbatch each
                     if counts is not None and not counts:
                         continue
                     if virtual > 1:  # v stages per rank: the DP cuts p * v stages on v copies of the rows
@@ -366,7 +369,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
     unit = unit_of_nodes(graph)
     stages, row = [], 0
     per_row = math.prod(mesh.shape[1:])
-    virtual = pipeline.virtual_stages if schedule == "interleaved-1f1b" else 1
+    virtual = (pipeline.virtual_stages or 2) if schedule == "interleaved-1f1b" else 1
     blocks = len(sol.stages) // virtual  # ranks of the pipeline (stage s runs on block s mod blocks)
     for (gi, gj, m), t in zip(sol.stages, sol.stage_times):
         i, j = groups[gi][0], groups[gj][-1]

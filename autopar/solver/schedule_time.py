@@ -13,10 +13,11 @@ from autopar.errors import PlanError
 def interleaved_time(stage_times, ranks: int, virtual: int, count: int) -> float:
     """Interleaved 1F1B's step: each rank runs ``virtual`` stages (stage i on rank i mod ``ranks``);
     with T the busiest rank's time per microbatch, ``count`` microbatches take count x T plus a
-    bubble of (ranks - 1) x T / virtual (Narayanan et al., SC'21)."""
+    bubble of (ranks - 1) x T / virtual (Narayanan et al., SC'21); never less than one
+    microbatch's way through every stage (the formula assumes count >= ranks)."""
     per_rank = [sum(stage_times[b::ranks]) for b in range(ranks)]
     busiest = max(per_rank)
-    return float((count + (ranks - 1) / virtual) * busiest)
+    return float(max((count + (ranks - 1) / virtual) * busiest, sum(stage_times)))
 
 
 def schedule_orders(p: int, count: int, schedule: str) -> list[list[tuple[str, int]]]:

@@ -436,3 +436,12 @@ def test_step_extras_price_the_loss_broadcast_and_tied_parameters():
             assert wte is model.get_parameter("lm_head.weight")
             want += mesh_collective_time("all_reduce", wte.numel() * 4, pp, (0,))
         assert got == pytest.approx(want)
+
+
+def test_interleaved_time_is_never_below_one_microbatch_through_every_stage():
+    from autopar.solver.schedule_time import interleaved_time
+
+    # 2 ranks x 2 stages of 1 s: 4 microbatches take (4 + 1/2) x 2 s (Narayanan et al.)
+    assert interleaved_time([1.0] * 4, 2, 2, 4) == pytest.approx(9.0)
+    # one microbatch still passes all 4 stages in turn: 4 s, not the formula's 3 s
+    assert interleaved_time([1.0] * 4, 2, 2, 1) == pytest.approx(4.0)
