@@ -1,13 +1,14 @@
 """Planning GPT-3 175B with pipeline stages, as Megatron-LM trains it (Narayanan et al., SC'21).
 
-    .venv/bin/python benchmarks/gpt3_pipeline.py [--mesh 128x8] [--budget 80GB]
+    .venv/bin/python benchmarks/gpt3_pipeline.py [--mesh 128x8] [--budget 80GB] [--schedule 1f1b]
 
 The built-in GPT at GPT-3's shape (96 layers, width 12288, 96 heads, seq 2048, vocab 51200, batch
 1536, bfloat16, on the meta device) on a simulated ``a100-80g`` mesh, ``pipeline="auto"``: prints the
 time to plan (and its parts), the stages, the tp / pp / dp degrees, the schedule and microbatches,
 the predicted step time, and the model-FLOPs utilization ``6 x parameters x tokens / (step x
 devices x peak)`` (attention's own FLOPs not counted). Megatron-LM measured 44-52% of peak on A100s
-for its 175B-1T runs.
+for its 175B-1T runs, with (interleaved) 1F1B; ``--schedule`` fixes the schedule (the default
+searches it, zero bubble included) to compare with that.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 
 import autopar
 from autopar import models
+from autopar.solver.pipeline import SCHEDULES
 
 GPT3 = dict(layers=96, width=12288, heads=96, seq=2048, vocab=51200, batch=1536)
 
@@ -41,10 +43,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mesh", default="128x8")
     p.add_argument("--budget", default="80GB")
+    p.add_argument("--schedule", default=None, choices=SCHEDULES, help="fix the schedule (default: searched)")
     a = p.parse_args()
     warnings.simplefilter("ignore")
     shape = tuple(int(x) for x in a.mesh.split("x"))
-    plan, seconds, mfu = plan_gpt3(shape, a.budget)
+    plan, seconds, mfu = plan_gpt3(shape, a.budget, autopar.Pipeline(schedule=a.schedule) if a.schedule else "auto")
     s = plan.summary()
     pipe = s["pipeline"]
     print(f"GPT-3 175B on {a.mesh} a100-80g, {a.budget} per device: planned in {seconds:.1f} s "
