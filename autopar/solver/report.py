@@ -5,14 +5,16 @@ the per-layer table, and the what-ifs as a chart. Reads the Plan (and what-if ro
 from __future__ import annotations
 
 import html
+import math
 
 from autopar.solver.explain import (
     _fmt_b, _fmt_s, _is_plumbing, _memory_line, _step_line, collapsed_rows, costliest_collectives, layout_words,
 )
 from autopar.solver.plan import Plan, spec_str
+from autopar.solver.schedule_time import simulate_shared
 
 _COLORS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_states": "#e15759", "activations": "#76b7b2",
-           "memory": "#59a14f", "F": "#4e79a7", "B": "#f28e2b"}
+           "memory": "#59a14f", "F": "#4e79a7", "B": "#f28e2b", "W": "#59a14f"}
 
 
 def _e(x) -> str:
@@ -88,56 +90,15 @@ def _memory_svg(plan: Plan) -> str:
     return "".join(out)
 
 
-def schedule_ops(n_stages: int, microbatches: int, schedule: str) -> list[list[tuple[str, int]]]:
-    """Per stage, its forward ("F", m) and backward ("B", m) in the order the schedule runs them:
-    GPipe all forwards then all backwards; 1F1B ``stages - s - 1`` warm-up forwards, then one
-    forward and one backward in turn, then the remaining backwards."""
-    out = []
-    for s in range(n_stages):
-        if schedule == "gpipe":
-            out.append([("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)])
-            continue
-        warm = min(n_stages - s - 1, microbatches)
-        ops = [("F", m) for m in range(warm)]
-        f, b = warm, 0
-        while b < microbatches:
-            if f < microbatches:
-                ops.append(("F", f))
-                f += 1
-            ops.append(("B", b))
-            b += 1
-        out.append(ops)
-    return out
-
-
-def simulate(times: list[float], microbatches: int, schedule: str) -> list[list[tuple[str, int, float, float]]]:
-    """Start and end of each op per stage: a forward takes a third of the stage's time per
-    microbatch, a backward two thirds; F(s, m) waits for F(s-1, m), B(s, m) for B(s+1, m), and each
-    stage runs its ops in schedule order."""
-    n = len(times)
-    order = schedule_ops(n, microbatches, schedule)
-    done: dict = {}
-    placed = [[] for _ in range(n)]
-    cursor = [0] * n
-    clock = [0.0] * n
-    progress = True
-    while progress:
-        progress = False
-        for s in range(n):
-            while cursor[s] < len(order[s]):
-                kind, m = order[s][cursor[s]]
-                dep = ("F", s - 1, m) if kind == "F" and s > 0 else ("B", s + 1, m) if kind == "B" and s < n - 1 else None
-                if kind == "B" and s == n - 1:
-                    dep = ("F", s, m)
-                if dep is not None and dep not in done:
-                    break
-                start = max(clock[s], done.get(dep, 0.0))
-                end = start + times[s] * (1 / 3 if kind == "F" else 2 / 3)
-                done[(kind, s, m)] = end
-                placed[s].append((kind, m, start, end))
-                clock[s] = end
-                cursor[s] += 1
-                progress = True
+def timeline(times: list[float], microbatches: int, schedule: str) -> list[list[tuple[str, int, float, float]]]:
+    """Per stage, (task, microbatch, start, end) of each of its tasks, a device per rank: the
+    schedule's own order and simulation (``schedule_time``; forward a third of a stage's time,
+    backward two, or input and weight halves under zero bubble)."""
+    trace: list = []
+    simulate_shared(times, [1] * len(times), microbatches, schedule, math.inf, trace)
+    placed = [[] for _ in times]
+    for st, kind, m, start, end in trace:
+        placed[st].append((kind, m, start, end))
     return placed
 
 
@@ -145,11 +106,11 @@ def _timeline_svg(plan: Plan) -> str:
     p = plan.pipeline
     times = [s.time_per_microbatch_s for s in p.stages]
     shown = min(p.microbatches, 32)
-    placed = simulate(times, shown, p.schedule)
+    placed = timeline(times, shown, p.schedule)
     end = max((op[3] for ops in placed for op in ops), default=1.0) or 1.0
     width, row = 900, 22
     out = [f"<p class='muted'>{_e(p.schedule)}, {shown} of {p.microbatches} microbatches drawn; blue forward, "
-           "orange backward</p>",
+           "orange backward" + (" (input half), green weight half" if p.schedule == "zero-bubble" else "") + "</p>",
            f"<svg xmlns='http://www.w3.org/2000/svg' width='{width + 90}' height='{row * len(placed) + 10}'>"]
     for s, ops in enumerate(placed):
         y = 4 + s * row

@@ -64,19 +64,21 @@ def task_fractions(schedule: str, stage: int) -> dict[str, float]:
     return {"F": 1 / 3, "B": 0.0, "W": 2 / 3} if stage == 0 else {"F": 1 / 3, "B": 1 / 3, "W": 1 / 3}
 
 
-def simulate_shared(alone_s, rows, count: int, schedule: str, capacity: float) -> float:
+def simulate_shared(alone_s, rows, count: int, schedule: str, capacity: float, trace: list | None = None) -> float:
     """Seconds of one step of a pipeline (``schedule_orders``) whose stage ``s`` takes ``alone_s[s]``
     per microbatch (split by ``task_fractions``) at full speed on ``rows[s]`` ranks, where the busy
     ranks share ``capacity`` ranks' worth of full speed (each runs at min(1, capacity / busy);
     ``math.inf``: a device per rank). Forward k of a stage waits for forward k of the one before,
     backward k for backward k of the one after and its own forward k, a weight half for its
-    backward; each stage runs its tasks in order."""
+    backward; each stage runs its tasks in order. ``trace``, if given, receives (stage, task,
+    microbatch, start, end) per task."""
     p = len(alone_s)
     orders = schedule_orders(p, count, schedule)
     share = [task_fractions(schedule, st) for st in range(p)]
     done: set = set()
     nxt = [0] * p
     left = [None] * p  # remaining full-speed seconds of the task in progress
+    started = [0.0] * p
     now = 0.0
     while any(i < len(o) for i, o in zip(nxt, orders)):
         for st in range(p):
@@ -89,6 +91,7 @@ def simulate_shared(alone_s, rows, count: int, schedule: str, capacity: float) -
                     deps = [("B", st, k)]
                 if all(d in done for d in deps):
                     left[st] = alone_s[st] * share[st][kind]
+                    started[st] = now
         running = [st for st in range(p) if left[st] is not None]
         if not running:  # cannot happen for these schedules; never loop forever
             raise PlanError(f"pipeline simulation stalled ({schedule}, {p} stages, {count} microbatches)")
@@ -100,6 +103,8 @@ def simulate_shared(alone_s, rows, count: int, schedule: str, capacity: float) -
             if left[st] <= 1e-12:
                 kind, k = orders[st][nxt[st]]
                 done.add((kind, st, k))
+                if trace is not None:
+                    trace.append((st, kind, k, started[st], now))
                 nxt[st] += 1
                 left[st] = None
     return now

@@ -13,7 +13,8 @@ import pytest
 
 import autopar
 from autopar import models
-from autopar.solver.report import html_report, schedule_ops, simulate
+from autopar.solver.report import html_report, timeline
+from autopar.solver.schedule_time import schedule_orders
 
 
 @pytest.fixture(scope="module")
@@ -37,20 +38,26 @@ def test_report_is_self_contained_and_has_every_section(report):
     assert set(re.findall(r"https?://[^'\" ]+", text)) <= {"http://www.w3.org/2000/svg"}  # the SVG namespace only
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero-bubble"])
 def test_timeline_follows_the_schedule(schedule):
-    """Equal stages of time t: the step is (microbatches + stages - 1) x t under both schedules; every
-    microbatch's forward and backward run once per stage; 1F1B holds at most ``stages - s``
-    microbatches in flight on stage s."""
+    """Equal stages of time t: the step is (microbatches + stages - 1) x t under GPipe and 1F1B and
+    less under zero bubble; every microbatch's tasks run once per stage, in the stage's order, none
+    overlapping; 1F1B holds at most ``stages - s`` microbatches in flight on stage s."""
     stages, micro, t = 4, 6, 3.0
-    placed = simulate([t] * stages, micro, schedule)
+    placed = timeline([t] * stages, micro, schedule)
     end = max(op[3] for ops in placed for op in ops)
-    assert end == pytest.approx((micro + stages - 1) * t)
+    if schedule == "zero-bubble":
+        assert micro * t < end < (micro + stages - 1) * t
+    else:
+        assert end == pytest.approx((micro + stages - 1) * t)
+    tasks = ("F", "B", "W") if schedule == "zero-bubble" else ("F", "B")
     for s, ops in enumerate(placed):
-        assert sorted((k, m) for k, m, *_ in ops) == sorted([("F", m) for m in range(micro)] + [("B", m) for m in range(micro)])
+        assert [(k, m) for k, m, *_ in ops] == schedule_orders(stages, micro, schedule)[s]
+        assert sorted((k, m) for k, m, *_ in ops) == sorted((k, m) for k in tasks for m in range(micro))
+        assert all(a[3] <= b[2] + 1e-12 for a, b in zip(ops, ops[1:]))
         if schedule == "1f1b":
             inflight = peak = 0
-            for k, *_ in schedule_ops(stages, micro, schedule)[s]:
+            for k, *_ in ops:
                 inflight += 1 if k == "F" else -1
                 peak = max(peak, inflight)
             assert peak <= stages - s
