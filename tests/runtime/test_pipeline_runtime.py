@@ -189,6 +189,24 @@ CASES = [
 ]
 
 
+def train_next_to(pm, ref, inputs, steps: int) -> tuple[float, float]:
+    """``steps`` AdamW steps of ``pm`` (``train_step``) and of the one-process ``ref``: the worst
+    loss error and the trained state's error."""
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
+    loss_err = 0.0
+    for step in range(steps):
+        x = fresh_inputs(inputs, step)
+        loss, want = pm.train_step(*x), ref(*x)
+        want.backward()
+        loss_err = max(loss_err, rel(loss, want))
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+    state_err = max(rel(v, ref.state_dict()[k]) for k, v in pm.full_state_dict().items())
+    return loss_err, state_err
+
+
 def default_case():
     """``parallelize`` with no ``pipeline=`` searches stages (the default is "auto"): on 4 ranks of
     the cpu-gloo preset it cuts the small GPT into stages, trains it exactly through train_step,
@@ -198,19 +216,7 @@ def default_case():
         net, inputs = models.build("gpt", layers=4)
         ref = copy.deepcopy(net)
         pm = autopar.parallelize(net, autopar.Mesh((4,)), inputs, profile=False)
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
-        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
-        loss_err = 0.0
-        for step in range(STEPS):
-            x = fresh_inputs(inputs, step)
-            loss, want = pm.train_step(*x), ref(*x)
-            want.backward()
-            loss_err = max(loss_err, rel(loss, want))
-            opt.step()
-            ropt.step()
-            opt.zero_grad()
-            ropt.zero_grad()
-        state_err = max(rel(v, ref.state_dict()[k]) for k, v in pm.full_state_dict().items())
+        loss_err, state_err = train_next_to(pm, ref, inputs, STEPS)
         try:
             pm(*inputs)
             call = "no error"
@@ -243,19 +249,7 @@ def saved_plan_meta_case(path):
         with torch.no_grad():  # Module.apply visits children first, as materialization does
             real.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
         init_err = max(rel(v, real.state_dict()[k]) for k, v in pm.full_state_dict().items())
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
-        ropt = torch.optim.AdamW(real.parameters(), lr=1e-2, eps=ADAM_EPS)
-        loss_err = 0.0
-        for step in range(2):
-            x = fresh_inputs(inputs, step)
-            loss, want = pm.train_step(*x), real(*x)
-            want.backward()
-            loss_err = max(loss_err, rel(loss, want))
-            opt.step()
-            ropt.step()
-            opt.zero_grad()
-            ropt.zero_grad()
-        state_err = max(rel(v, real.state_dict()[k]) for k, v in pm.full_state_dict().items())
+        loss_err, state_err = train_next_to(pm, real, inputs, 2)
         return {"tag": "saved plan, meta model", "init_err": init_err, "loss_err": loss_err, "state_err": state_err,
                 "stages": len(pm.plan.pipeline.stages), "still_meta": all(p.is_meta for p in model.parameters())}
 
