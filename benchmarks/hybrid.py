@@ -231,7 +231,8 @@ def phase2(model_name, kw, rank, world, opts, ref, finalists: list[ht.HandConfig
     for name, v in extra_variants(model_name, kw, rank, world).items():
         verdict, mem = first_step(v, ref)
         info[name] = dict(verdict, cfg=None, predicted_s=getattr(v, "predicted_s", None), peak_bytes=max(gathered(mem)),
-                          mesh=v.plan.mesh if hasattr(v, "plan") else None)
+                          mesh=v.plan.mesh if hasattr(v, "plan") else None,
+                          plan=v.describe() if hasattr(v, "describe") else None)  # what the planner chose
         if verdict["exact"]:
             variants[name] = v
         else:
@@ -343,13 +344,14 @@ def report(model_name, kw, res, n_params, world) -> tuple[list[dict], dict]:
     for name, r in p2.items():
         if r.get("hand"):
             continue
-        ratios = {"s_per_step": r["s_per_step"], "predicted_s": r.get("predicted_s"),
+        ratios = {"s_per_step": r["s_per_step"], "predicted_s": r.get("predicted_s"), "plan": r.get("plan"),
                   "vs_ddp": r["s_per_step"] / ddp2 if ddp2 else None,
                   "vs_best_hand": r["s_per_step"] / hand2[0]["s_per_step"] if hand2 else None,
                   "vs_median_hand": r["s_per_step"] / summary["median_hand_s"] if summary["median_hand_s"] else None}
         summary["autopar"][name] = ratios
         print(f"{name} {model_name}: {r['s_per_step']:.3f} s/step = " + ", ".join(
-            f"{v:.2f} x {k[3:].replace('_', '-')}" for k, v in ratios.items() if k.startswith("vs_") and v is not None))
+            f"{v:.2f} x {k[3:].replace('_', '-')}" for k, v in ratios.items() if k.startswith("vs_") and v is not None)
+            + (f" (predicted {r['predicted_s']:.3f}; {r['plan']})" if r.get("predicted_s") and r.get("plan") else ""))
     return rows, summary
 
 
