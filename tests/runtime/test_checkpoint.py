@@ -89,7 +89,7 @@ def test_resume_under_another_plan(reference, saved_2x2, target):
     world, shape, layout, pipeline = {
         "data parallel (4,)": (4, (4,), autopar.Layout(dp=4), None),
         "2-stage pipeline x dp2": (4, (4,), autopar.Layout(dp=2), autopar.Pipeline(stages=2, microbatches=2)),
-        "2 ranks, default plan": (2, (2,), None, None),
+        "2 ranks, default plan": (2, (2,), None, "auto"),  # whatever the planner chooses (stages allowed)
     }[target]
     res = spawn(_phase, world, args=(saved_2x2, shape, layout, pipeline, True, 2, False))
     assert res[0]["start"] == 3
