@@ -190,7 +190,10 @@ def cmd_explain(args) -> int:
     plan, graph, model, inputs, kwargs, mesh, op_table = _make_plan(args)
     print(plan.explain(all=args.all))
     if args.code and plan.pipeline is not None:
-        print("\n# --code: pipelined plans are not lowered yet")
+        for st, stage, lowered in _stage_programs(plan, model, inputs, kwargs):
+            who = f"rank {stage.ranks[0]}" if len(stage.ranks) == 1 else f"ranks {stage.ranks[0]}-{stage.ranks[-1]}"
+            print(f"\n# stage {st}: the program {who} run(s) for each microbatch (shards and groups bound at run time)")
+            print(lowered.code)
     elif args.code:
         from autopar.codegen.lower import lower
 
@@ -267,6 +270,26 @@ def progress_handler(stream, quiet: bool):
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("autopar: %(message)s"))
     return handler
+
+
+def _stage_programs(plan, model, inputs, kwargs):
+    """(stage index, StagePlan, Lowered) per stage of a pipelined plan: the microbatch graph cut
+    into stages and each lowered on its sub-mesh, receiving what the previous stages send, as
+    ``parallelize`` builds them."""
+    import autopar
+    from autopar import ir
+    from autopar.codegen.lower import lower
+    from autopar.codegen.stages import cut_stages, sent_specs
+    from autopar.solver.pipeline import microbatch_inputs
+
+    mb_args, mb_kwargs = microbatch_inputs(inputs, kwargs, plan.pipeline.microbatches)
+    micro = ir.trace(model, mb_args, mb_kwargs or None)
+    cuts = cut_stages(micro, plan)
+    specs = sent_specs(micro, plan, cuts)
+    for st, (stage, cut) in enumerate(zip(plan.pipeline.stages, cuts)):
+        received = {v: specs[v] for v in cut.receives if micro.nodes[v].op != "placeholder"}
+        yield st, stage, lower(micro, stage.plan, autopar.Mesh.from_dict(stage.plan.mesh), nodes=cut.nodes,
+                               received=received)
 
 
 def _planning_arguments(parser) -> None:

@@ -74,6 +74,18 @@ def test_explain_code_prints_the_rank_program(capsys):
     assert "autopar_backward_seed" in program
 
 
+def test_explain_code_prints_each_stage_program(capsys):
+    """A plan with stages (the default searches them; 800 MiB per device does not fit one stage):
+    --code prints the program of every stage, each reading what the stage before it sends."""
+    model = "gpt:layers=8,width=1024,heads=16,seq=256,vocab=8192,batch=16"
+    code, out, err = run(capsys, "explain", model, "--mesh", "4", "--cluster", "a100-80g", "--memory-budget", "800MiB",
+                         "--code")
+    assert code == 0, err
+    stages = out.split("# stage ")[1:]
+    assert len(stages) >= 2 and all("def forward(" in s for s in stages)
+    assert "embedding" in stages[0] and "embedding" not in stages[-1]  # the first stage embeds, the last does not
+
+
 def test_explain_a_published_shape_by_name(capsys):
     """A published shape by name (two of its layers, to stay quick), on an A100 mesh."""
     code, out, _ = run(capsys, "explain", "gpt2-xl:layers=2,batch=16", "--mesh", "2x4", "--cluster", "a100-80g")
