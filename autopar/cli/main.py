@@ -278,18 +278,15 @@ def _stage_programs(plan, model, inputs, kwargs):
     ``parallelize`` builds them."""
     import autopar
     from autopar import ir
-    from autopar.codegen.lower import lower
-    from autopar.codegen.stages import cut_stages, sent_specs
+    from autopar.codegen.stages import cut_stages, lower_stage, sent_specs
     from autopar.solver.pipeline import microbatch_inputs
 
     mb_args, mb_kwargs = microbatch_inputs(inputs, kwargs, plan.pipeline.microbatches)
     micro = ir.trace(model, mb_args, mb_kwargs or None)
     cuts = cut_stages(micro, plan)
     specs = sent_specs(micro, plan, cuts)
-    for st, (stage, cut) in enumerate(zip(plan.pipeline.stages, cuts)):
-        received = {v: specs[v] for v in cut.receives if micro.nodes[v].op != "placeholder"}
-        yield st, stage, lower(micro, stage.plan, autopar.Mesh.from_dict(stage.plan.mesh), nodes=cut.nodes,
-                               received=received)
+    for st, stage in enumerate(plan.pipeline.stages):
+        yield st, stage, lower_stage(micro, plan, cuts, specs, st, autopar.Mesh.from_dict(stage.plan.mesh))
 
 
 def _planning_arguments(parser) -> None:

@@ -119,3 +119,13 @@ def loss_position(graph) -> int:
             return i
     raise ConfigError(f"{graph.model_name} returns no scalar loss; train_step trains a model that computes its loss "
                       "in forward (e.g. pass labels to a transformers model)")
+
+
+def lower_stage(graph, plan, cuts: list[StageCut], specs: dict, st: int, mesh, device=None):
+    """Stage ``st``'s program (a ``Lowered``) on ``mesh`` (its sub-mesh): its nodes lowered with
+    its own plan, each value it receives arriving in the spec an earlier stage sends it in
+    (``sent_specs``)."""
+    from autopar.codegen.lower import lower
+
+    received = {v: specs[v] for v in cuts[st].receives if graph.nodes[v].op != "placeholder"}
+    return lower(graph, plan.pipeline.stages[st].plan, mesh, nodes=cuts[st].nodes, device=device, received=received)

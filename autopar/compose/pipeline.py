@@ -8,7 +8,7 @@ import dataclasses
 
 import torch.distributed as dist
 
-from autopar.codegen.stages import cut_stages, loss_position, sent_specs, shared_params
+from autopar.codegen.stages import cut_stages, loss_position, lower_stage, sent_specs, shared_params
 from autopar.errors import ConfigError
 from autopar.runtime.pipeline import PipelineRunner, make_stage_groups
 from autopar.runtime.programs import Program
@@ -21,7 +21,6 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
     with a ``PipelineRunner`` for ``train_step``. ``graph`` is the whole batch's trace (to tell
     which inputs the microbatches split); the stages run on the microbatch graph, traced here."""
     from autopar import ir
-    from autopar.codegen.lower import lower
     from autopar.compose.programs import constants_of
     from autopar.runtime.materialize import local_state
     from autopar.runtime.module import ParallelModule
@@ -43,9 +42,7 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
     specs = sent_specs(micro, plan, cuts)
     lowered = {}
     for st in sg.stages:  # this rank's stages (several under interleaved 1F1B)
-        received = {v: specs[v] for v in cuts[st].receives if micro.nodes[v].op != "placeholder"}
-        lowered[st] = lower(micro, plan.pipeline.stages[st].plan, groups.mesh, nodes=cuts[st].nodes, device=device,
-                            received=received)
+        lowered[st] = lower_stage(micro, plan, cuts, specs, st, groups.mesh, device)
     state = list(dict.fromkeys(ph for low in lowered.values() for ph in low.state))
     stage_plan = _merged(plan, sg.stages)
     shards = local_state(model, micro, stage_plan, groups.mesh, groups.rank, state_dict=state_dict, init_fn=init_fn,

@@ -104,7 +104,7 @@ class _StageProgram(nn.Module):
         # Under a split backward: microbatch -> (state slot, the view of it the program read).
         self.weight_reads: dict | None = {} if split_backward else None
         self.chunk = 0  # the microbatch the stage runs (set by the split-backward stage)
-        self.read_slots = {slot for slot in program.state_slots if slot is not None}
+        self.read_slots = sorted({slot for slot in program.state_slots if slot is not None})
         gm = program.lowered.gm
         # Recomputation per layer, as the plan priced it: one checkpointed piece per layer.
         self.program = checkpointed_by_layer(gm, unit_of, pmodel._ap.groups) if recompute else gm
@@ -117,8 +117,7 @@ class _StageProgram(nn.Module):
         state = [owner._parameters[a] if a in owner._parameters else owner._buffers[a] for owner, a in ap.slots]
         state = ap.reducer.tap(state) if torch.is_grad_enabled() else ap.reducer.working_copies(state)
         if self.weight_reads is not None and torch.is_grad_enabled():  # a split backward: one view per parameter
-            reads = [(slot, state[slot].view_as(state[slot])) for slot in sorted(self.read_slots)
-                     if state[slot].requires_grad]
+            reads = [(slot, state[slot].view_as(state[slot])) for slot in self.read_slots if state[slot].requires_grad]
             for slot, view in reads:
                 state[slot] = view
             self.weight_reads[self.chunk] = reads
@@ -278,11 +277,11 @@ def _disjoint(param_groups: list) -> list[tuple[list, list, list]]:
     for i, group in enumerate(param_groups):
         saved = group.pop("grads", None)
         inters = group.pop("intermediates", [])
-        nodes, grads, seen = merged.setdefault(root(i), ([], [], {}))
+        nodes, grads, seen = merged.setdefault(root(i), ([], [], set()))
         nodes.extend(n for n in group["params"] if n not in nodes)
         for g, node in zip(saved or [], inters):
             if node not in seen:  # the same intermediate in two of torch's groups: one saved gradient
-                seen[node] = len(grads)
+                seen.add(node)
                 grads.append((g, node))
     out = []
     for nodes, grads, _ in merged.values():
@@ -317,6 +316,9 @@ class PipelineRunner:
         unit_of = unit_of_nodes(graph)
         mesh = sg.groups.mesh
         out_node = next(n for n in graph.nodes.values() if n.op == "output")
+        if plan.pipeline.schedule == "zero-bubble" and any(st.recompute for st in plan.pipeline.stages):
+            raise ConfigError("this plan recomputes stages under the zero-bubble schedule, whose split backward would "
+                              "recompute once per group of weights; plan it again (autopar.Pipeline refuses the pair)")
         self.modules, self.pipeline_stages = [], []
         for s in sg.stages:
             cut, last = cuts[s], s == self.stages - 1
@@ -330,9 +332,6 @@ class PipelineRunner:
                                                   output_args=outputs, group=sg.pp_group))
         m = self.microbatches
         schedule = plan.pipeline.schedule
-        if schedule == "zero-bubble" and any(st.recompute for st in plan.pipeline.stages):
-            raise ConfigError("this plan recomputes stages under the zero-bubble schedule, whose split backward would "
-                              "recompute once per group of weights; plan it again (autopar.Pipeline refuses the pair)")
         if schedule == "1f1b" and m < self.stages:  # GPipe's order (torch's 1F1B refuses fewer microbatches)
             schedule = "gpipe"
         if schedule not in SCHEDULE_CLASSES:

@@ -200,12 +200,15 @@ def can_pipeline(model, mesh: Mesh, example_inputs, example_kwargs, force) -> bo
     """Whether ``pipeline="auto"`` searches stages: a model and a batch to split (a tensor input
     with a leading dim), a mesh whose slowest axis can be cut, and no forced ``Layout`` (a hand
     layout of the whole mesh, with no pipeline degree)."""
-    import torch
+    from autopar.solver.pipeline import batch_size
 
     if model is None or isinstance(force, Layout) or mesh.shape[0] < 2:
         return False
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    return any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in inputs + tuple((example_kwargs or {}).values()))
+    try:
+        batch_size(example_inputs, example_kwargs)  # what the microbatches would split
+    except ConfigError:
+        return False
+    return True
 
 
 def _replicated_compute_s(graph, mesh, op_table) -> float:

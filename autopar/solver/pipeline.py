@@ -435,8 +435,6 @@ def step_extras(graph, groups, stages, blocks: int, mesh: Mesh) -> float:
     the mesh's first axis. 0 for one stage."""
     if len(stages) < 2:
         return 0.0
-    import torch
-
     link = mesh.resolved_cluster().with_axis_links([mesh.links()[0]])
     block_of_unit = {}
     for s, (gi, gj, _) in enumerate(stages):
@@ -448,9 +446,7 @@ def step_extras(graph, groups, stages, blocks: int, mesh: Mesh) -> float:
     for ph in graph.params.values():
         holders = {block_of_unit[unit[r]] for r in readers.get(ph, ()) if r in unit}
         if len(holders) > 1:
-            meta = graph.nodes[ph].meta
-            nbytes = math.prod(meta.shape) * getattr(torch, meta.dtype).itemsize
-            total += mesh_collective_time("all_reduce", nbytes, Mesh((len(holders),), cluster=link), (0,))
+            total += mesh_collective_time("all_reduce", graph.nodes[ph].meta.nbytes, Mesh((len(holders),), cluster=link), (0,))
     return total
 
 
