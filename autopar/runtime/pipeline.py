@@ -9,7 +9,11 @@ is in.
 Execution is ``torch.distributed.pipelining``: a ``PipelineStage`` over a module that runs the
 stage's program, and ``ScheduleGPipe`` / ``Schedule1F1B``. Static shapes are given, so no
 metadata round trips happen. A step (``train_step``) runs every microbatch under the reducer's
-``no_sync`` and synchronises gradients once at its end; a parameter read by several stages (a tied
+``no_sync``, and synchronises gradients once: where a rank runs one stage under GPipe or 1F1B, in
+the backward of the last microbatch (its last backward), each bucket launched as soon as its
+gradients are complete, overlapped with the rest of that backward, as DDP does under torch's
+schedules; under interleaved and zero-bubble schedules (several stages per rank, or a weight half
+outside the taps), after the schedule. A parameter read by several stages (a tied
 embedding and head) then sums its gradient over them. The loss is each microbatch's loss over the
 microbatch count (the schedule does not scale again), summed over microbatches and sent to every
 rank. A stage the plan recomputes runs each of its layers under ``torch.utils.checkpoint`` (the
@@ -103,7 +107,8 @@ class _StageProgram(nn.Module):
         self.cut, self.last = cut, last
         # Under a split backward: microbatch -> (state slot, the view of it the program read).
         self.weight_reads: dict | None = {} if split_backward else None
-        self.chunk = 0  # the microbatch the stage runs (set by the split-backward stage)
+        self.chunk = 0  # the microbatch the stage runs (set by ``_chunk_stage``)
+        self.sync_chunk: int | None = None  # the microbatch whose backward synchronises (None: after the schedule)
         self.read_slots = sorted({slot for slot in program.state_slots if slot is not None})
         gm = program.lowered.gm
         # Recomputation per layer, as the plan priced it: one checkpointed piece per layer.
@@ -115,7 +120,10 @@ class _StageProgram(nn.Module):
         vals = dict(zip(self.cut.receives, received))
         feed = [vals[n] for n in lowered.inputs] + [vals[n] for n in lowered.boundary_inputs]
         state = [owner._parameters[a] if a in owner._parameters else owner._buffers[a] for owner, a in ap.slots]
-        state = ap.reducer.tap(state) if torch.is_grad_enabled() else ap.reducer.working_copies(state)
+        if torch.is_grad_enabled():
+            state = ap.reducer.tap(state, sync=True if self.chunk == self.sync_chunk else None)
+        else:
+            state = ap.reducer.working_copies(state)
         if self.weight_reads is not None and torch.is_grad_enabled():  # a split backward: one view per parameter
             reads = [(slot, state[slot].view_as(state[slot])) for slot in self.read_slots if state[slot].requires_grad]
             for slot, view in reads:
@@ -172,11 +180,29 @@ def checkpointed_by_layer(gm, unit_of: dict, groups) -> nn.Module:
     return split
 
 
-_SPLIT_STAGE = None
+_STAGE_CLASSES: dict = {}
+
+
+def _chunk_stage():
+    """``PipelineStage`` that tells its ``_StageProgram`` which microbatch it runs."""
+    if "chunk" not in _STAGE_CLASSES:
+        from torch.distributed.pipelining import PipelineStage
+
+        class ChunkStage(PipelineStage):
+            def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+                self.submod.chunk = fwd_chunk_id
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+            def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+                self.submod.chunk = bwd_chunk_id
+                return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+        _STAGE_CLASSES["chunk"] = ChunkStage
+    return _STAGE_CLASSES["chunk"]
 
 
 def _split_backward_stage():
-    """``PipelineStage`` whose backward splits into an input half and a weight half (what torch's
+    """``_chunk_stage`` whose backward splits into an input half and a weight half (what torch's
     zero-bubble schedules run), through autopar's gradient taps.
 
     torch finds each weight's branch of the stage's autograd graph from ``submod.parameters()``.
@@ -188,20 +214,10 @@ def _split_backward_stage():
     weight's branch leaves that path); the weight half (``backward_weights``) computes each view's
     gradient from them and hands it to the reducer's bucket, or to ``.grad`` for a parameter no
     collective synchronises."""
-    global _SPLIT_STAGE
-    if _SPLIT_STAGE is None:
-        from torch.distributed.pipelining import PipelineStage
+    if "split" not in _STAGE_CLASSES:
         from torch.distributed.pipelining._backward import stage_backward_input
 
-        class SplitBackwardStage(PipelineStage):
-            def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
-                self.submod.chunk = fwd_chunk_id
-                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-            def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-                self.submod.chunk = bwd_chunk_id
-                return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-
+        class SplitBackwardStage(_chunk_stage()):
             def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
                 self.submod.chunk = bwd_chunk_id
                 return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
@@ -218,8 +234,8 @@ def _split_backward_stage():
                 reads.pop(self.submod.chunk, None)  # the first stage's whole backward reaches the taps itself
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
-        _SPLIT_STAGE = SplitBackwardStage
-    return _SPLIT_STAGE
+        _STAGE_CLASSES["split"] = SplitBackwardStage
+    return _STAGE_CLASSES["split"]
 
 
 def backward_weights(pmodel, reads: list, param_groups: list) -> None:
@@ -327,7 +343,7 @@ class PipelineRunner:
             inputs = tuple(self._example(v, specs, mesh) for v in cut.receives)
             outputs = tuple(self._example(v, {} if last else specs, mesh) for v in (out_node.inputs if last else cut.sends))
             self.modules.append(module)
-            stage_cls = _split_backward_stage() if plan.pipeline.schedule == "zero-bubble" else pipelining.PipelineStage
+            stage_cls = _split_backward_stage() if plan.pipeline.schedule == "zero-bubble" else _chunk_stage()
             self.pipeline_stages.append(stage_cls(module, s, self.stages, device, input_args=inputs,
                                                   output_args=outputs, group=sg.pp_group))
         m = self.microbatches
@@ -346,6 +362,8 @@ class PipelineRunner:
         chunks = tuple(pipelining.microbatch.TensorChunkSpec(0) if split else pipelining.microbatch._Replicate
                        for split in batch_dims)
         stages = self.pipeline_stages if schedule in MULTI_STAGE_SCHEDULES else self.pipeline_stages[0]
+        if schedule in ("gpipe", "1f1b") and len(self.modules) == 1:  # its last backward is microbatch m - 1's
+            self.modules[0].sync_chunk = m - 1
         self.schedule = schedule_cls(stages, m, loss_fn=loss_fn, args_chunk_spec=chunks, scale_grads=False)
 
     def check_call(self, training: bool, flat: list) -> None:

@@ -307,10 +307,11 @@ class GradReducer:
         finally:
             self._sync_enabled = old
 
-    def tap(self, state: list) -> list:
+    def tap(self, state: list, sync: bool | None = None) -> list:
         """The program's state inputs with every synchronised parameter read through its bucket's
-        tap (call when autograd records the forward)."""
-        call = _Call(self, self._sync_enabled)
+        tap (call when autograd records the forward). ``sync`` overrides whether this forward's
+        backward synchronises (a pipeline's last microbatch does, inside ``no_sync()``)."""
+        call = _Call(self, self._sync_enabled if sync is None else sync)
         state = list(state)
         for b in self.buckets:
             if b.kind == "reduce_scatter":

@@ -47,14 +47,17 @@ def _loss(out):
 
 
 class _CountSplit:
-    """Counts, per train step, the taps' backwards (a whole backward reaching the buckets) and the
-    weight halves handed to the reducer (``accumulate``) on this rank."""
+    """Counts, on this rank, the taps' backwards (a whole backward reaching the buckets), the
+    weight halves handed to the reducer (``accumulate``), the backwards that synchronised at their
+    end (``in_backward_syncs``) and the collectives launched inside those backwards before their end
+    (``launched_in_backward``)."""
 
     def __init__(self):
         from autopar.runtime import reducer
 
-        self.taps = self.weight_halves = 0
-        self._patches = [(reducer._BucketTap, "backward"), (reducer.GradReducer, "accumulate")]
+        self.taps = self.weight_halves = self.in_backward_syncs = self.launched_in_backward = 0
+        self._patches = [(reducer._BucketTap, "backward"), (reducer.GradReducer, "accumulate"),
+                         (reducer.GradReducer, "_end_of_backward")]
         self._saved = [getattr(cls, name) for cls, name in self._patches]
         counter = self
 
@@ -66,8 +69,14 @@ class _CountSplit:
             counter.weight_halves += 1
             return counter._saved[1](self, *a, **k)
 
+        def end_of_backward(self):
+            counter.in_backward_syncs += 1
+            counter.launched_in_backward += len(self._inflight)
+            return counter._saved[2](self)
+
         reducer._BucketTap.backward = staticmethod(tap_backward)
         reducer.GradReducer.accumulate = accumulate
+        reducer.GradReducer._end_of_backward = end_of_backward
 
     def close(self):
         for (cls, name), fn in zip(self._patches, self._saved):
@@ -79,7 +88,8 @@ def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=No
     def go():
         counts = _CountSplit()
         try:
-            return {**run(), "taps": counts.taps, "weight_halves": counts.weight_halves}
+            return {**run(), "taps": counts.taps, "weight_halves": counts.weight_halves,
+                    "in_backward_syncs": counts.in_backward_syncs, "launched_in_backward": counts.launched_in_backward}
         finally:
             counts.close()
 
@@ -319,6 +329,21 @@ def test_zero_bubble_splits_the_backward(results):
     assert all(r["taps"] > 0 for r in results["llama zero bubble 2 stages x tp2 clip"] if r["stage"] == 0)
     for r in results["gpt 2 stages x tp2 1f1b"]:  # 1F1B: whole backwards everywhere
         assert r["taps"] > 0 and r["weight_halves"] == 0, r
+
+
+def test_gradients_synchronise_inside_the_last_backward(results):
+    """Where a rank runs one stage under GPipe or 1F1B, gradients synchronise once per step inside
+    the last microbatch's backward, each bucket launched before that backward ends (overlapped, as
+    DDP under torch's schedules); under interleaved and zero-bubble schedules, after the schedule.
+    A rank with no taps (a stage of one device) synchronises nothing."""
+    for tag, _, pipe, _ in CASES:
+        one_stage_per_rank = pipe.get("schedule") in ("gpipe", "1f1b") and not pipe.get("virtual_stages")
+        for r in results[tag]:
+            if one_stage_per_rank and r["taps"]:
+                assert r["in_backward_syncs"] == STEPS and r["launched_in_backward"] >= STEPS, (tag, r)
+            elif not one_stage_per_rank:
+                assert r["in_backward_syncs"] == 0, (tag, r)
+    assert all(r["launched_in_backward"] > 0 for r in results["gpt 2 stages x dp2 gpipe"])
 
 
 def test_pipelined_module_errors(results):
