@@ -12,10 +12,10 @@ import autopar
 from autopar import ir, models
 from autopar.errors import ConfigError, PlanError
 from autopar.solver.pipeline import (
-    Pipeline, _search_counts, layer_groups, microbatch_candidates, row_options, search, shared_core_time, step_extras,
+    SCHEDULES, Pipeline, _search_counts, layer_groups, microbatch_candidates, row_options, search, shared_core_time, step_extras,
     sub_mesh, unit_of_nodes, unit_prices,
 )
-from autopar.solver.schedule_time import bubble_fraction, schedule_orders, simulate_shared
+from autopar.solver.schedule_time import bubble_fraction, interleaved_time, schedule_orders, simulate_shared
 from autopar.solver.stage_dp import StageSolution
 
 
@@ -100,28 +100,36 @@ def test_row_options_and_sub_mesh():
 
 
 def _check_choice(choice, mesh, n_layers, budget):
+    virtual = choice.pipeline.virtual_stages
+    blocks = len(choice.stages) // virtual  # interleaved: stage s runs on block s mod blocks
     rows = [s.rows for s in choice.stages]
-    assert rows[0][0] == 0 and rows[-1][1] == mesh.shape[0] - 1
-    assert all(b[0] == a[1] + 1 for a, b in zip(rows, rows[1:]))
+    assert rows[0][0] == 0 and rows[blocks - 1][1] == mesh.shape[0] - 1
+    assert all(b[0] == a[1] + 1 for a, b in zip(rows[:blocks], rows[1:blocks]))
+    assert all(rows[s] == rows[s % blocks] for s in range(len(rows)))
     layers = [s.layers for s in choice.stages]
     assert layers[0][0] == 0 and layers[-1][1] == n_layers - 1
     assert all(b[0] == a[1] + 1 for a, b in zip(layers, layers[1:]))
     assert all(s.memory_bytes <= budget for s in choice.stages)
     times = [s.time_per_microbatch_s for s in choice.stages]
     if choice.schedule == "zero-bubble":  # its step is simulated (the weight halves fill the drain)
+        from autopar.solver.schedule_time import SPLIT_BACKWARD_EXTRA
+
         want = simulate_shared(times, [1] * len(times), choice.microbatches, "zero-bubble", math.inf)
-        assert want <= sum(times) + (choice.microbatches - 1) * max(times)
+        # never more than 1F1B's with every backward split
+        assert want <= (sum(times) + (choice.microbatches - 1) * max(times)) * (1 + 2 / 3 * SPLIT_BACKWARD_EXTRA)
+    elif virtual > 1:
+        want = interleaved_time(times, blocks, virtual, choice.microbatches)
     else:
         want = sum(times) + (choice.microbatches - 1) * max(times)
     # plus what runs after the schedule (the loss broadcast, tied parameters' sums)
     stages = [(s.layers[0], s.layers[1], 0) for s in choice.stages]
-    extras = step_extras(choice.graph, [[u] for u in range(n_layers)], stages, len(stages), mesh)
+    extras = step_extras(choice.graph, [[u] for u in range(n_layers)], stages, blocks, mesh)
     assert (extras > 0) == (len(stages) > 1)
     assert choice.step_time_s == pytest.approx(want + extras)
-    ranks = [r for s in choice.stages for r in s.ranks]
+    ranks = [r for s in choice.stages[:blocks] for r in s.ranks]
     assert ranks == list(range(mesh.size))
     summary = choice.summary()
-    assert summary["schedule"] in ("1f1b", "gpipe", "zero-bubble") and 0 <= summary["bubble_fraction"] < 1
+    assert summary["schedule"] in SCHEDULES and 0 <= summary["bubble_fraction"] < 1
 
 
 def test_search_without_memory_pressure_keeps_one_stage_when_it_is_fastest():
@@ -350,7 +358,15 @@ def test_zero_bubble_orders_are_torchs(p, count):
         assert ours[rank] == [(kind[a.computation_type], a.microbatch_index) for a in ops if a is not None]
 
 
-def test_zero_bubble_hand_worked():
+@pytest.fixture
+def free_split(monkeypatch):
+    """Zero bubble's split backward priced as the whole one (the papers' model)."""
+    from autopar.solver import schedule_time
+
+    monkeypatch.setattr(schedule_time, "SPLIT_BACKWARD_EXTRA", 0.0)
+
+
+def test_zero_bubble_hand_worked(free_split):
     # 2 stages of time 3 (forward 1, input half 1, weight half 1; stage 0's whole backward, 2, is its
     # weight task), 2 microbatches, a device per rank. s0: F0 [0,1] F1 [1,2]; s1: F0 [1,2] B0 [2,3]
     # F1 [3,4] B1 [4,5] W0 [5,6] W1 [6,7]; s0: B0 at 3 (nothing to do) W0 [3,5], B1 at 5, W1 [5,7].
@@ -359,8 +375,22 @@ def test_zero_bubble_hand_worked():
     assert simulate_shared([3.0, 3.0], [1, 1], 2, "1f1b", math.inf) == pytest.approx(9.0)
 
 
+def test_zero_bubble_prices_the_split_backward():
+    # As above, but a split backward's weight half costs a tenth of the backward (2) more on the
+    # stages that split it (not stage 0, whose whole backward is its weight task): s1's W0 [5, 6.2],
+    # W1 [6.2, 7.4]; s0 ends at 7 as before.
+    from autopar.solver.schedule_time import SPLIT_BACKWARD_EXTRA
+
+    assert SPLIT_BACKWARD_EXTRA == 0.1
+    assert simulate_shared([3.0, 3.0], [1, 1], 2, "zero-bubble", math.inf) == pytest.approx(7.4)
+    # where the bubble is already filled (two stages sharing one core's worth), 1F1B is cheaper
+    zb = simulate_shared([3.0, 3.0], [1, 1], 2, "zero-bubble", 1.0)
+    f1b = simulate_shared([3.0, 3.0], [1, 1], 2, "1f1b", 1.0)
+    assert f1b == pytest.approx(12.0) and zb == pytest.approx(12.4)
+
+
 @pytest.mark.parametrize("p, count", [(2, 4), (4, 4), (4, 16), (8, 8)])
-def test_zero_bubble_bubble_is_a_third_of_1f1bs_on_equal_stages(p, count):
+def test_zero_bubble_bubble_is_a_third_of_1f1bs_on_equal_stages(p, count, free_split):
     # ZB-H1 (Qi et al., 2024): equal stages with F = B = W leave (p - 1)(F + B - W) idle, a third
     # of 1F1B's (p - 1)(F + B + W). The first stage's whole backward runs as its weight task, so
     # the drain ends one W later there; the step is count x 3 + (p - 1) x 1 (+ 1: stage 0's W).
