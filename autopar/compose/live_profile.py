@@ -4,6 +4,8 @@ and these process groups costs, so that the planner's figures are the runtime's.
     live_cluster(mesh, groups)      alpha-beta links per mesh axis (``profile_comm``) plus
                                     ``live_overheads``: a ClusterSpec named "...+live"
     live_op_table(graph, mesh, dev) every (op, shard shape) the planner's candidates can run, timed
+    calibrated(model, ..., mesh)    the cluster with ``in_situ_factor``: the model's own forward and
+                                    backward, timed on every rank at once, over their profiled price
 
 Everything is cached under the profile cache directory (``autopar.cost_model.cache``): the
 communication profile per mesh shape and backend, the host's figures (rank contention, per-op
@@ -14,14 +16,19 @@ collectives: call them on every rank.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
 
-from autopar.errors import PlanError
+from autopar.errors import AutoparError, PlanError
 from autopar.sharding_spec.mesh import Mesh
+
+log = logging.getLogger(__name__)
 
 # The short communication profile taken when the mesh has no cluster: 3 sizes, 5
 # timed calls each, every collective kind on every mesh axis (~1-2 s on 4 CPU gloo ranks). A full
@@ -33,6 +40,10 @@ PROFILE_SUBDIR = "parallelize"
 # 3: the ranks' mean, median over CONTENTION_ROUNDS rounds (one round's slowest rank moved 2.1-3.0)
 HOST_PROFILE_VERSION = 3
 CONTENTION_ROUNDS = 5
+IN_SITU_WARMUP = 2  # untimed forward + backward passes (the allocator settles over the first few)
+IN_SITU_REPEATS = 3  # timed passes per rank at least
+IN_SITU_WINDOW_S = 1.0  # and for about this long (at most 200 passes)
+IN_SITU_RANGE = (1 / 3, 3.0)  # a factor outside means a broken measurement: clamp it (logged)
 LIVE_SUFFIX = "+live"
 
 
@@ -146,6 +157,136 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
         busy = _ranks_on_host() * torch.get_num_threads() / max(cores, 1)
         out["comm_overlap"] = min(1.0, max(0.0, 2.0 - 2.0 * busy))
     return out
+
+
+def calibrated(model, graph, example, mesh: Mesh, device, *, directory=None) -> Mesh:
+    """``mesh`` with its (live) cluster's ``in_situ_factor`` measured on ``model``: every rank
+    runs the model's forward and backward on its data-parallel share of the example batch
+    (``example``: (inputs, kwargs)), all at once as in a step; the ranks' mean time over the price
+    the cost model gives the same work (the data-parallel plan's compute and per-op overheads, from
+    the live op table). Op-by-op profiles miss what a model's ops do to each other (allocation,
+    caches, dispatch): on 4 ranks of 2 cores a 10M GPT ran 1.2x, a 0.1M one 1.5x its ops' sum.
+    The per-op overheads are scaled by the same factor. Cached per model graph, mesh size and host
+    profile. A collective; ``mesh`` unchanged where nothing can be timed (a meta model, a model on
+    another device, no batch to split evenly, no output that needs gradients)."""
+    from autopar.solver.layout import Layout
+    from autopar.solver.pipeline import batch_size, microbatch_inputs
+
+    cluster = mesh.resolved_cluster()
+    device = torch.device(device)
+    world = mesh.size
+    params = list(model.parameters())
+    try:
+        batch = batch_size(*example)
+    except AutoparError:
+        batch = 0
+    if (world < 2 or not batch or batch % world or any(p.is_meta for p in params)
+            or any(p.device.type != device.type for p in params)):
+        return mesh
+    inputs, kwargs = microbatch_inputs(*example, world)
+    # the same devices in a line (the data-parallel plan's compute does not depend on the links)
+    flat = Mesh((world,), cluster=cluster.with_axis_links(mesh.links()[:1]))
+
+    def measure():
+        seconds = _forward_backward_s(model, inputs, kwargs, device)
+        together = [None] * dist.get_world_size()
+        dist.all_gather_object(together, seconds)
+        none = {"factor": 1.0, "measured_s": None, "predicted_s": None}
+        if any(t is None for t in together):
+            return none
+        try:  # (collectives: an error reaches every rank alike)
+            table = live_op_table(graph, flat, device, Layout(dp=world), directory=directory)
+            predicted = _on_rank0(lambda: _dp_compute_s(model, flat, graph, world, table))
+        except AutoparError as err:
+            log.info("no in-situ factor: the data-parallel plan could not be priced (%s)", err)
+            return none
+        measured = statistics.fmean(together)
+        return {"factor": measured / predicted if predicted > 0 else 1.0, "measured_s": measured, "predicted_s": predicted}
+
+    key = f"insitu-{graph.fingerprint()[:16]}-w{world}-c{cluster.rank_contention:.3f}"
+    got = _cached(key, device, directory, measure)
+    lo, hi = IN_SITU_RANGE
+    factor = min(hi, max(lo, got["factor"]))
+    if got["measured_s"] is None:
+        return mesh
+    if factor != got["factor"]:
+        log.warning("in-situ factor %.2f (model %.3g s, its ops %.3g s) clamped to %.2f", got["factor"],
+                    got["measured_s"], got["predicted_s"], factor)
+    source = (f"{cluster.source}; in situ x{factor:.2f}: the model's forward+backward on {world} ranks "
+              f"{got['measured_s']:.3g} s vs its profiled ops {got['predicted_s']:.3g} s")
+    return mesh.with_cluster(dataclasses.replace(
+        cluster, in_situ_factor=factor, op_overhead_s=cluster.op_overhead_s * factor,
+        backward_op_overhead_s=cluster.backward_op_overhead_s * factor, source=source))
+
+
+def _dp_compute_s(model, mesh: Mesh, graph, world: int, table) -> float:
+    """The cost model's compute and per-op overheads of the data-parallel plan on ``mesh``."""
+    from autopar.solver.api import plan
+    from autopar.solver.layout import Layout
+
+    p = plan(model, mesh, graph=graph, force=Layout(dp=world), pipeline=False, op_table=table)
+    return p.predicted["compute_s"] + p.predicted["overhead_s"]
+
+
+def _forward_backward_s(model, inputs, kwargs, device) -> float | None:
+    """Seconds per forward and backward of the model (gradients of its scalar outputs, else of
+    every output's sum, with respect to its parameters: nothing lands in ``.grad``), run back to
+    back on every rank for about ``IN_SITU_WINDOW_S`` (the same count on every rank): the mean, as
+    ranks sharing cores each get their share of them only over such a window (a short pass runs
+    at full speed or not at all). Buffers (batch norm's statistics) and the random streams are
+    left as they were. None when no output needs a gradient or the model fails. A collective."""
+    from autopar.cost_model.cache import synchronizer
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffers = list(model.buffers())
+    saved = [b.detach().clone() for b in buffers]
+    sync = synchronizer(device)
+    devices = [device.index or 0] if device.type == "cuda" else []
+
+    def once():
+        outs = [t for t in _tensors(model(*inputs, **kwargs)) if t.requires_grad and t.is_floating_point()]
+        scalars = [t for t in outs if t.dim() == 0]
+        if not outs or not params:
+            raise ValueError("no output needs a gradient")
+        torch.autograd.grad(sum(t.float().sum() for t in scalars or outs), params, allow_unused=True)
+        sync()
+
+    try:
+        with torch.random.fork_rng(devices=devices):
+            for _ in range(IN_SITU_WARMUP):
+                t0 = time.perf_counter()
+                once()
+            warm = time.perf_counter() - t0  # the last warm-up pass's length
+            error = None
+    except Exception as err:  # a model that does not run on its share of the batch: no factor, on every rank
+        warm, error = None, err
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, warm)
+    try:
+        if any(w is None for w in every):
+            log.info("no in-situ factor: the model's forward and backward on its share of the batch failed (%s)", error)
+            return None
+        count = max(IN_SITU_REPEATS, min(200, math.ceil(IN_SITU_WINDOW_S / max(max(every), 1e-6))))
+        with torch.random.fork_rng(devices=devices):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(count):
+                once()
+            return (time.perf_counter() - t0) / count
+    finally:
+        with torch.no_grad():
+            for b, v in zip(buffers, saved):
+                b.copy_(v)
+
+
+def _tensors(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _cached(what: str, device, directory, measure) -> dict:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import ConfigError, PlanError
-from autopar.compose.live_profile import is_live, live_cluster, live_op_table
+from autopar.compose.live_profile import calibrated, is_live, live_cluster, live_op_table
 from autopar.compose.programs import VariantBuilder, constants_of, meta_skeleton, plan_on_rank0
 from autopar.runtime.programs import DEFAULT_MAX_PROGRAMS
 from autopar.sharding_spec.mesh import Mesh
@@ -122,6 +122,7 @@ def parallelize(
         plan_mesh = _pricing_mesh(mesh, cluster, groups, profile, device)
         if plan_mesh.cluster is not None and is_live(plan_mesh) and "op_table" not in plan_kwargs:
             plan_kwargs["op_table"] = live_op_table(graph, plan_mesh, device, force)
+            plan_mesh = calibrated(model, graph, (trace_inputs, trace_kwargs), plan_mesh, device)
         main_kwargs = dict(plan_kwargs)
         if pipeline not in (None, False):
             main_kwargs.update(pipeline=pipeline, example_inputs=trace_inputs, example_kwargs=trace_kwargs or None)

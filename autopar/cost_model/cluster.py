@@ -66,6 +66,10 @@ class ClusterSpec:
       (ranks sharing CPU cores); profiled op times already include it.
     compute_efficiency: the share of ``peak_flops`` that large matmuls sustain (the roofline's
       arithmetic rate is peak x this); profiled op times replace the roofline where they exist.
+    in_situ_factor: how much longer a model's own forward and backward run than the sum of its
+      ops profiled one by one (hot inputs, no allocation, no neighbours evicting the caches);
+      multiplies profiled op times (``compute.node_time``). ``parallelize`` measures it on the
+      model it plans (``live_profile.in_situ_factor``) and scales the per-op overheads with it.
     Live profiles (``autopar.parallelize``) measure the last seven; presets estimate them.
     """
 
@@ -87,6 +91,7 @@ class ClusterSpec:
     collective_overhead_s: float = 0.0
     rank_contention: float = 1.0
     compute_efficiency: float = 1.0
+    in_situ_factor: float = 1.0
 
     def __post_init__(self):
         # Canonical order (by dtype name), as from_dict builds it, so a to_dict/from_dict round
@@ -106,6 +111,8 @@ class ClusterSpec:
             raise ConfigError(f"cluster {self.name!r}: devices_per_node must be >= 1, got {self.devices_per_node}")
         if self.memory_bandwidth <= 0 or self.memory_bytes <= 0:
             raise ConfigError(f"cluster {self.name!r}: memory_bandwidth and memory_bytes must be > 0")
+        if not (0 < self.in_situ_factor < math.inf):
+            raise ConfigError(f"cluster {self.name!r}: in_situ_factor must be finite and > 0, got {self.in_situ_factor}")
         if not 0 < self.compute_efficiency <= 1:
             raise ConfigError(f"cluster {self.name!r}: compute_efficiency must be in (0, 1], got {self.compute_efficiency}")
         if not self.peak_flops or any(v <= 0 for _, v in self.peak_flops):

@@ -95,7 +95,8 @@ def node_time(node, strategy, graph, mesh, op_table=None) -> tuple[float, float]
     if op_table is not None:
         hit = op_table.lookup(node.target, local_input_shapes(node, strategy, graph, mesh), dtype, mask)
         if hit is not None:
-            fwd, bwd = hit
+            k = mesh.resolved_cluster().in_situ_factor
+            fwd, bwd = hit[0] * k, (None if hit[1] is None else hit[1] * k)
     if fwd is None:
         fraction = 1.0 if strategy is None else strategy.compute_fraction
         flops = node.flops * fraction

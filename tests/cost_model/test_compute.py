@@ -8,8 +8,10 @@ import torch.nn as nn
 
 from autopar.cost_model import BACKWARD_FLOP_FACTOR, PRESETS, forward_time, node_time
 from autopar.cost_model import profile_ops as po
+from autopar.cost_model.cluster import ClusterSpec
 from autopar.cost_model.cache import slug
 from autopar.cost_model.compute import local_bytes_moved, local_input_shapes
+from autopar.errors import ConfigError
 from autopar.ir import trace
 from autopar.sharding_spec import Mesh, ShardingSpec
 from autopar.sharding_spec.strategy import Strategy
@@ -145,6 +147,24 @@ def test_op_table_overrides_the_roofline_on_an_exact_key(graph):
     assert node_time(lin, _column(graph, lin), graph, mesh, table) == node_time(lin, _column(graph, lin), graph, mesh)
     # another dtype misses too
     assert table.lookup(lin.target, ((8, 16), (8, 16), (8,)), "bfloat16") is None
+
+
+def test_the_in_situ_factor_scales_profiled_times_only(graph):
+    base = PRESETS["cpu-gloo"]
+    slow = Mesh((2,), cluster=dataclasses.replace(base, in_situ_factor=1.5))
+    lin = _node(graph, "aten.linear.default")
+    table = po.OpTable("test-device")
+    table.add(lin.target, ((8, 16), (8, 16), (8,)), "float32", 1.0, 3.0, mask=(False, True, True))
+    assert node_time(lin, None, graph, slow, table) == (1.5, 4.5)
+    # a backward the table lacks: the factor on the (scaled) forward
+    other = po.OpTable("test-device")
+    other.add(lin.target, ((8, 16), (8, 16), (8,)), "float32", 1.0, 3.0, mask=(True, True, True))
+    assert node_time(lin, None, graph, slow, other) == (1.5, BACKWARD_FLOP_FACTOR * 1.5)
+    # the roofline is an estimate of its own: not scaled
+    assert node_time(lin, _column(graph, lin), graph, slow, table) == node_time(lin, _column(graph, lin), graph, Mesh((2,)))
+    with pytest.raises(ConfigError, match="in_situ_factor"):
+        dataclasses.replace(base, in_situ_factor=0.0)
+    assert ClusterSpec.from_dict(slow.cluster.to_dict()) == slow.cluster
 
 
 def test_profile_ops_round_trips_through_its_json_cache(graph, tmp_path, monkeypatch):

@@ -1,10 +1,72 @@
-"""Live pricing on 2 gloo ranks: the host's figures are measured, cached and read back, and a failure
-on rank 0 reaches every rank as a typed error instead of leaving them waiting."""
+"""Live pricing on 2 gloo ranks: the host's figures are measured, cached and read back, a failure
+on rank 0 reaches every rank as a typed error instead of leaving them waiting, and the in-situ
+factor is measured on the model without changing it (parameters, gradients, batch-norm statistics,
+random streams), or left out where the model cannot be timed."""
 import math
 
 import pytest
+import torch
+import torch.nn as nn
 
 from autopar.runtime.launch import spawn
+
+
+class _FixedBatch(nn.Module):
+    """Reshapes to a hard-coded batch of 8: fails on a rank's share of 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x.reshape(8, 16)).sum()
+
+
+def _cnn():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.5), nn.Flatten(),
+                        nn.Linear(8 * 8 * 8, 10))
+    return net, (torch.randn(8, 3, 8, 8),)
+
+
+def _snapshot(model):
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()}, torch.get_rng_state(),
+            [p.grad for p in model.parameters()])
+
+
+def _unchanged(model, snap) -> bool:
+    state, rng, grads = snap
+    now = model.state_dict()
+    return (all(torch.equal(now[k], v) for k, v in state.items()) and torch.equal(torch.get_rng_state(), rng)
+            and all(g is None for g in grads) and all(p.grad is None for p in model.parameters()))
+
+
+def calibration_case(directory):
+    import autopar
+    from autopar import ir, models
+    from autopar.compose import live_profile
+    from autopar.runtime.process_groups import MeshGroups
+
+    mesh = autopar.Mesh((2,))
+    groups = MeshGroups(mesh)
+    live = mesh.with_cluster(live_profile.live_cluster(mesh, groups, directory=directory))
+    out = {}
+    cases = {"gpt": models.build("gpt", layers=2), "cnn": _cnn(), "fixed": (_FixedBatch(), (torch.randn(8, 16),))}
+    for name, (model, inputs) in cases.items():
+        graph = ir.trace(model, inputs)
+        live_profile.live_op_table(graph, live, "cpu", directory=directory)
+        snap = _snapshot(model)
+        got = live_profile.calibrated(model, graph, (inputs, {}), live, "cpu", directory=directory)
+        again = live_profile.calibrated(model, graph, (inputs, {}), live, "cpu", directory=directory)
+        c = got.resolved_cluster()
+        out[name] = {"factor": c.in_situ_factor, "again": again.resolved_cluster().in_situ_factor,
+                     "same_mesh": got is live, "unchanged": _unchanged(model, snap), "source": c.source,
+                     "overhead_ratio": c.op_overhead_s / live.resolved_cluster().op_overhead_s,
+                     "backward_overhead_ratio": c.backward_op_overhead_s / live.resolved_cluster().backward_op_overhead_s}
+    meta, meta_inputs = models.build("gpt", layers=2, device="meta")
+    out["meta"] = {"same_mesh": live_profile.calibrated(meta, ir.trace(meta, meta_inputs), (meta_inputs, {}), live, "cpu",
+                                                        directory=directory) is live}
+    return out
 
 
 def rank_main(rank, world, directory):
@@ -20,7 +82,7 @@ def rank_main(rank, world, directory):
         error = None
     except autopar.AutoparError as err:
         error = f"{type(err).__name__}: {err}"
-    return {"first": first, "again": again, "error": error}
+    return {"first": first, "again": again, "error": error, "calibration": calibration_case(directory)}
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +104,21 @@ def test_host_figures_are_measured_and_cached(results):
 def test_a_failure_on_rank_0_reaches_every_rank(results):
     for r in results:
         assert r["error"] is not None and r["error"].startswith("PlanError: profiling on rank 0 failed: ZeroDivisionError")
+
+
+def test_the_in_situ_factor_is_measured_on_the_model_without_changing_it(results):
+    from autopar.compose.live_profile import IN_SITU_RANGE
+
+    for r in results:
+        cal = r["calibration"]
+        for name in ("gpt", "cnn"):
+            c = cal[name]
+            assert not c["same_mesh"] and IN_SITU_RANGE[0] <= c["factor"] <= IN_SITU_RANGE[1], (name, c)
+            assert c["factor"] == c["again"], c  # the second call read the cache
+            assert c["unchanged"], (name, c)  # batch norm's statistics, dropout's stream, no .grad
+            assert "in situ x" in c["source"], c
+            assert c["overhead_ratio"] == pytest.approx(c["factor"]) == c["backward_overhead_ratio"]
+        # a model that fails on its share of the batch, a meta model: nothing measured, mesh as given
+        assert cal["fixed"]["same_mesh"] and cal["fixed"]["unchanged"], cal["fixed"]
+        assert cal["meta"]["same_mesh"]
+    assert results[0]["calibration"]["gpt"]["factor"] == results[1]["calibration"]["gpt"]["factor"]
