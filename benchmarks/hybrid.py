@@ -2,7 +2,7 @@
 (benchmarks/hand_tuned.py) on local CPU gloo ranks, for the built-in GPT and LLaMA at ~10M
 parameters, checked exact and timed; then the best of them next to DDP and any extra variants.
 
-    .venv/bin/python benchmarks/hybrid.py [--model gpt|llama|both] [--ranks 4] [--steps 1] [--rounds 5]
+    .venv/bin/python benchmarks/hybrid.py [--model gpt|llama|both] [--ranks 4] [--steps 1] [--rounds 8]
                                           [--round-steps 2] [--only SUBSTR,...] [--tiny]
 
 Everything runs inside one spawn of ``--ranks`` processes (one thread each):
@@ -422,7 +422,7 @@ def main():
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=1, help="timed steps per configuration in phase 1 (after the first "
                    "step, which is checked exact and measures memory)")
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds in phase 2")
+    p.add_argument("--rounds", type=int, default=8, help="alternating rounds in phase 2")
     p.add_argument("--round-steps", type=int, default=2, help="timed steps per variant per round in phase 2")
     p.add_argument("--only", default="", help="comma-separated substrings: run only the configurations whose name has one")
     p.add_argument("--tiny", action="store_true", help="the test's tiny shapes (to try the driver in seconds)")
