@@ -104,23 +104,10 @@ def plan(
             log.info("no pipeline searched (%s); planning one stage", err)
             choice = None
         if choice is not None and (len(choice.stages) > 1 or choice.microbatches > 1 or choice.stages[0].recompute):
-            return _pipelined_plan(choice, budget)
-        # one stage, one microbatch: the plain intra-op plan of the whole batch (below), unless the
-        # search's fastest pipeline beats that plan's own (more exact) price
-        alternative = choice.alternative if choice is not None else None
-        try:
-            one = plan(model, mesh, example_inputs, example_kwargs=example_kwargs, memory_budget=memory_budget,
-                       optimizer=optimizer, op_table=op_table, reuse_blocks=reuse_blocks, simplify=simplify,
-                       time_limit_s=time_limit_s, solver=solver, graph=graph, optimizer_sharding=optimizer_sharding,
-                       force=force, idle_axes=idle_axes, bucket_bytes=bucket_bytes, microbatches=microbatches,
-                       pipeline=False, identical_axes=identical_axes)
-        except (PlanError, ConfigError):
-            if alternative is None:
-                raise
-            return _pipelined_plan(alternative, budget)
-        if alternative is not None and alternative.step_time_s < one.predicted["step_time_s"]:
-            return _pipelined_plan(alternative, budget)
-        return one
+            pplan = choice.to_plan()
+            pplan.solver["memory_budget"] = budget
+            return pplan
+        # one stage, one microbatch: the plain intra-op plan of the whole batch (below)
     t0 = time.perf_counter()
     if graph is None:
         if not isinstance(example_inputs, (tuple, list)):
@@ -160,12 +147,6 @@ def plan(
              stats["objective_s"], stats.get("ilp_variables", 0), stats["total_s"])
     best_plan = make_plan(graph, view, built, full, memory, stats, real_mesh=mesh, idle_axes=idle, bucket_bytes=bucket_bytes)
     return with_identical_axes(best_plan, graph, view, identical_axes, bucket_bytes)
-
-
-def _pipelined_plan(choice, budget) -> Plan:
-    pplan = choice.to_plan()
-    pplan.solver["memory_budget"] = budget
-    return pplan
 
 
 def with_identical_axes(plan: Plan, graph, mesh: Mesh, identical_axes="auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:

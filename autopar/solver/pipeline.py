@@ -133,10 +133,6 @@ class PipelineChoice:
     graph: object  # the microbatch graph the stages were planned on
     search_s: float
     timing: dict = dataclasses.field(default_factory=dict)
-    # Where the answer is one stage of one microbatch (which ``autopar.plan`` prices again as the
-    # plain intra-op plan, more exactly than the DP's sum of layer prices): the fastest pipeline
-    # found, to compare with that plan.
-    alternative: "PipelineChoice | None" = None
 
     @property
     def stages(self) -> list[StagePlan]:
@@ -287,7 +283,6 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         options = [k for k in options if mesh.shape[0] % k == 0 and pipeline.stages in (None, mesh.shape[0] // k)]
     timing = {"trace_s": 0.0, "intra_op_s": 0.0, "dp_s": 0.0}
     results: dict[int, tuple | None] = {}
-    pipelined: dict[int, tuple] = {}  # per count, the best answer that is a pipeline (see PipelineChoice.alternative)
 
     def evaluate(count: int):
         """The best stages for ``count`` microbatches: (solution, count, schedule, variants,
@@ -353,14 +348,9 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                     if sol is not None:
                         sol.step_time = shared_core_time(sol, devices[keep], count, contention, mesh.shape[0], schedule)
                         sol.step_time += step_extras(graph, groups, sol.stages, len(sol.stages) // virtual, mesh)
-                    if sol is not None:
+                    if sol is not None and (found is None or sol.step_time < found[0].step_time - 1e-15):
                         sol.stages = [(i, j, int(np.flatnonzero(keep)[m])) for i, j, m in sol.stages]
-                        answer = (sol, count, schedule, variants, graph, groups)
-                        if found is None or sol.step_time < found[0].step_time - 1e-15:
-                            found = answer
-                        if _is_pipeline(answer) and (count not in pipelined
-                                                     or sol.step_time < pipelined[count][0].step_time - 1e-15):
-                            pipelined[count] = answer
+                        found = (sol, count, schedule, variants, graph, groups)
         timing["dp_s"] += time.perf_counter() - t_dp
         results[count] = found
         log.info("pipeline search, %d microbatches: %s (%d sub-mesh options, %.1f s)", count,
@@ -375,27 +365,11 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                "can be planned (a forced layout must fit each stage's devices and the microbatch; stages must tile the mesh rows)")
         raise PlanError(f"no pipeline of {type(model).__name__} on {mesh} {why}: stage counts, sub-meshes of "
                         f"{options} rows and microbatch counts {sorted(results)} tried")
-    choice = _choice(best, mesh, budget, pipeline.virtual_stages, time.perf_counter() - t0, timing)
-    if not _is_pipeline(best) and pipelined:
-        alt = min(pipelined.values(), key=lambda a: a[0].step_time)
-        choice.alternative = _choice(alt, mesh, budget, pipeline.virtual_stages, time.perf_counter() - t0, timing)
-    return choice
-
-
-def _is_pipeline(answer) -> bool:
-    """Whether a search answer (solution, count, schedule, variants, ...) is more than the plain
-    plan: several stages, several microbatches, or recomputation."""
-    sol, count, _, variants, _, _ = answer
-    return len(sol.stages) > 1 or count > 1 or any(variants[m][1].recompute for _, _, m in sol.stages)
-
-
-def _choice(answer, mesh: Mesh, budget: float, virtual_stages: int | None, search_s: float, timing: dict) -> PipelineChoice:
-    """The PipelineChoice of a search answer: each stage's layers, rows, ranks, memory and plan."""
-    sol, count, schedule, variants, graph, groups = answer
+    sol, count, schedule, variants, graph, groups = best
     unit = unit_of_nodes(graph)
     stages, row = [], 0
     per_row = math.prod(mesh.shape[1:])
-    virtual = (virtual_stages or 2) if schedule == "interleaved-1f1b" else 1
+    virtual = (pipeline.virtual_stages or 2) if schedule == "interleaved-1f1b" else 1
     blocks = len(sol.stages) // virtual  # ranks of the pipeline (stage s runs on block s mod blocks)
     for (gi, gj, m), t in zip(sol.stages, sol.stage_times):
         i, j = groups[gi][0], groups[gj][-1]
@@ -413,7 +387,8 @@ def _choice(answer, mesh: Mesh, budget: float, virtual_stages: int | None, searc
                                 list(range(row * per_row, (row + rows) * per_row)), (rows, *mesh.shape[1:]),
                                 t, float(mem), sub, list(range(i, j + 1)) if prices.recompute else []))
         row += rows
-    return PipelineChoice(PipelinePlan(schedule, count, stages, virtual), sol.step_time, graph, search_s, dict(timing))
+    return PipelineChoice(PipelinePlan(schedule, count, stages, virtual), sol.step_time, graph, time.perf_counter() - t0,
+                          timing)
 
 
 def restrict(plan: Plan, graph, nodes: set[str], time_s: float, memory: float, budget: float | None = None) -> Plan:
