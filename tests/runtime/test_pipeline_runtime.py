@@ -219,11 +219,11 @@ def train_next_to(pm, ref, inputs, steps: int) -> tuple[float, float]:
 
 def default_case():
     """``parallelize`` with no ``pipeline=`` searches stages (the default is "auto"): on 4 ranks of
-    the cpu-gloo preset it cuts the small GPT into stages, trains it exactly through train_step,
-    and a plain call says to use train_step or pipeline=False."""
+    the cpu-gloo preset it cuts the small GPT of 8 layers into stages, trains it exactly through
+    train_step, and a plain call says to use train_step or pipeline=False."""
     def go():
         warnings.simplefilter("ignore")
-        net, inputs = models.build("gpt", layers=4)
+        net, inputs = models.build("gpt", layers=8)
         ref = copy.deepcopy(net)
         pm = autopar.parallelize(net, autopar.Mesh((4,)), inputs, profile=False)
         loss_err, state_err = train_next_to(pm, ref, inputs, STEPS)

@@ -102,7 +102,8 @@ def test_what_if_with_pipeline_stages():
     rows = plan.compare(model, inputs, "tp=2,pp=2,mb=4")
     r = rows[1]
     assert r.step_time_s is not None and r.plan.pipeline is not None
-    assert len(r.plan.pipeline.stages) == 2 and r.plan.pipeline.microbatches == 4
+    pipe = r.plan.pipeline  # pp=2: two blocks of ranks (each running v stages if interleaved)
+    assert len(pipe.stages) // pipe.virtual_stages == 2 and pipe.microbatches == 4
     assert all(s.mesh_shape == (1, 2) for s in r.plan.pipeline.stages)
 
 
