@@ -47,7 +47,7 @@ class AutoparVariant:
         storage = ", ".join(f"{k} x{v}" for k, v in sorted(s.get("param_storage", {}).items(), key=lambda kv: -kv[1]))
         pipe = s.get("pipeline")
         if pipe and len(pipe["stages"]) > 1:
-            layers = [len(st["layers"]) for st in pipe["stages"]]
+            layers = [st["layers"][1] - st["layers"][0] + 1 for st in pipe["stages"]]
             deg += (f", {len(pipe['stages'])} stages of {layers} layers on {[st['mesh_shape'] for st in pipe['stages']]}, "
                     f"{pipe['schedule']}, {pipe['microbatches']} microbatches")
         return f"{deg}; parameters {storage}"
