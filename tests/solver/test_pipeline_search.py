@@ -338,6 +338,10 @@ def test_shared_core_time_keeps_the_dp_time_on_devices_of_their_own():
     assert shared_core_time(sol, np.array([1]), 2, 2.0, 2, "interleaved-1f1b") == 7.0
     # c = 2 on 2 ranks: capacity 1, stage times at full speed 1.5 and 2
     assert shared_core_time(sol, np.array([1]), 2, 2.0, 2) == pytest.approx(simulate_shared([1.5, 2.0], [1, 1], 2, "1f1b", 1.0))
+    # what a stage pays once per step (spread over the microbatches in its stage time: 0.5 and 1.0 of
+    # 3.0 and 4.0) runs after the schedule, every rank at once: the slowest stage's, at the all-busy price
+    tail = shared_core_time(sol, np.array([1]), 2, 2.0, 2, per_step=[1.0, 2.0])
+    assert tail == pytest.approx(simulate_shared([1.25, 1.5], [1, 1], 2, "1f1b", 1.0) + 2.0)
 
 
 # ---- zero bubble -------------------------------------------------------------------------------------
