@@ -206,10 +206,10 @@ def calibrated(model, graph, example, mesh: Mesh, device, *, directory=None) -> 
 
     key = f"insitu-{graph.fingerprint()[:16]}-w{world}-c{cluster.rank_contention:.3f}"
     got = _cached(key, device, directory, measure)
-    lo, hi = IN_SITU_RANGE
-    factor = min(hi, max(lo, got["factor"]))
     if got["measured_s"] is None:
         return mesh
+    lo, hi = IN_SITU_RANGE
+    factor = min(hi, max(lo, got["factor"]))
     if factor != got["factor"]:
         log.warning("in-situ factor %.2f (model %.3g s, its ops %.3g s) clamped to %.2f", got["factor"],
                     got["measured_s"], got["predicted_s"], factor)

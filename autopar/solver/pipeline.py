@@ -347,14 +347,14 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                     if sol is not None and virtual > 1:
                         sol.step_time = interleaved_time(sol.stage_times, len(sol.stages) // virtual, virtual, count)
                     if sol is not None:
-                        kept = np.flatnonzero(keep)  # per step, each stage's gradient sync and optimizer
+                        kept = np.flatnonzero(keep)  # the DP's variant index -> the variants list's
                         per_step = [count * grouped[kept[m]][1].per_step_s[i:j + 1].sum() for i, j, m in sol.stages]
                         sol.step_time = shared_core_time(sol, devices[keep], count, contention, mesh.shape[0], schedule,
                                                          per_step)
                         sol.step_time += step_extras(graph, groups, sol.stages, len(sol.stages) // virtual, mesh)
-                    if sol is not None and (found is None or sol.step_time < found[0].step_time - 1e-15):
-                        sol.stages = [(i, j, int(np.flatnonzero(keep)[m])) for i, j, m in sol.stages]
-                        found = (sol, count, schedule, variants, graph, groups)
+                        if found is None or sol.step_time < found[0].step_time - 1e-15:
+                            sol.stages = [(i, j, int(kept[m])) for i, j, m in sol.stages]
+                            found = (sol, count, schedule, variants, graph, groups)
         timing["dp_s"] += time.perf_counter() - t_dp
         results[count] = found
         log.info("pipeline search, %d microbatches: %s (%d sub-mesh options, %.1f s)", count,
