@@ -66,6 +66,8 @@ class ClusterSpec:
       (ranks sharing CPU cores); profiled op times already include it.
     compute_efficiency: the share of ``peak_flops`` that large matmuls sustain (the roofline's
       arithmetic rate is peak x this); profiled op times replace the roofline where they exist.
+    memory_efficiency: likewise the share of ``memory_bandwidth`` that large elementwise kernels
+      sustain (the roofline's memory rate is ``memory_bandwidth`` x this).
     in_situ_factor: how much longer a model's own forward and backward run than the sum of its
       ops profiled one by one (hot inputs, no allocation, no neighbours evicting the caches);
       multiplies profiled op times (``compute.node_time``). ``parallelize`` measures it on the
@@ -91,6 +93,7 @@ class ClusterSpec:
     collective_overhead_s: float = 0.0
     rank_contention: float = 1.0
     compute_efficiency: float = 1.0
+    memory_efficiency: float = 1.0
     in_situ_factor: float = 1.0
 
     def __post_init__(self):
@@ -113,8 +116,9 @@ class ClusterSpec:
             raise ConfigError(f"cluster {self.name!r}: memory_bandwidth and memory_bytes must be > 0")
         if not (0 < self.in_situ_factor < math.inf):
             raise ConfigError(f"cluster {self.name!r}: in_situ_factor must be finite and > 0, got {self.in_situ_factor}")
-        if not 0 < self.compute_efficiency <= 1:
-            raise ConfigError(f"cluster {self.name!r}: compute_efficiency must be in (0, 1], got {self.compute_efficiency}")
+        for field in ("compute_efficiency", "memory_efficiency"):
+            if not 0 < getattr(self, field) <= 1:
+                raise ConfigError(f"cluster {self.name!r}: {field} must be in (0, 1], got {getattr(self, field)}")
         if not self.peak_flops or any(v <= 0 for _, v in self.peak_flops):
             raise ConfigError(f"cluster {self.name!r}: peak_flops needs a positive FLOP/s per dtype")
 
@@ -123,6 +127,11 @@ class ClusterSpec:
         float32's figure for dtypes not listed."""
         table = dict(self.peak_flops)
         return table.get(dtype, table.get("float32", max(table.values()))) * self.compute_efficiency
+
+    @property
+    def sustained_memory_bandwidth(self) -> float:
+        """Bytes/s large memory-bound kernels sustain (``memory_bandwidth`` x ``memory_efficiency``)."""
+        return self.memory_bandwidth * self.memory_efficiency
 
     def collective_factor(self, kind: str) -> tuple[float, float]:
         """(alpha factor, beta factor) of collective ``kind``; (1.0, 1.0) when not listed."""
@@ -184,9 +193,21 @@ _GIB = 1 << 30
 # fp32 AdamW touches 28 bytes per element: reads parameter, gradient and both moments, writes
 # parameter and moments; memory-bound on a GPU.
 _ADAMW_BYTES = 28
-_GPU_OVERHEADS = ("Per-op overheads are eager PyTorch's launch cost; AdamW is priced memory-bound "
-                  "(28 bytes per fp32 element) plus a fused launch per tensor. Large bf16 GEMMs sustain about "
-                  "three quarters of the datasheet peak (cuBLAS on A100 and H100), hence compute_efficiency 0.75.")
+# What the GPU presets take from measurements rather than datasheets (a plan priced at datasheet
+# rates runs slower than predicted):
+# - Links: NCCL's achieved bus bandwidth. NVLink moves about 20 of each link's 25 GB/s of line rate
+#   in the 128-byte payloads SM-driven collectives use, so an 8-GPU A100 all-reduce reaches
+#   ~230 GB/s, an H100 ring collective ~370 GB/s (NCCL maintainer, NVIDIA/nccl-tests issues 149 and
+#   212); all-reduce across HDR InfiniBand nodes measured 86-96% of line rate (nccl-tests 119, 175).
+# - Memory-bound kernels: an A800 80GB (HBM2e, as the A100 80GB) streamed 1727 of its 1935 GB/s in
+#   an elementwise benchmark (mli/transformers-benchmarks issue 4), hence memory_efficiency 0.89.
+# - GEMMs: an A100 80GB ran fp16 matmuls at 230 of 312 TFLOP/s (the same benchmarks' README),
+#   hence compute_efficiency 0.75; H100 assumed alike.
+_GPU_OVERHEADS = ("Links at NCCL's achieved bus bandwidth, large GEMMs at 3/4 of peak and memory-bound kernels "
+                  "at 89% of HBM bandwidth (measured figures, see cluster.py). Per-op overheads are eager "
+                  "PyTorch's launch cost; AdamW is priced memory-bound (28 bytes per fp32 element) plus a fused "
+                  "launch per tensor.")
+_MEMORY_EFFICIENCY = 0.89
 
 PRESETS: dict[str, ClusterSpec] = {
     # NVIDIA A100 SXM4 80GB in a DGX A100 (8 GPUs per node).
@@ -196,18 +217,19 @@ PRESETS: dict[str, ClusterSpec] = {
         memory_bandwidth=2.039e12,
         memory_bytes=80 * _GIB,
         devices_per_node=8,
-        intra_node=Link(alpha=5e-6, beta=1 / (300 * GB)),
-        inter_node=Link(alpha=10e-6, beta=1 / (25 * GB)),
+        intra_node=Link(alpha=5e-6, beta=1 / (230 * GB)),
+        inter_node=Link(alpha=10e-6, beta=1 / (23 * GB)),
         source=(
             "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16, 19.5 TFLOP/s FP32, 2,039 GB/s HBM2e; "
-            "NVLink 3 600 GB/s bidirectional = 300 GB/s per direction; DGX A100 user guide: "
-            "8x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU. Latencies are typical NCCL figures. "
+            "NVLink 3 300 GB/s per direction, of which NCCL achieves ~230; DGX A100 user guide: "
+            "8x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU, ~23 achieved. Latencies are typical NCCL figures. "
             + _GPU_OVERHEADS
         ),
         op_overhead_s=10e-6,
         backward_op_overhead_s=10e-6,
         compute_efficiency=0.75,
-        optimizer_s_per_element=_ADAMW_BYTES / 2.039e12,
+        memory_efficiency=_MEMORY_EFFICIENCY,
+        optimizer_s_per_element=_ADAMW_BYTES / (2.039e12 * _MEMORY_EFFICIENCY),
         optimizer_s_per_tensor=5e-6,
     ),
     # NVIDIA H100 SXM5 80GB in a DGX H100 (8 GPUs per node).
@@ -217,17 +239,19 @@ PRESETS: dict[str, ClusterSpec] = {
         memory_bandwidth=3.35e12,
         memory_bytes=80 * _GIB,
         devices_per_node=8,
-        intra_node=Link(alpha=4e-6, beta=1 / (450 * GB)),
-        inter_node=Link(alpha=8e-6, beta=1 / (50 * GB)),
+        intra_node=Link(alpha=4e-6, beta=1 / (370 * GB)),
+        inter_node=Link(alpha=8e-6, beta=1 / (46 * GB)),
         source=(
             "NVIDIA H100 datasheet (SXM): 989 TFLOP/s dense BF16/FP16, 67 TFLOP/s FP32, 3.35 TB/s HBM3; "
-            "NVLink 4 900 GB/s bidirectional = 450 GB/s per direction; DGX H100: 8x 400 Gb/s NDR "
-            "InfiniBand = 50 GB/s per GPU. Latencies are typical NCCL figures. " + _GPU_OVERHEADS
+            "NVLink 4 450 GB/s per direction, of which NCCL's ring collectives achieve ~370; DGX H100: "
+            "8x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU, ~46 achieved. Latencies are typical NCCL figures. "
+            + _GPU_OVERHEADS
         ),
         op_overhead_s=8e-6,
         backward_op_overhead_s=8e-6,
         compute_efficiency=0.75,
-        optimizer_s_per_element=_ADAMW_BYTES / 3.35e12,
+        memory_efficiency=_MEMORY_EFFICIENCY,
+        optimizer_s_per_element=_ADAMW_BYTES / (3.35e12 * _MEMORY_EFFICIENCY),
         optimizer_s_per_tensor=4e-6,
     ),
     # This kind of machine: processes on a few CPU cores talking gloo over loopback TCP.

@@ -2,7 +2,7 @@
 
 Roofline: an op takes as long as the slower of its arithmetic and its memory traffic,
 
-    forward_time = max(flops / peak_flops(dtype), bytes_moved / memory_bandwidth)
+    forward_time = max(flops / sustained_flops(dtype), bytes_moved / sustained_memory_bandwidth)
 
 with ``flops`` the node's forward FLOPs times the strategy's ``compute_fraction`` (the share one
 device does) and ``bytes_moved`` the local (per-device) bytes of every tensor input read plus every
@@ -31,12 +31,13 @@ BACKWARD_FLOP_FACTOR = 2.0
 
 
 def forward_time(flops: float, bytes_moved: float, dtype: str, cluster) -> float:
-    """Roofline seconds of one op on one device: ``max(flops / peak(dtype), bytes / bandwidth)``.
+    """Roofline seconds of one op on one device: ``max(flops / sustained FLOP/s, bytes / sustained
+    bytes/s)`` (``ClusterSpec.flops`` and ``sustained_memory_bandwidth``).
     ``cluster``: a ClusterSpec or anything ``resolve_cluster`` accepts."""
     if flops < 0 or bytes_moved < 0:
         raise ValueError(f"flops and bytes must be >= 0, got flops={flops}, bytes={bytes_moved}")
     cluster = resolve_cluster(cluster)
-    return max(flops / cluster.flops(dtype), bytes_moved / cluster.memory_bandwidth)
+    return max(flops / cluster.flops(dtype), bytes_moved / cluster.sustained_memory_bandwidth)
 
 
 def compute_dtype(node, graph) -> str:

@@ -161,6 +161,15 @@ def test_presets_load():
     assert ClusterSpec.from_dict(a100.to_dict()) == a100
     with pytest.raises(ConfigError, match="compute_efficiency"):
         dataclasses.replace(a100, compute_efficiency=1.5)
+    # memory-bound kernels at 89% of HBM, links at NCCL's achieved bus bandwidth (cluster.py cites both)
+    assert a100.memory_efficiency == h100.memory_efficiency == 0.89
+    assert a100.sustained_memory_bandwidth == pytest.approx(2.039e12 * 0.89)
+    assert a100.intra_node.bandwidth == pytest.approx(230e9) and a100.inter_node.bandwidth == pytest.approx(23e9)
+    assert a100.optimizer_s_per_element == pytest.approx(28 / (2.039e12 * 0.89))
+    for bad in (0.0, 1.2):
+        with pytest.raises(ConfigError, match="memory_efficiency"):
+            dataclasses.replace(a100, memory_efficiency=bad)
+    assert PRESETS["cpu-gloo"].memory_efficiency == 1.0
     assert a100.flops("float8") == a100.flops("float32")  # unknown dtypes fall back to float32
     assert h100.flops("bfloat16") > a100.flops("bfloat16")
     assert h100.intra_node.bandwidth > a100.intra_node.bandwidth

@@ -104,6 +104,9 @@ def test_node_time_memory_bound_counts_local_bytes(graph):
     assert node_time(lin, _replicated(graph, lin), graph, mesh)[0] == pytest.approx(full / GLOO.memory_bandwidth)
     assert node_time(lin, _column(graph, lin), graph, mesh)[0] == pytest.approx(half / GLOO.memory_bandwidth)
     assert local_input_shapes(lin, _column(graph, lin), graph, mesh) == ((8, 16), (4, 16), (4,))
+    # at half the memory efficiency the same bytes take twice as long
+    slow = Mesh((2,), cluster=dataclasses.replace(MEMORY_BOUND, memory_efficiency=0.5))
+    assert node_time(lin, _replicated(graph, lin), graph, slow)[0] == pytest.approx(2 * full / GLOO.memory_bandwidth)
 
 
 def test_backward_is_zero_for_ops_on_inputs_only_and_views_cost_nothing(graph):
