@@ -54,7 +54,7 @@ def main():
           f"(traces {plan.solver.get('trace_s', 0):.1f} s, intra-op ILPs {plan.solver.get('intra_op_s', 0):.1f} s, "
           f"stage DP {plan.solver.get('dp_s', 0):.1f} s)")
     print(f"  {len(pipe['stages'])} stages of {[st['layers'][1] - st['layers'][0] + 1 for st in pipe['stages']]} layers, "
-          f"{pipe['schedule']}, {pipe['microbatches']} microbatches; tp {s['tp']}, pp {s['pp']}, dp {s['dp']}")
+          f"{pipe['schedule']}, {pipe['microbatches']} microbatches; tp {s['tp']}, sp {s['sp']}, pp {s['pp']}, dp {s['dp']}")
     print(f"  predicted step {s['step_time_s']:.2f} s, {s['memory_bytes_per_device'] / 2**30:.1f} GiB per device, "
           f"bubble {pipe['bubble_fraction']:.0%}, model-FLOPs utilization {mfu:.1%}")
     print(f"  (stage sub-mesh {pipe['stages'][0]['mesh_shape']}; {math.prod(shape)} devices)")

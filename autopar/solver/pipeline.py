@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 SEARCHED_SCHEDULES = ("1f1b", "gpipe", "zero-bubble", "interleaved-1f1b")  # what "auto" tries (interleaved: 2 per rank)
 MEMORY_VARIANTS = (0.25,)  # leaner ILP solutions per sub-mesh, as fractions of the fastest's memory
-MAX_UNITS = 24  # more layers than this are cut only between groups of consecutive layers (Alpa clusters them too)
+MAX_UNITS = 24  # more layers than this are cut only between groups of consecutive layers (``unit_groups``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,11 +295,11 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         t_ilp = time.perf_counter()
         timing["trace_s"] += t_ilp - t_trace
         unit_of_nodes(graph)  # a graph without layers cannot be cut: PlanError
-        groups = layer_groups(len(graph.layers), MAX_UNITS)
+        unit_groups(len(graph.layers), None, pipeline.layers)  # fixed layers must cover the model: ConfigError
         variants = []  # (rows, UnitPrices)
         for rows in options:
-            if equal_stages and mesh.shape[0] // rows > len(groups):
-                continue  # more stages of this size than cut points
+            if equal_stages and mesh.shape[0] // rows > len(graph.layers):
+                continue  # more stages of this size than layers
             share = rows / mesh.shape[0] if equal_stages else None  # of the layers a stage holds
             for p in _variants(model, sub_mesh(mesh, rows), graph, intra_op_plan, {**plan_kwargs, "microbatches": count},
                                budget, share):
@@ -310,11 +310,21 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         t_dp = time.perf_counter()
         timing["intra_op_s"] += t_dp - t_ilp
         found = None
+        tables: dict[tuple, tuple] = {}  # group sizes -> (groups, grouped variants, time, memory, activations)
+
+        def tables_for(stage_count: int | None):
+            """The stage tables on units fit for ``stage_count`` stages (``unit_groups``)."""
+            groups = unit_groups(len(graph.layers), stage_count, pipeline.layers)
+            key = tuple(map(len, groups))
+            if key not in tables:
+                grouped = [(rows, _grouped(p, groups)) for rows, p in variants]
+                time_t, mem_t, act_t = _tables(grouped, len(groups), count, mesh)
+                if pipeline.layers is not None:
+                    time_t = _fixed_cuts(time_t)
+                tables[key] = (groups, grouped, time_t, mem_t, act_t)
+            return tables[key]
+
         if variants:
-            grouped = [(rows, _grouped(p, groups)) for rows, p in variants]
-            time_t, mem_t, act_t = _tables(grouped, len(groups), count, mesh)
-            if pipeline.layers is not None:
-                time_t = _fixed_cuts(time_t, pipeline.layers, groups)
             devices = np.array([rows for rows, _ in variants])
             recomputed = np.array([p.recompute for _, p in variants])
             for schedule in schedules:
@@ -324,6 +334,8 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                         continue  # searched, not asked for: it needs equal stages
                     raise ConfigError("interleaved 1F1B places several equal stages on each rank: plan it with equal_stages")
                 for keep, counts in _stage_shapes(devices, mesh.shape[0], pipeline.stages, equal_stages):
+                    groups, grouped, time_t, mem_t, act_t = tables_for(
+                        next(iter(counts)) * virtual if counts is not None and len(counts) == 1 else None)
                     if schedule == "zero-bubble":  # its split backward does not recompute (see Pipeline)
                         keep = keep & ~recomputed
                     if not keep.any():
@@ -412,22 +424,12 @@ def restrict(plan: Plan, graph, nodes: set[str], time_s: float, memory: float, b
                 solver, idle_axes=plan.idle_axes)
 
 
-def _fixed_cuts(time_t: np.ndarray, layers: tuple[int, ...], groups) -> np.ndarray:
-    """``time_t`` with every stage but the given layer ranges ruled out."""
-    n_layers = sum(len(g) for g in groups)
-    if sum(layers) != n_layers:
-        raise ConfigError(f"Pipeline(layers={layers}) covers {sum(layers)} layers; the model has {n_layers}")
-    first_of = {g[0]: i for i, g in enumerate(groups)}
-    last_of = {g[-1]: i for i, g in enumerate(groups)}
+def _fixed_cuts(time_t: np.ndarray) -> np.ndarray:
+    """``time_t`` on units that are the given stages (``unit_groups``): every stage of more than
+    one unit ruled out."""
     out = np.full_like(time_t, math.inf)
-    start = 0
-    for n in layers:
-        i, j = first_of.get(start), last_of.get(start + n - 1)
-        if i is None or j is None:
-            raise ConfigError(f"Pipeline(layers={layers}): a cut falls inside a group of layers the search keeps together "
-                              f"(groups of {len(groups[0])} layers)")
-        out[i, j] = time_t[i, j]
-        start += n
+    diag = np.arange(time_t.shape[0])
+    out[diag, diag] = time_t[diag, diag]
     return out
 
 
@@ -532,10 +534,32 @@ def _search_counts(counts: list[int], evaluate):
     return min(found, key=lambda r: r[0].step_time) if found else None
 
 
-def layer_groups(n_layers: int, max_units: int) -> list[list[int]]:
-    """Consecutive layers in at most ``max_units`` groups of equal size (the last may be shorter)."""
-    size = max(1, math.ceil(n_layers / max_units))
-    return [list(range(i, min(i + size, n_layers))) for i in range(0, n_layers, size)]
+def layer_groups(n_layers: int, units: int) -> list[list[int]]:
+    """Consecutive layers in ``min(units, n_layers)`` groups whose sizes differ by at most one (the
+    longer ones first)."""
+    units = max(1, min(units, n_layers))
+    size, extra = divmod(n_layers, units)
+    out, start = [], 0
+    for g in range(units):
+        n = size + (g < extra)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def unit_groups(n_layers: int, stages: int | None, layers: tuple[int, ...] | None = None) -> list[list[int]]:
+    """The units the stage DP cuts between. Fixed ``layers`` per stage: those stages. Otherwise at
+    most ``MAX_UNITS`` groups of consecutive layers (Alpa clusters layers too, to bound the DP),
+    and for a known stage count a multiple of it, so that equal stages exist: 96 layers in 16
+    stages are 16 units of 6 layers, in 8 stages 24 units of 4."""
+    if layers is not None:
+        if sum(layers) != n_layers:
+            raise ConfigError(f"Pipeline(layers={layers}) covers {sum(layers)} layers; the model has {n_layers}")
+        starts = np.concatenate([[0], np.cumsum(layers)])
+        return [list(range(int(a), int(b))) for a, b in zip(starts[:-1], starts[1:])]
+    if stages is None or stages > n_layers:
+        return layer_groups(n_layers, MAX_UNITS)
+    return layer_groups(n_layers, stages * max(1, MAX_UNITS // stages))
 
 
 def _grouped(p: UnitPrices, groups) -> UnitPrices:

@@ -268,19 +268,22 @@ class Plan:
         }
 
     def degrees(self) -> dict:
-        """``{"tp": ..., "dp": ..., "pp": ...}``: tensor- and data-parallel degrees (the product of
-        the mesh axes in that role, as ``explain`` names them) and the pipeline stages; tp and dp
-        are None when the stages lay their axes out differently."""
+        """``{"tp": ..., "sp": ..., "dp": ..., "pp": ...}``: tensor-, sequence- and data-parallel
+        degrees (the product of the mesh axes in that role, as ``explain`` names them: an axis
+        splitting the blocks' weights is tensor parallel, one splitting only their tokens
+        sequence parallel) and the pipeline stages; tp, sp and dp are None when the stages lay
+        their axes out differently."""
         from autopar.solver.explain import axis_roles
 
         per_stage = set()
         for p in self.stage_plans():
             roles = axis_roles(p)
             shape = p.mesh["shape"]
-            per_stage.add(tuple(math.prod(shape[a] for a, r in roles.items() if r == role) for role in ("tensor", "data")))
-        tp, dp = per_stage.pop() if len(per_stage) == 1 else (None, None)
+            per_stage.add(tuple(math.prod(shape[a] for a, r in roles.items() if r == role)
+                                for role in ("tensor", "sequence", "data")))
+        tp, sp, dp = per_stage.pop() if len(per_stage) == 1 else (None, None, None)
         pp = 1 if self.pipeline is None else len(self.pipeline.stages) // self.pipeline.virtual_stages
-        return {"tp": tp, "dp": dp, "pp": pp}
+        return {"tp": tp, "sp": sp, "dp": dp, "pp": pp}
 
     def explain(self, **kw) -> str:
         from autopar.solver.explain import explain

@@ -32,7 +32,41 @@ def test_microbatch_candidates():
 def test_layer_groups():
     assert layer_groups(96, 24) == [list(range(i, i + 4)) for i in range(0, 96, 4)]
     assert layer_groups(5, 24) == [[0], [1], [2], [3], [4]]
-    assert sum(len(g) for g in layer_groups(50, 24)) == 50
+    # sizes differ by at most one, longer first, in order, covering every layer once
+    groups = layer_groups(50, 16)
+    assert [len(g) for g in groups] == [4, 4] + [3] * 14
+    assert sum(groups, []) == list(range(50))
+
+
+@pytest.mark.parametrize("n_layers", [4, 7, 50, 96, 97])
+@pytest.mark.parametrize("stages", [1, 2, 3, 8, 16, 32])
+def test_unit_groups_allow_equal_stages(n_layers, stages):
+    """For a known stage count the units are a multiple of it (at most MAX_UNITS unless the
+    count itself is larger), so stages of equal layer counts, up to one, exist."""
+    from autopar.solver.pipeline import MAX_UNITS, unit_groups
+
+    groups = unit_groups(n_layers, stages)
+    assert sum(groups, []) == list(range(n_layers))
+    if stages > n_layers:
+        assert len(groups) == min(n_layers, MAX_UNITS)
+        return
+    if len(groups) == n_layers:  # a unit per layer: every split is there
+        return
+    assert len(groups) % stages == 0 and len(groups) <= max(MAX_UNITS, stages)
+    per_stage = len(groups) // stages
+    sizes = [sum(len(g) for g in groups[k * per_stage:(k + 1) * per_stage]) for k in range(stages)]
+    assert max(sizes) - min(sizes) <= per_stage  # each unit differs by at most one layer
+    if n_layers % stages == 0 and (n_layers // stages) % per_stage == 0:
+        assert len(set(sizes)) == 1
+
+
+def test_unit_groups_for_fixed_layers_are_the_stages():
+    from autopar.solver.pipeline import unit_groups
+
+    assert unit_groups(4, 2, (3, 1)) == [[0, 1, 2], [3]]
+    assert unit_groups(96, None, (6,) * 16) == [list(range(i, i + 6)) for i in range(0, 96, 6)]
+    with pytest.raises(ConfigError, match="covers 95 layers"):
+        unit_groups(96, None, (5,) + (6,) * 15)
 
 
 def test_search_counts_finds_the_minimum_with_few_evaluations():
@@ -301,7 +335,8 @@ def test_gpt3_175b_plans_with_pipeline_stages_like_megatron():
     mesh = autopar.Mesh((128, 8), cluster="a100-80g")
     plan = autopar.plan(model, mesh, inputs, pipeline="auto", memory_budget="80GB")
     s = plan.summary()
-    assert s["pp"] > 1 and s["tp"] == 8 and s["pp"] * s["dp"] * s["tp"] == 1024
+    # model parallel inside the node (tensor or sequence), pipeline and data parallel across nodes
+    assert s["pp"] > 1 and s["tp"] * s["sp"] == 8 and s["pp"] * s["dp"] * s["tp"] * s["sp"] == 1024
     assert s["memory_bytes_per_device"] <= 80e9
     assert all(st["mesh_shape"][1] == 8 for st in s["pipeline"]["stages"])  # a stage holds whole nodes
     params = sum(t.numel() for t in model.parameters())
