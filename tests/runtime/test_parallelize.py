@@ -75,6 +75,27 @@ def matmul_force(model, inputs, family: str, *, params: str | None = None) -> di
     return force
 
 
+def ulysses_hybrid_case(tag, mesh, groups):
+    """The block layout the planner picks for GPT-3's stages on (nodes, 8): batch on axis 0; on axis
+    1 the attention's tokens (its linears' weights whole, heads split inside attention, so
+    all-to-alls around it) and the MLP Megatron-style (column then row, the batch split kept)."""
+    def go():
+        model, inputs = models.build("gpt", layers=2, seq=8, batch=4)
+        graph = ir.trace(model, inputs)
+        force = {}
+        for n in graph:
+            if n.layer is None or n.op != "call_function":
+                continue
+            if n.target == "aten.scaled_dot_product_attention.default":
+                force[n.name] = "dp+heads"
+            elif n.target == "aten.linear.default":
+                force[n.name] = ("dp+sp" if ".attn." in n.module_path else
+                                 "2d" if n.module_path.endswith("c_fc") else "2d-mk")
+        return summary(tag, compare(model, inputs, mesh, groups, force=force))
+
+    return run_case(tag, go)
+
+
 def forced_case(tag, mesh, groups, family, *, params=None, build_kw=None):
     def go():
         model, inputs = models.build("mlp", **(build_kw or {}))
@@ -284,6 +305,7 @@ def rank_4(rank, world_size):
         out += [model_case(f"layout {layout.name} {shape}", "gpt", mesh, groups, {"layers": 2}, force=layout)
                 for layout in LAYOUTS[shape]]
     out.append(forced_case("forced 2d (2, 2)", mesh, groups, "2d"))
+    out.append(ulysses_hybrid_case("ulysses hybrid gpt (2, 2)", mesh, groups))
     out.append(idle_case("idle axis 0 (2, 2)", mesh, groups, (0,)))
     out.append(idle_case("idle auto (2, 2)", mesh, groups, "auto"))
     out.append(run_case("profile", profile_case, groups))
@@ -499,6 +521,15 @@ def test_forced_2d_on_mesh_2x2(four_ranks):
     cases = four_ranks["forced 2d (2, 2)"]
     _assert_exact(cases)
     assert cases[0]["families"].get("2d", 0) >= 4
+
+
+def test_sequence_parallel_attention_with_tensor_parallel_mlp(four_ranks):
+    """GPT-3's planned block layout (see ulysses_hybrid_case) runs exactly on real ranks."""
+    cases = four_ranks["ulysses hybrid gpt (2, 2)"]
+    _assert_exact(cases)
+    fams = cases[0]["families"]
+    assert fams.get("dp+sp", 0) >= 4 and fams.get("dp+heads") == 2 and fams.get("2d") == 2 and fams.get("2d-mk") == 2, fams
+    assert "all_to_all" in cases[0]["code"]
 
 
 def test_meta_init_holds_only_shards(two_ranks):
