@@ -105,7 +105,10 @@ def solve_stages(time, devices, total_devices: int, microbatches: int, *, mem=No
         per_s[s] = np.stack([cost[:, :, units == u].min(axis=2) for u in sizes], axis=2)
         pick[s] = np.stack([np.flatnonzero(units == u)[cost[:, :, units == u].argmin(axis=2)] for u in sizes], axis=2)
     sizes = np.asarray(sizes)
-    candidates = np.unique(np.concatenate([c[np.isfinite(c)] for c in per_s.values()]))
+    # t_max candidates: the stage costs of ranges short enough to leave a unit for each other stage
+    longest = n_layers - min(allowed) + 1
+    short = (np.arange(n_layers)[None, :] - np.arange(n_layers)[:, None] < longest)[:, :, None]
+    candidates = np.unique(np.concatenate([c[np.isfinite(c) & short] for c in per_s.values()]))
     best: tuple[float, float] | None = None  # (step time, t_max)
     last_tried = None
     for t_max in candidates:
@@ -147,7 +150,10 @@ def _dp_sum(per_s, t_max, units, n_units, allowed, keep_choice=False):
         cost = np.where(per_s[s] <= t_max, per_s[s], inf)
         cur = np.full((n_layers + 1, n_units + 1), inf)
         choice = np.zeros((n_layers + 1, n_units + 1, 2), dtype=int) if keep_choice else None
-        for k in range(n_layers - 1, -1, -1):
+        # the s-th stage from the end starts where every stage before and after it gets a layer:
+        # after it s - 1 stages, before it at least (the fewest allowed counts >= s) - s
+        before = min((a for a in allowed if a >= s), default=s) - s
+        for k in range(n_layers - s, before - 1, -1):
             for m, u in enumerate(units):
                 if u > n_units:
                     continue

@@ -53,6 +53,29 @@ def test_dp_equals_brute_force(seed):
         assert got.n_stages in counts
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_dp_equals_brute_force_with_many_stages(seed):
+    """Stage counts near the layer count (one layer per stage, one spare): the DP's pruning of
+    stage starts and of t_max candidates (a stage leaves a layer for every other) keeps the optimum."""
+    rng = np.random.default_rng(1000 + seed)
+    n_layers = int(rng.integers(3, 8))
+    devices, total = [1, 2], 8
+    time = _table(rng, n_layers, len(devices))
+    mem = rng.uniform(0, 1, size=time.shape)
+    act = rng.uniform(0, 0.3, size=time.shape)
+    counts = [None, {n_layers}, {n_layers - 1}, {2, n_layers - 1}, {int(rng.integers(1, n_layers + 1))}][seed % 5]
+    kw = dict(mem=mem, act=act, budget=float(rng.choice([math.inf, 1.5])), schedule=["1f1b", "gpipe"][seed % 2],
+              stage_counts=counts)
+    microbatches = int(rng.choice([1, 4, 16]))
+    got = solve_stages(time, devices, total, microbatches, **kw)
+    want = brute_force(time, devices, total, microbatches, **kw)
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
+        _valid(got, n_layers, devices, total)
+        assert counts is None or got.n_stages in counts
+
+
 def test_hand_checked_balanced_split():
     """Four equal layers on 2 devices (options: 1 device or 2): with 8 microbatches two stages of
     two layers (2 + 2 + 7 * 2 = 18) beat one stage on both devices running 4 layers at half speed
