@@ -96,6 +96,30 @@ def ulysses_hybrid_case(tag, mesh, groups):
     return run_case(tag, go)
 
 
+def bf16_case(tag, name, mesh, groups, layout=None):
+    """A bfloat16 model: its gradients cannot match one device's to 1e-5, since splitting a sum
+    rounds it differently. The bar: each parameter's gradient is no further from the float32
+    model's than about twice as far as one device's bfloat16 gradient is (plus two bf16 ulps), so
+    parallelizing adds no more error than bfloat16 itself; a lost or doubled sum is off by O(1)."""
+    def go():
+        model, inputs = models.build(name, layers=2, dtype=torch.bfloat16)
+        one, fp32 = copy.deepcopy(model), copy.deepcopy(model).float()
+        pm = autopar.parallelize(model, mesh, inputs, groups=groups, plan_kwargs={"idle_axes": ()}, pipeline=False,
+                                 **({} if layout is None else {"force": layout}))
+        loss_par, loss_one, loss_32 = pm(*inputs), one(*inputs), fp32(*inputs)
+        for loss in (loss_par, loss_one, loss_32):
+            loss.backward()
+        errs = {}
+        for fqn, g in pm.full_grads().items():
+            truth = fp32.get_parameter(fqn).grad
+            errs[fqn] = (rel(g.float(), truth), rel(one.get_parameter(fqn).grad.float(), truth))
+        return {"tag": tag, "errs": errs, "losses": (float(loss_par), float(loss_one), float(loss_32)),
+                "dtypes": {str(g.dtype) for g in pm.full_grads().values()},
+                "families": pm.plan.summary()["families"]}
+
+    return run_case(tag, go)
+
+
 def forced_case(tag, mesh, groups, family, *, params=None, build_kw=None):
     def go():
         model, inputs = models.build("mlp", **(build_kw or {}))
@@ -284,8 +308,12 @@ def rank_2(rank, world_size):
     out.append(mean_loss_case("mean-partial dp (2,)", mesh, groups))
     out.append(run_case("shape-error", shape_error_case, mesh, groups))
     out.append(run_case("meta-init", meta_init_case, mesh, groups))
+    for name in ("gpt", "llama"):
+        out += [bf16_case(f"bf16 {name} {tag} (2,)", name, mesh, groups, layout) for tag, layout in BF16_LAYOUTS.items()]
     return out
 
+
+BF16_LAYOUTS = {"auto": None, "dp": autopar.Layout(dp=2), "tp": autopar.Layout(tp=2), "zero3": autopar.Layout(dp=2, zero=3)}
 
 # hand-style layouts (autopar.Layout) per 4-rank mesh: each must run exactly
 LAYOUTS = {
@@ -530,6 +558,23 @@ def test_sequence_parallel_attention_with_tensor_parallel_mlp(four_ranks):
     fams = cases[0]["families"]
     assert fams.get("dp+sp", 0) >= 4 and fams.get("dp+heads") == 2 and fams.get("2d") == 2 and fams.get("2d-mk") == 2, fams
     assert "all_to_all" in cases[0]["code"]
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("layout", sorted(BF16_LAYOUTS))
+def test_bfloat16_models_add_no_error_beyond_bfloat16(two_ranks, name, layout):
+    """See bf16_case: a bf16 model's gradients, parallel, are within twice one device's bf16 error
+    of the float32 gradients (plus two ulps), in bf16."""
+    (c, *_) = two_ranks[f"bf16 {name} {layout} (2,)"]
+    assert "error" not in c, c.get("error")
+    assert c["dtypes"] == {"torch.bfloat16"}
+    ulp = 2.0 ** -7
+    bad = {k: v for k, v in c["errs"].items() if not v[0] <= 2 * v[1] + 2 * ulp}
+    assert not bad and len(c["errs"]) >= 10, bad
+    par, one, fp32 = c["losses"]
+    assert abs(par - one) <= 2 * ulp * abs(one) and abs(par - fp32) <= 4 * ulp * abs(fp32), c["losses"]
+    if layout == "tp":
+        assert c["families"].get("1d-col", 0) + c["families"].get("1d-row", 0) >= 4, c["families"]
 
 
 def test_meta_init_holds_only_shards(two_ranks):
