@@ -350,7 +350,14 @@ def rank_8(rank, world_size):
     warnings.simplefilter("ignore")
     mesh = autopar.Mesh((2, 2, 2), cluster="cpu-gloo")
     groups = MeshGroups(mesh)
-    return [forced_case(f"forced {fam} (2, 2, 2)", mesh, groups, fam) for fam in ("2.5d", "3d")]
+    out = [forced_case(f"forced {fam} (2, 2, 2)", mesh, groups, fam) for fam in ("2.5d", "3d")]
+    # an uneven 2-D mesh: 4-way inside, 2-way across
+    mesh = autopar.Mesh((2, 4), cluster="cpu-gloo")
+    groups = MeshGroups(mesh)
+    out.append(model_case("gpt auto (2, 4)", "gpt", mesh, groups, {"layers": 2, "heads": 4, "batch": 8}))
+    out.append(model_case("gpt dp2 x tp4 (2, 4)", "gpt", mesh, groups, {"layers": 2, "heads": 4, "batch": 8},
+                          force=autopar.Layout(dp=2, tp=4, zero=2)))
+    return out
 
 
 MID_STEP_TIMEOUT_S = 8.0
@@ -585,11 +592,17 @@ def test_meta_init_holds_only_shards(two_ranks):
         _assert_exact([c["train"]])
 
 
-def test_forced_2_5d_and_3d_on_8_ranks():
-    cases = _by_tag(spawn(rank_8, 8, timeout_s=400))
+def test_forced_2_5d_and_3d_and_a_2x4_mesh_on_8_ranks():
+    cases = _by_tag(spawn(rank_8, 8, timeout_s=600))
     for fam in ("2.5d", "3d"):
         _assert_exact(cases[f"forced {fam} (2, 2, 2)"])
         assert cases[f"forced {fam} (2, 2, 2)"][0]["families"].get(fam, 0) >= 4
+    _assert_exact(cases["gpt auto (2, 4)"])
+    hybrid = cases["gpt dp2 x tp4 (2, 4)"]
+    _assert_exact(hybrid)
+    # batch on axis 0, Megatron column / row on axis 1: the 2-D matmul families
+    fams = hybrid[0]["families"]
+    assert fams.get("2d", 0) >= 2 and fams.get("2d-mk", 0) >= 2, fams
 
 
 def test_parallelize_outside_ranks_is_a_config_error(monkeypatch):
