@@ -96,7 +96,7 @@ def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None):
     if op == CROSS_ENTROPY and count is None and _fusable_cross_entropy(args, kwargs):
         # the fused cross entropy (no class split): one logits-sized tensor instead of four
         target, ignore_index = args[1], _arg(args, kwargs, 4, "ignore_index", -100)
-        loss = VocabParallelCrossEntropy.apply(args[0], target, ignore_index, _CLASSES_WHOLE).sum()
+        loss = VocabParallelCrossEntropy.apply(_as_autocast_loss_input(args[0]), target, ignore_index, _CLASSES_WHOLE).sum()
         return loss / class_denominator(target, None, ignore_index, loss.dtype, batch_axes)
     args, kwargs = _with_arg(args, kwargs, REDUCTION_POS[op], "reduction", SUM)
     out = _aten(op)(*args, **kwargs)
@@ -107,6 +107,14 @@ def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None):
         target, weight = args[1], _arg(args, kwargs, 2, "weight")
         loss = loss / class_denominator(target, weight, _arg(args, kwargs, 4, "ignore_index", -100), loss.dtype, batch_axes)
     return (loss, *out[1:]) if isinstance(out, tuple) else loss
+
+
+def _as_autocast_loss_input(x: torch.Tensor) -> torch.Tensor:
+    """The logits as autocast hands them to cross_entropy, an op it runs in float32: upcast when
+    autocast is on for their device (a custom autograd Function is outside autocast's op lists)."""
+    if x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(x.device.type):
+        return x.float()
+    return x
 
 
 def _fusable_cross_entropy(args, kwargs) -> bool:
@@ -124,7 +132,7 @@ def autopar_vocab_parallel_cross_entropy(x, target, weight=None, reduction=1, ig
     axes are identical-gradient axes (the loss's gradient arrives whole, not as a pending sum)."""
     if weight is not None or label_smoothing:
         raise PlanError("vocabulary-parallel cross entropy supports no class weight and no label smoothing")
-    loss = VocabParallelCrossEntropy.apply(x, target, ignore_index, handle(class_axes), whole)
+    loss = VocabParallelCrossEntropy.apply(_as_autocast_loss_input(x), target, ignore_index, handle(class_axes), whole)
     if reduction == 0:
         return loss
     if reduction == SUM:

@@ -96,17 +96,20 @@ def ulysses_hybrid_case(tag, mesh, groups):
     return run_case(tag, go)
 
 
-def bf16_case(tag, name, mesh, groups, layout=None):
-    """A bfloat16 model: its gradients cannot match one device's to 1e-5, since splitting a sum
-    rounds it differently. The bar: each parameter's gradient is no further from the float32
-    model's than about twice as far as one device's bfloat16 gradient is (plus two bf16 ulps), so
-    parallelizing adds no more error than bfloat16 itself; a lost or doubled sum is off by O(1)."""
+def low_precision_case(tag, name, mesh, groups, layout=None, autocast: bool = False):
+    """A bfloat16 model, or (``autocast``) a float32 one run under ``torch.autocast`` to bfloat16:
+    its gradients cannot match one device's to 1e-5, since splitting a sum rounds it differently.
+    The bar: each parameter's gradient is no further from the float32 model's than about twice as
+    far as one device's low-precision gradient is (plus two bf16 ulps), so parallelizing adds no
+    more error than bfloat16 itself; a lost or doubled sum is off by O(1)."""
     def go():
-        model, inputs = models.build(name, layers=2, dtype=torch.bfloat16)
+        model, inputs = models.build(name, layers=2, dtype=torch.float32 if autocast else torch.bfloat16)
         one, fp32 = copy.deepcopy(model), copy.deepcopy(model).float()
         pm = autopar.parallelize(model, mesh, inputs, groups=groups, plan_kwargs={"idle_axes": ()}, pipeline=False,
                                  **({} if layout is None else {"force": layout}))
-        loss_par, loss_one, loss_32 = pm(*inputs), one(*inputs), fp32(*inputs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss_par, loss_one = pm(*inputs), one(*inputs)
+        loss_32 = fp32(*inputs)
         for loss in (loss_par, loss_one, loss_32):
             loss.backward()
         errs = {}
@@ -114,6 +117,7 @@ def bf16_case(tag, name, mesh, groups, layout=None):
             truth = fp32.get_parameter(fqn).grad
             errs[fqn] = (rel(g.float(), truth), rel(one.get_parameter(fqn).grad.float(), truth))
         return {"tag": tag, "errs": errs, "losses": (float(loss_par), float(loss_one), float(loss_32)),
+                "loss_dtypes": (str(loss_par.dtype), str(loss_one.dtype)),
                 "dtypes": {str(g.dtype) for g in pm.full_grads().values()},
                 "families": pm.plan.summary()["families"]}
 
@@ -309,11 +313,17 @@ def rank_2(rank, world_size):
     out.append(run_case("shape-error", shape_error_case, mesh, groups))
     out.append(run_case("meta-init", meta_init_case, mesh, groups))
     for name in ("gpt", "llama"):
-        out += [bf16_case(f"bf16 {name} {tag} (2,)", name, mesh, groups, layout) for tag, layout in BF16_LAYOUTS.items()]
+        out += [low_precision_case(f"bf16 {name} {tag} (2,)", name, mesh, groups, layout)
+                for tag, layout in BF16_LAYOUTS.items()]
+    for tag, layout in AUTOCAST_LAYOUTS.items():
+        out.append(low_precision_case(f"autocast gpt {tag} (2,)", "gpt", mesh, groups, layout, autocast=True))
     return out
 
 
 BF16_LAYOUTS = {"auto": None, "dp": autopar.Layout(dp=2), "tp": autopar.Layout(tp=2), "zero3": autopar.Layout(dp=2, zero=3)}
+# under autocast the losses autopar lowers itself (fused batch-split, vocabulary-parallel) must run
+# in float32 as autocast runs cross_entropy
+AUTOCAST_LAYOUTS = {"auto": None, "zero2": autopar.Layout(dp=2, zero=2), "vocab-parallel": autopar.Layout(tp=2, vocab_parallel=True)}
 
 # hand-style layouts (autopar.Layout) per 4-rank mesh: each must run exactly
 LAYOUTS = {
@@ -567,21 +577,39 @@ def test_sequence_parallel_attention_with_tensor_parallel_mlp(four_ranks):
     assert "all_to_all" in cases[0]["code"]
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
-@pytest.mark.parametrize("layout", sorted(BF16_LAYOUTS))
-def test_bfloat16_models_add_no_error_beyond_bfloat16(two_ranks, name, layout):
-    """See bf16_case: a bf16 model's gradients, parallel, are within twice one device's bf16 error
-    of the float32 gradients (plus two ulps), in bf16."""
-    (c, *_) = two_ranks[f"bf16 {name} {layout} (2,)"]
+def _assert_low_precision(c, grad_dtype: str):
     assert "error" not in c, c.get("error")
-    assert c["dtypes"] == {"torch.bfloat16"}
+    assert c["dtypes"] == {grad_dtype}
     ulp = 2.0 ** -7
     bad = {k: v for k, v in c["errs"].items() if not v[0] <= 2 * v[1] + 2 * ulp}
     assert not bad and len(c["errs"]) >= 10, bad
     par, one, fp32 = c["losses"]
     assert abs(par - one) <= 2 * ulp * abs(one) and abs(par - fp32) <= 4 * ulp * abs(fp32), c["losses"]
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("layout", sorted(BF16_LAYOUTS))
+def test_bfloat16_models_add_no_error_beyond_bfloat16(two_ranks, name, layout):
+    """See low_precision_case: a bf16 model's gradients, parallel, are within twice one device's
+    bf16 error of the float32 gradients (plus two ulps), in bf16."""
+    (c, *_) = two_ranks[f"bf16 {name} {layout} (2,)"]
+    _assert_low_precision(c, "torch.bfloat16")
     if layout == "tp":
         assert c["families"].get("1d-col", 0) + c["families"].get("1d-row", 0) >= 4, c["families"]
+
+
+@pytest.mark.parametrize("layout", sorted(AUTOCAST_LAYOUTS))
+def test_autocast_runs_like_one_device_under_autocast(two_ranks, layout):
+    """A float32 GPT called under torch.autocast(bfloat16): the loss comes back in float32 as one
+    device's does (cross_entropy runs in float32 under autocast, lowered losses included) and
+    within 1e-4 of it; gradients meet the bf16 bar."""
+    (c, *_) = two_ranks[f"autocast gpt {layout} (2,)"]
+    _assert_low_precision(c, "torch.float32")
+    assert c["loss_dtypes"] == ("torch.float32", "torch.float32")
+    par, one, _ = c["losses"]
+    assert abs(par - one) <= 1e-4 * abs(one), c["losses"]
+    if layout == "vocab-parallel":
+        assert c["families"].get("loss-vocab-parallel", 0) == 1, c["families"]
 
 
 def test_meta_init_holds_only_shards(two_ranks):
