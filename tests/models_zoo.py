@@ -4,6 +4,13 @@ way users write them rather than the way ``autopar.models`` does.
     mingpt()            Karpathy's minGPT: manual causal attention that scales by division with a
                         Python number, masks with a buffer and -inf, NewGELU written as pointwise
                         math, cross-entropy loss
+    vit()               a Vision Transformer as timm-style code writes it: a strided Conv2d patch
+                        embedding, a class token concatenated in front, a learned position
+                        parameter, nn.MultiheadAttention blocks, the head on the class token
+    moe(dispatch)       a top-2 mixture-of-experts language model as hand-written code routes it:
+                        softmax router, topk, an auxiliary load-balancing loss; each expert runs
+                        on every token weighted by its gate ("dense"), or on the tokens sent to
+                        it ("indexed": boolean-mask indexing and index_add, data-dependent shapes)
     scalar_op(expr)     ``expr`` (Python, in terms of ``h``) applied to a parameter-derived tensor
                         ``h``: one op with a Python number in some operand's place
 
@@ -100,6 +107,110 @@ def mingpt(*, vocab: int = 64, block_size: int = 16, n_layer: int = 2, n_head: i
         model = MinGPT(vocab, block_size, n_layer, n_head, n_embd, dropout)
         idx = torch.randint(0, vocab, (batch, block_size))
         targets = torch.randint(0, vocab, (batch, block_size))
+    return model, (idx, targets)
+
+
+# ---- ViT --------------------------------------------------------------------------------------------
+class ViTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp), nn.GELU(), nn.Linear(mlp, dim))
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class ViT(nn.Module):
+    def __init__(self, image: int, patch: int, dim: int, depth: int, heads: int, classes: int):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
+        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
+        self.blocks = nn.ModuleList(ViTBlock(dim, heads, 2 * dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, images, labels):
+        x = self.patch(images).flatten(2).transpose(1, 2)  # (B, patches, dim)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.norm(x)[:, 0]), labels)
+
+
+def vit(*, image: int = 8, patch: int = 4, dim: int = 32, depth: int = 2, heads: int = 4, classes: int = 10,
+        batch: int = 4, seed: int = 0):
+    """A small ViT and ``(images, labels)``; returns the loss."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = ViT(image, patch, dim, depth, heads, classes)
+        images = torch.randn(batch, 3, image, image)
+        labels = torch.randint(0, classes, (batch,))
+    return model, (images, labels)
+
+
+# ---- mixture of experts -------------------------------------------------------------------------------
+class MoELayer(nn.Module):
+    def __init__(self, dim: int, experts: int, top_k: int, dispatch: str):
+        super().__init__()
+        self.top_k, self.dispatch = top_k, dispatch
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.SiLU(), nn.Linear(2 * dim, dim))
+                                     for _ in range(experts))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        flat = x.reshape(-1, d)
+        probs = F.softmax(self.router(flat), dim=-1)
+        weight, chosen = probs.topk(self.top_k, dim=-1)
+        weight = weight / weight.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            hit = chosen == e  # (tokens, top_k)
+            w = (weight * hit).sum(-1)  # this expert's gate per token (0 where not chosen)
+            if self.dispatch == "dense":
+                out = out + expert(flat) * w[:, None]
+            else:
+                rows = hit.any(-1)
+                out = out.index_add(0, rows.nonzero().squeeze(-1), expert(flat[rows]) * w[rows, None])
+        # Switch-style load balancing: fraction of tokens per expert times its mean router probability
+        load = F.one_hot(chosen[:, 0], probs.shape[-1]).float().mean(0)
+        aux = (load * probs.mean(0)).sum() * probs.shape[-1]
+        return out.reshape(b, t, d), aux
+
+
+class MoEModel(nn.Module):
+    def __init__(self, vocab: int, dim: int, depth: int, experts: int, top_k: int, dispatch: str):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(depth))
+        self.layers = nn.ModuleList(MoELayer(dim, experts, top_k, dispatch) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        aux_total = 0.0
+        for norm, layer in zip(self.norms, self.layers):
+            y, aux = layer(norm(x))
+            x = x + y
+            aux_total = aux_total + aux
+        logits = self.head(x)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + 0.01 * aux_total
+
+
+def moe(*, dispatch: str = "dense", vocab: int = 64, dim: int = 32, depth: int = 2, experts: int = 4, top_k: int = 2,
+        batch: int = 4, seq: int = 8, seed: int = 0):
+    """A top-k mixture-of-experts language model and ``(idx, targets)``; returns the loss."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = MoEModel(vocab, dim, depth, experts, top_k, dispatch)
+        idx = torch.randint(0, vocab, (batch, seq))
+        targets = torch.randint(0, vocab, (batch, seq))
     return model, (idx, targets)
 
 

@@ -73,6 +73,22 @@ def unalias(tree):
     return pytree.tree_map(fresh, tree)
 
 
+def _check_static_shape(fx_node, model, names_of, root_type) -> None:
+    """TraceError for an op whose output size depends on tensor values (``nonzero``, boolean-mask
+    indexing, ``unique``: a mixture of experts routing tokens by their router scores). Plans and
+    programs are built for fixed shapes."""
+    vals = fx_node.meta.get("val")
+    vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+    if not any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape) for v in vals):
+        return
+    path, _ = _module_of(fx_node, model, names_of.get(fx_node.name), root_type)
+    raise TraceError(
+        f"{target_name(fx_node.target)} in {path or root_type} makes a tensor whose size depends on tensor values "
+        f"({fx_node.name}); autopar plans and runs fixed shapes. Write it with shapes known from the inputs' "
+        "shapes: e.g. a mixture of experts can dispatch densely (every expert on every token, weighted by "
+        "a one-hot or top-k mask) or with a fixed capacity per expert instead of boolean-mask indexing")
+
+
 def from_exported(model: torch.nn.Module, exported: torch.export.ExportedProgram, *, name: str | None = None) -> Graph:
     """Build a Graph from an ExportedProgram of ``model`` (its original, un-exported module)."""
     sig = exported.graph_signature
@@ -92,6 +108,7 @@ def from_exported(model: torch.nn.Module, exported: torch.export.ExportedProgram
         inputs: list[str] = []
         args = _convert(fx_node.args, inputs)
         kwargs = _convert(dict(fx_node.kwargs), inputs)
+        _check_static_shape(fx_node, model, names_of, root_type)
         meta = _meta_of(fx_node, gm)
         target = target_name(fx_node.target)
         path, mtype = _module_of(fx_node, model, names_of.get(fx_node.name), root_type)

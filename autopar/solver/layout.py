@@ -2,8 +2,10 @@
 
 A ``Layout`` names what a person configures by hand (Megatron / Colossal-AI's hybrid plugin):
 
-    dp    data-parallel degree: activations split on their batch dim (dim 0) over the dp axis,
-          parameters used whole along it;
+    dp    data-parallel degree: activations split on their batch dim over the dp axis, parameters
+          used whole along it. The batch dim is dim 0 where that dim has the inputs' batch size;
+          where code moved it (attention written time-first, ``nn.MultiheadAttention``'s
+          internal transposes) one dim, the planner's choice, is split over the dp axis;
     tp    tensor-parallel degree: every matmul / embedding inside a repeated block reads its weight
           split over the tp axis (Megatron column/row parallel, or 2D with dp); which dim, and what
           the rest of the graph does along that axis, stays the planner's choice;
@@ -72,6 +74,8 @@ def layout_force(graph, mesh, layout: Layout) -> dict:
     """node name -> predicate on a Strategy, restricting the plan to ``layout`` (module docstring)."""
     dp_axis, tp_axis = layout.axes(mesh)
     batch_nodes = _depends_on_input(graph)
+    batch_sizes = {graph.nodes[name].meta.shape[0] for name in graph.inputs
+                   if getattr(graph.nodes[name].meta, "shape", None)}
     force = {}
     for node in graph.nodes.values():
         preds = []
@@ -79,10 +83,15 @@ def layout_force(graph, mesh, layout: Layout) -> dict:
             preds.append(_param_storage(node, mesh, layout, dp_axis))
         elif node.op == "call_function":
             weights = [i for i, src in enumerate(node.inputs) if _param_source(graph, src) is not None]
+            # a parameter broadcast to the batch (a ViT's class token expanded and concatenated) is
+            # an activation there: it splits with the batch, not as a weight
+            weights = [i for i in weights if graph.nodes[node.inputs[i]].meta.numel
+                       == _param_source(graph, node.inputs[i]).meta.numel]
             # An op without a sharding rule (in-place buffer updates, ops no rule covers) only runs
             # unsplit; a hand-written layout runs it whole too.
             if dp_axis is not None and node.name in batch_nodes and has_rule(node.target):
-                preds.append(_batch_split(dp_axis))
+                shape = getattr(node.meta, "shape", None)
+                preds.append(_batch_split(dp_axis, leading=not shape or shape[0] in batch_sizes))
             for i in weights:
                 preds.append(_weight_not_on(i, dp_axis) if tp_axis is not None else _weight_whole(i))
                 if tp_axis is not None and node.layer is not None and _is_weight_op(node) and \
@@ -140,12 +149,17 @@ def _first_spec(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _batch_split(dp_axis: int):
+def _batch_split(dp_axis: int, leading: bool = True):
+    """The output split over ``dp_axis`` on dim 0 and nowhere else (``leading``), or on exactly one
+    dim (where the batch is not dim 0)."""
     def pred(s) -> bool:
         out = _first_spec(s.output)
         if out is None or out.ndim == 0:
             return True
-        return out.dim_axes[0][:1] == (dp_axis,) and all(dp_axis not in axes for axes in out.dim_axes[1:])
+        split = [d for d, axes in enumerate(out.dim_axes) if dp_axis in axes]
+        if leading:
+            return out.dim_axes[0][:1] == (dp_axis,) and split == [0]
+        return len(split) == 1 and dp_axis not in out.partial
     return pred
 
 

@@ -130,3 +130,21 @@ def test_aliased_example_inputs_trace_as_separate_inputs(call):
     ones, zeros = torch.ones(4), torch.zeros(4)
     out = g.exported.module()(ones, zeros) if call == "same object" else g.exported.module()(ones, b=zeros)
     assert out.tolist() == [2.0] * 4
+
+
+def test_data_dependent_shapes_are_a_trace_error_that_says_what_to_do():
+    """A mixture of experts that runs each expert on the tokens routed to it (nonzero, boolean-mask
+    indexing) has sizes that depend on values; the dense-dispatch one traces."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from models_zoo import moe
+
+    model, inputs = moe(dispatch="indexed")
+    with pytest.raises(TraceError, match=r"aten\.nonzero\.default in layers\.0 makes a tensor whose size depends on "
+                                         r"tensor values.*dispatch densely"):
+        trace(model, inputs)
+    model, inputs = moe(dispatch="dense")
+    graph = trace(model, inputs)
+    assert {"aten.topk.default", "aten.one_hot.default"} <= {n.target for n in graph}

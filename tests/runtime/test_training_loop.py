@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar import models
+from autopar import ir, models
 from autopar.errors import AutoparError
 from autopar.runtime.launch import spawn
 from autopar.runtime.process_groups import MeshGroups
@@ -292,7 +292,8 @@ def batchnorm_case(tag, mesh, groups, force=None, ema=False):
     with torch.no_grad():
         eval_err = rel(pm(x[:5], y[:5]), ref(x[:5], y[:5]))
     return {"tag": tag, "loss_err": loss_err, "state_err": state_err, "eval_err": eval_err,
-            "running_var_moved": float((ref.ema if ema else ref.bn1.running_var - 1).abs().max()) > 1e-3}
+            "running_var_moved": float((ref.ema if ema else ref.bn1.running_var - 1).abs().max()) > 1e-3,
+            "families": pm.plan.summary()["families"]}
 
 
 def shapes_case(tag, mesh, groups, layout):
@@ -419,7 +420,23 @@ def _cases(mesh, groups):
         dp = autopar.Layout(dp=mesh.size)
         out.append(run_case("batchnorm dp", batchnorm_case, "batchnorm dp", mesh, groups, dp))
         out.append(run_case("batchnorm ema dp", batchnorm_case, "batchnorm ema dp", mesh, groups, dp, ema=True))
+        for family in CONV_FAMILIES:  # each way a convolution splits, with batch norm between
+            out.append(run_case(f"batchnorm conv {family}", batchnorm_case, f"batchnorm conv {family}", mesh, groups,
+                                _conv_force(family)))
     return out
+
+
+# the batch, the output channels (weight rows, bias), the input channels (a pending sum out)
+CONV_FAMILIES = ("dp", "1d-col", "1d-row")
+
+
+def _conv_force(family: str) -> dict:
+    """ConvNet's convolutions forced to ``family`` (the input-channel split only on the second:
+    the first reads 3 channels)."""
+    model = ConvNet()
+    graph = ir.trace(model, (torch.randn(8, 3, 6, 6), torch.randint(0, 5, (8,))))
+    convs = [n.name for n in graph if n.target == "aten.conv2d.default"]
+    return {name: family for name in (convs[1:] if family == "1d-row" else convs)}
 
 
 def rank_2(rank, world_size):
@@ -526,6 +543,9 @@ def test_batch_norm_and_in_place_buffers_stay_exact(results):
             _ok(c)
             assert c["running_var_moved"]
             assert c["loss_err"] <= TOL and c["state_err"] <= STATE_TOL and c["eval_err"] <= TOL, c
+    for family in CONV_FAMILIES:
+        (c, *_) = results[f"batchnorm conv {family}"]
+        assert c["families"].get(family) == (1 if family == "1d-row" else 2), c["families"]
 
 
 def test_other_batch_shapes_train_exactly(results):

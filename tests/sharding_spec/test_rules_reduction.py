@@ -85,3 +85,21 @@ def test_softmax_and_norms(target, args):
 
 def test_norm_three_axis_mesh():
     check_op("aten.layer_norm.default", (R("r"), [8], R("w"), R("b"), 1e-5), values=V, meshes=[MESH_3D])
+
+
+# ---- ops along one dim kept whole: a router's topk, sort, argsort, one_hot ---------------------------
+def test_topk_sort_and_one_hot_split_every_other_dim():
+    vals = {"x": rand(4, 6, 8), "i": ints(4, 6, lo=0, hi=5, dtype=torch.int64)}
+    for target, args, kwargs, dim in (  # dim: the one the op works along (None: one_hot's new class dim)
+        ("aten.topk.default", (R("x"), 2), {}, -1),
+        ("aten.topk.default", (R("x"), 3, 1), {}, 1),
+        ("aten.topk.default", (R("x"), 2, -1, False), {}, -1),
+        ("aten.sort.default", (R("x"),), {}, -1),
+        ("aten.sort.default", (R("x"), 0, True), {}, 0),
+        ("aten.argsort.default", (R("x"),), {"dim": 1}, 1),
+        ("aten.one_hot.default", (R("i"), 5), {}, None),
+    ):
+        seen = check_op(target, args, kwargs, values=vals, meshes=[Mesh((2,)), Mesh((2, 2)), MESH_3D])
+        assert {s.family for s in seen} == {"select", "replicate"}, target
+        if dim is not None:
+            assert all(not s.inputs[0].dim_axes[dim] for s in seen), target

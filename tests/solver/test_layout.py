@@ -1,9 +1,15 @@
 """autopar.Layout: hand-style layouts as restrictions of the plan space, checked on the plans they give."""
+import sys
+from pathlib import Path
+
 import pytest
 
 import autopar
 from autopar import Layout, models
 from autopar.cost_model.step import bucket_sizes, step_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models_zoo import vit  # noqa: E402
 
 GPT = dict(vocab=64, width=32, layers=2, heads=4, seq=16, batch=8)
 
@@ -32,6 +38,23 @@ def test_data_parallel_splits_every_batch_and_keeps_weights_whole(gpt):
     assert plan.solver["layout"] == "dp4-tp1" and plan.idle_axes == ()
     assert {n.family for n in linears(plan)} == {"dp"}
     assert all(p.storage.is_replicated and p.grad_sync[0] == "all_reduce" for p in plan.params.values())
+
+
+def test_data_parallel_follows_a_batch_that_is_not_dim_0():
+    """A ViT: a class token expanded to the batch and concatenated (an activation there, not a
+    weight), a patch convolution, and nn.MultiheadAttention, whose internals run time-first
+    (T, B, D). Data parallel still splits the batch there and keeps every parameter whole."""
+    model, inputs = vit(batch=8, image=8, dim=32, depth=2)
+    plan = autopar.plan(model, autopar.Mesh((2,)), inputs, force=Layout(dp=2))
+    assert all(p.storage.is_replicated for p in plan.params.values())
+    conv = next(n for n in plan.nodes.values() if "conv2d" in n.target)
+    assert conv.family == "dp" and conv.output.dim_axes[0] == (0,)
+    cat = next(n for n in plan.nodes.values() if n.target == "aten.cat.default")
+    assert all(spec.dim_axes[0] == (0,) for spec in cat.inputs)  # the expanded class token splits with the batch
+    graph = autopar.ir.trace(model, inputs)
+    time_first = [n for n in plan.nodes.values() if n.target == "aten.transpose.int"
+                  and tuple(graph.nodes[n.name].meta.shape)[:2] == (5, 8)]  # (T, B, D) inside attention
+    assert time_first and all(n.output.dim_axes[1] == (0,) for n in time_first)
 
 
 @pytest.mark.parametrize("zero, family, sync", [(1, "zero2", "reduce_scatter+all_gather"),

@@ -2,6 +2,7 @@
 from autopar.sharding_spec.rules import (  # noqa: F401
     attention,
     constant,
+    conv,
     embedding,
     index,
     loss,

@@ -1,4 +1,5 @@
-"""Softmax and normalization layers: softmax / log_softmax, layer_norm, rms_norm.
+"""Softmax and normalization layers: softmax / log_softmax, layer_norm, rms_norm; and other ops
+that work along one dim kept whole: topk, sort, argsort (a router picking experts), one_hot.
 
 Each normalizes over some dims (the softmax dim, the trailing ``normalized_shape`` dims), which stay
 whole; every other dim may be split, on the output and on any statistics the op also returns
@@ -6,7 +7,7 @@ whole; every other dim may be split, on the output and on any statistics the op 
 are read whole. Nothing is linear here, so no pending sum passes. RMSNorm written as plain ops
 (pow, mean, add, rsqrt, mul) is covered by the pointwise and reduction rules.
 
-Families: "norm" (a batch-like dim split), "replicate".
+Families: "norm" (a batch-like dim split; "select" for topk / sort / one_hot), "replicate".
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ NORMS = {
 }
 
 
-def whole_dims_strategies(ctx: OpContext, whole: set[int]) -> list[Strategy]:
+def whole_dims_strategies(ctx: OpContext, whole: set[int], family: str = "norm") -> list[Strategy]:
     """Input 0 and every output split on any dim but ``whole`` (outputs line up with input 0's
     leading dims; a trailing output dim of size 1 is a kept statistic dim); other inputs whole."""
     x_shape = ctx.shape_of(0)
@@ -43,7 +44,7 @@ def whole_dims_strategies(ctx: OpContext, whole: set[int]) -> list[Strategy]:
         outs.append((shape, tuple(lead)))
     single = not isinstance(ctx.out_meta, tuple)
     return [
-        Strategy(c.inputs, c.output(single), "norm" if c.assign else "replicate", c.split_fraction)
+        Strategy(c.inputs, c.output(single), family if c.assign else "replicate", c.split_fraction)
         for c in letter_choices(ctx.mesh, ins, outs, splittable=[ch for ch in x_letters if ch])
     ]
 
@@ -61,3 +62,22 @@ def norm_rule(ctx: OpContext) -> list[Strategy]:
     ndim = len(ctx.shape_of(0))
     k = len(ctx.arg(NORMS[ctx.node.target], "normalized_shape"))
     return whole_dims_strategies(ctx, set(range(ndim - k, ndim)))
+
+
+# target -> (positional index of dim, its default)
+ALONG_DIM = {"aten.topk.default": (2, -1), "aten.sort.default": (1, -1), "aten.argsort.default": (1, -1)}
+
+
+@register(*ALONG_DIM)
+def along_dim_rule(ctx: OpContext) -> list[Strategy]:
+    pos, default = ALONG_DIM[ctx.node.target]
+    ndim = len(ctx.shape_of(0))
+    if ndim == 0:
+        return [ctx.replicated()]
+    return whole_dims_strategies(ctx, {norm_dim(int(ctx.arg(pos, "dim", default)), ndim)}, "select")
+
+
+@register("aten.one_hot.default")
+def one_hot_rule(ctx: OpContext) -> list[Strategy]:
+    # the class dim is new and trailing; the index dims split like the indices
+    return whole_dims_strategies(ctx, set(), "select")
