@@ -102,11 +102,17 @@ class MinGPT(nn.Module):
 def mingpt(*, vocab: int = 64, block_size: int = 16, n_layer: int = 2, n_head: int = 4, n_embd: int = 32,
            batch: int = 4, dropout: float = 0.0, seed: int = 0):
     """A minGPT language model and ``(idx, targets)`` of shape (batch, block_size); returns the loss."""
+    return _language_model(seed, lambda: MinGPT(vocab, block_size, n_layer, n_head, n_embd, dropout), vocab, batch,
+                           block_size)
+
+
+def _language_model(seed: int, make, vocab: int, batch: int, seq: int):
+    """``make()`` and random ``(idx, targets)`` of shape (batch, seq), from ``seed`` (the global RNG untouched)."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = MinGPT(vocab, block_size, n_layer, n_head, n_embd, dropout)
-        idx = torch.randint(0, vocab, (batch, block_size))
-        targets = torch.randint(0, vocab, (batch, block_size))
+        model = make()
+        idx = torch.randint(0, vocab, (batch, seq))
+        targets = torch.randint(0, vocab, (batch, seq))
     return model, (idx, targets)
 
 
@@ -206,12 +212,7 @@ class MoEModel(nn.Module):
 def moe(*, dispatch: str = "dense", vocab: int = 64, dim: int = 32, depth: int = 2, experts: int = 4, top_k: int = 2,
         batch: int = 4, seq: int = 8, seed: int = 0):
     """A top-k mixture-of-experts language model and ``(idx, targets)``; returns the loss."""
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = MoEModel(vocab, dim, depth, experts, top_k, dispatch)
-        idx = torch.randint(0, vocab, (batch, seq))
-        targets = torch.randint(0, vocab, (batch, seq))
-    return model, (idx, targets)
+    return _language_model(seed, lambda: MoEModel(vocab, dim, depth, experts, top_k, dispatch), vocab, batch, seq)
 
 
 # ---- one op with a Python number as an operand -------------------------------------------------------
