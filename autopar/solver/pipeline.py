@@ -42,6 +42,7 @@ from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
+from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import needs_lowering
 from autopar.solver.plan import PipelinePlan, Plan, StagePlan
 from autopar.solver.schedule_time import interleaved_time, simulate_shared
@@ -247,6 +248,63 @@ def batch_size(example_inputs, example_kwargs=None) -> int:
     return tensors[0].shape[0]
 
 
+def batch_mixing(graph, batch: int) -> str | None:
+    """Why splitting the inputs' dim 0 into microbatches would change the step, or None when it
+    would not: the op where the samples of dim 0 meet (attention over a time-first sequence, batch
+    norm's statistics, a loss term nonlinear in batch means), or a loss that sums over dim 0 (a
+    pipelined step averages its microbatches' losses). The sharding rules decide it: dim 0 split
+    over a virtual axis must reach the outputs split, or as a pending mean, with no op needing the
+    samples together."""
+    from autopar.sharding_spec.strategy import OpContext, strategies_for
+
+    parts = next(p for p in range(2, batch + 1) if batch % p == 0)
+    mesh = Mesh((parts,))
+
+    def plain(x):  # a spec that neither splits nor holds a pending sum is the same as none
+        if isinstance(x, tuple):
+            x = tuple(plain(e) for e in x)
+            return None if all(e is None for e in x) else x
+        return None if x is None or (not x.partial and not any(x.dim_axes)) else x
+
+    def _reads(want, held) -> bool:
+        """A strategy reads an input as it is held; a value the split does not reach (a parameter
+        expanded to the batch) may be read split too: each microbatch makes its own slice."""
+        if held is None:
+            return not any(isinstance(w, ShardingSpec) and w.partial for w in (want if isinstance(want, tuple) else (want,)))
+        return plain(want) == held
+
+    spec, kind = {}, {}  # node -> its spec under the split; pending sums: "mean" or "sum"
+    for node in graph.nodes.values():
+        meta = node.meta
+        if node.op == "placeholder":
+            if node.role == Role.INPUT and getattr(meta, "shape", None) and meta.shape[0] == batch:
+                spec[node.name] = ShardingSpec(meta.shape, ((0,),) + ((),) * (len(meta.shape) - 1), (), 1)
+            continue
+        have = [spec.get(i) for i in node.inputs]
+        if node.target == "operator.getitem" and isinstance(have[0], tuple):  # it reads element i
+            have[0] = plain(have[0][node.args[1]])
+        if node.op == "output":
+            for name, x in zip(node.inputs, have):
+                if isinstance(x, ShardingSpec) and x.partial and kind.get(name) != "mean":
+                    return f"the output {name} sums over dim 0 (a pipelined step averages its microbatches' losses)"
+            continue
+        if node.op != "call_function" or not any(x is not None for x in have):
+            continue
+        ctx = OpContext(node, mesh, [graph.nodes[i].meta for i in node.inputs], graph)
+        pending = {kind[i] for i, x in zip(node.inputs, have) if isinstance(x, ShardingSpec) and x.partial}
+        match = next((st for st in strategies_for(ctx) if all(_reads(w, h) for w, h in zip(list(st.inputs) + [None] * len(have), have))),
+                     None)
+        if match is None or len(pending) > 1:
+            where = f" in {node.module_path}" if node.module_path else ""
+            return f"{node.target} ({node.name}{where}) reads the samples of dim 0 together"
+        out = plain(match.output)
+        if out is not None:
+            spec[node.name] = out
+            if isinstance(out, ShardingSpec) and out.partial:
+                kind[node.name] = pending.pop() if pending else ("mean" if "(mean)" in match.family else "sum")
+    return None
+
+
 def microbatch_inputs(example_inputs, example_kwargs, count: int):
     """One microbatch of the example inputs: every tensor whose dim 0 is the batch, cut to
     ``batch // count`` rows (others, like a shared mask, whole)."""
@@ -375,7 +433,17 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                  len(variants), time.perf_counter() - t_trace)
         return found
 
-    best = _search_counts(microbatch_candidates(batch, pipeline.microbatches), evaluate)
+    counts = microbatch_candidates(batch, pipeline.microbatches)
+    if counts != [1]:
+        why = batch_mixing(ir.trace(model, inputs, example_kwargs), batch)
+        if why is not None:
+            if pipeline.microbatches is not None:
+                raise ConfigError(f"Pipeline(microbatches={pipeline.microbatches}) splits the inputs' dim 0 into "
+                                  f"microbatches, but it is not a batch of independent samples here: {why}. Use "
+                                  "microbatches=1, or pipeline=False")
+            log.info("one microbatch only: %s", why)
+            counts = [1]
+    best = _search_counts(counts, evaluate)
     if best is None:
         why = (f"fits {memory_budget} bytes per device" if memory_budget is not None else
                "can be planned (a forced layout must fit each stage's devices and the microbatch; stages must tile the mesh rows)")

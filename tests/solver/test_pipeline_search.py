@@ -514,3 +514,69 @@ def test_interleaved_time_is_never_below_one_microbatch_through_every_stage():
     assert interleaved_time([1.0] * 4, 2, 2, 4) == pytest.approx(9.0)
     # one microbatch still passes all 4 stages in turn: 4 s, not the formula's 3 s
     assert interleaved_time([1.0] * 4, 2, 2, 1) == pytest.approx(4.0)
+
+
+# ---- microbatches need dim 0 to be a batch of independent samples -------------------------------------
+class _TimeFirst(torch.nn.Module):
+    """(time, batch, features) inputs, nn.Transformer's default layout: dim 0 is not the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) + x.mean(0, keepdim=True)  # each step reads the whole sequence
+        return torch.nn.functional.cross_entropy(self.head(x.mean(0)), y)
+
+
+class _SumLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return ((x - y) ** 2).sum()  # a pipelined step averages microbatch losses: this one must not be split
+
+
+def _zoo():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import models_zoo
+
+    return models_zoo
+
+
+def test_batch_mixing_finds_where_samples_meet():
+    from autopar.solver.pipeline import batch_mixing
+
+    zoo = _zoo()
+    independent = [models.build("gpt", layers=2), models.build("llama", layers=2), models.build("mlp"), zoo.mingpt()]
+    for model, inputs in independent:
+        assert batch_mixing(ir.trace(model, inputs), inputs[0].shape[0]) is None, type(model).__name__
+    mixing = {
+        "time-first": (_TimeFirst(), (torch.randn(6, 4, 8), torch.randint(0, 3, (4,))), "aten.add.Tensor"),
+        "sum loss": (_SumLoss(), (torch.randn(4, 8), torch.randn(4, 8)), "sums over dim 0"),
+        # Switch-style load balancing multiplies two batch means: per microbatch it is another number
+        "moe aux loss": (*zoo.moe(), "aten.mul.Tensor"),
+        # conservative: nn.MultiheadAttention merges (time, batch) into rows, which a split cannot follow
+        "vit": (*zoo.vit(), "aten.reshape.default"),
+    }
+    for name, (model, inputs, where) in mixing.items():
+        why = batch_mixing(ir.trace(model, inputs), inputs[0].shape[0])
+        assert why is not None and where in why, (name, why)
+
+
+def test_microbatches_are_refused_or_left_out_where_dim_0_is_not_a_batch():
+    model, inputs = _TimeFirst(), (torch.randn(6, 4, 8), torch.randint(0, 3, (4,)))
+    mesh = autopar.Mesh((2,), cluster="cpu-gloo")
+    with pytest.raises(ConfigError, match=r"Pipeline\(microbatches=2\) splits the inputs' dim 0 .* not a batch of "
+                                          r"independent samples here: aten\.add\.Tensor"):
+        autopar.plan(model, mesh, inputs, pipeline=autopar.Pipeline(stages=2, microbatches=2))
+    plan = autopar.plan(model, mesh, inputs, pipeline=autopar.Pipeline(stages=2))
+    assert plan.pipeline.microbatches == 1 and len(plan.pipeline.stages) == 2
