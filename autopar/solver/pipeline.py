@@ -266,7 +266,7 @@ def batch_mixing(graph, batch: int) -> str | None:
             return None if all(e is None for e in x) else x
         return None if x is None or (not x.partial and not any(x.dim_axes)) else x
 
-    def _reads(want, held) -> bool:
+    def reads(want, held) -> bool:
         """A strategy reads an input as it is held; a value the split does not reach (a parameter
         expanded to the batch) may be read split too: each microbatch makes its own slice."""
         if held is None:
@@ -292,7 +292,7 @@ def batch_mixing(graph, batch: int) -> str | None:
             continue
         ctx = OpContext(node, mesh, [graph.nodes[i].meta for i in node.inputs], graph)
         pending = {kind[i] for i, x in zip(node.inputs, have) if isinstance(x, ShardingSpec) and x.partial}
-        match = next((st for st in strategies_for(ctx) if all(_reads(w, h) for w, h in zip(list(st.inputs) + [None] * len(have), have))),
+        match = next((st for st in strategies_for(ctx) if all(reads(w, h) for w, h in zip(list(st.inputs) + [None] * len(have), have))),
                      None)
         if match is None or len(pending) > 1:
             where = f" in {node.module_path}" if node.module_path else ""
