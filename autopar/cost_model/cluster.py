@@ -72,7 +72,9 @@ class ClusterSpec:
       ops profiled one by one (hot inputs, no allocation, no neighbours evicting the caches);
       multiplies profiled op times (``compute.node_time``). ``parallelize`` measures it on the
       model it plans (``live_profile.in_situ_factor``) and scales the per-op overheads with it.
-    Live profiles (``autopar.parallelize``) measure the last seven; presets estimate them.
+    Live profiles (``autopar.parallelize``) measure the overheads, the optimizer's costs, the
+    overlap, the collective overhead, the contention and the in-situ factor; presets estimate them,
+    and the two efficiencies (profiled op times replace the roofline where they exist).
     """
 
     name: str
