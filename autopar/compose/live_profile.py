@@ -98,7 +98,8 @@ def cached_live_op_table(device, contention: float, *, directory=None):
 
 def _ranks_on_host() -> int:
     """Ranks sharing this machine (torchrun sets LOCAL_WORLD_SIZE; spawned ranks are all local)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's; else the world (spawn runs every rank here)
+    return int(local) if local else dist.get_world_size()
 
 
 def live_overheads(device, *, groups=None, directory=None) -> dict:

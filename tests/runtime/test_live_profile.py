@@ -122,3 +122,11 @@ def test_the_in_situ_factor_is_measured_on_the_model_without_changing_it(results
         assert cal["fixed"]["same_mesh"] and cal["fixed"]["unchanged"], cal["fixed"]
         assert cal["meta"]["same_mesh"]
     assert results[0]["calibration"]["gpt"]["factor"] == results[1]["calibration"]["gpt"]["factor"]
+
+
+def test_ranks_on_host_reads_torchrun_without_a_process_group(monkeypatch):
+    """LOCAL_WORLD_SIZE (torchrun's) answers alone: no process group is needed to read it."""
+    from autopar.compose.live_profile import _ranks_on_host
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert _ranks_on_host() == 3
