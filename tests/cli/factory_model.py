@@ -10,3 +10,17 @@ def build():
 
 def broken():
     return "not a model"
+
+
+class _Keyed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 4)
+
+    def forward(self, x, *, scale):
+        return (self.proj(x) * scale).square().mean()
+
+
+def build_with_kwargs():
+    """(model, args, kwargs): a model called with a keyword tensor argument."""
+    return _Keyed(), (torch.randn(8, 16),), {"scale": torch.full((8, 4), 2.0)}

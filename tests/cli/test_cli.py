@@ -192,3 +192,30 @@ def test_demo_runs_to_a_successful_exit(capsys, monkeypatch, tmp_path):
     assert "losses match the single-process model" in out
     assert "pipelined losses match the single-process model" in out
     assert "median step after the first (slowest rank)" in out and "plan predicted" in out
+
+
+def test_profile_then_explain_profiled_a_cluster_file_and_a_kwargs_factory(capsys, monkeypatch, tmp_path):
+    """The happy paths: `profile --mesh` (local gloo ranks) and `profile --ops` write the cache that
+    `explain --profiled` prices with; `--cluster FILE` reads a ClusterSpec; a factory may return
+    keyword inputs."""
+    from autopar.cost_model.cluster import PRESETS
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    code, out, err = run(capsys, "profile", "--mesh", "2")
+    assert code == 0, err
+    assert "alpha (us)" in out and "per-collective factors" in out and (tmp_path / "cache" / "comm-gloo-2.json").exists()
+    code, out, err = run(capsys, "profile", "--ops", "mlp")
+    assert code == 0, err
+    assert "timed" in out and list((tmp_path / "cache").glob("ops-*.json"))
+    code, profiled, err = run(capsys, "explain", "mlp", "--mesh", "2", "--profiled")
+    assert code == 0, err
+    assert "cluster cpu-gloo+profiled" in profiled
+    spec = PRESETS["cpu-gloo"].to_dict() | {"name": "my-cluster", "op_overhead_s": 1e-3}
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(spec))
+    code, out, err = run(capsys, "explain", "mlp", "--mesh", "2", "--cluster", str(path))
+    assert code == 0, err
+    assert "cluster my-cluster" in out
+    code, out, err = run(capsys, "explain", "factory_model:build_with_kwargs", "--mesh", "2", "--cluster", "a100-80g")
+    assert code == 0, err
+    assert "plan for _Keyed on mesh 2" in out
