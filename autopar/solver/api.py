@@ -107,7 +107,12 @@ def plan(
             pplan = choice.to_plan()
             pplan.solver["memory_budget"] = budget
             return pplan
-        # one stage, one microbatch: the plain intra-op plan of the whole batch (below)
+        # one stage, one microbatch: the plain intra-op plan of the whole batch (below), on the
+        # whole-batch graph the search traced
+        if graph is None and choice is not None:
+            graph = choice.graph
+            log.info("traced %s: %d nodes, %d layers (in the pipeline search)", graph.model_name, len(graph.nodes),
+                     len(graph.layers))
     t0 = time.perf_counter()
     if graph is None:
         if not isinstance(example_inputs, (tuple, list)):

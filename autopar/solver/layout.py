@@ -82,11 +82,10 @@ def layout_force(graph, mesh, layout: Layout) -> dict:
         if node.op == "placeholder" and node.role == Role.PARAMETER:
             preds.append(_param_storage(node, mesh, layout, dp_axis))
         elif node.op == "call_function":
-            weights = [i for i, src in enumerate(node.inputs) if _param_source(graph, src) is not None]
-            # a parameter broadcast to the batch (a ViT's class token expanded and concatenated) is
-            # an activation there: it splits with the batch, not as a weight
-            weights = [i for i in weights if graph.nodes[node.inputs[i]].meta.numel
-                       == _param_source(graph, node.inputs[i]).meta.numel]
+            # a parameter read through views; one broadcast to the batch (a ViT's class token
+            # expanded and concatenated) is an activation there: it splits with the batch
+            weights = [i for i, src in enumerate(node.inputs) if (param := _param_source(graph, src)) is not None
+                       and graph.nodes[src].meta.numel == param.meta.numel]
             # An op without a sharding rule (in-place buffer updates, ops no rule covers) only runs
             # unsplit; a hand-written layout runs it whole too.
             if dp_axis is not None and node.name in batch_nodes and has_rule(node.target):

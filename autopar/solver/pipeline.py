@@ -341,6 +341,17 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         options = [k for k in options if mesh.shape[0] % k == 0 and pipeline.stages in (None, mesh.shape[0] // k)]
     timing = {"trace_s": 0.0, "intra_op_s": 0.0, "dp_s": 0.0}
     results: dict[int, tuple | None] = {}
+    graphs: dict[int, object] = {}
+
+    def traced(count: int):
+        """The graph at the microbatch shape of ``count`` microbatches, traced once per count
+        (one microbatch: the whole batch, which the batch-independence check reads too)."""
+        if count not in graphs:
+            t0 = time.perf_counter()
+            micro_in, micro_kw = microbatch_inputs(inputs, example_kwargs, count)
+            graphs[count] = ir.trace(model, micro_in, micro_kw or None)
+            timing["trace_s"] += time.perf_counter() - t0
+        return graphs[count]
 
     def evaluate(count: int):
         """The best stages for ``count`` microbatches: (solution, count, schedule, variants,
@@ -348,10 +359,8 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         if count in results:
             return results[count]
         t_trace = time.perf_counter()
-        micro_in, micro_kw = microbatch_inputs(inputs, example_kwargs, count)
-        graph = ir.trace(model, micro_in, micro_kw or None)
+        graph = traced(count)
         t_ilp = time.perf_counter()
-        timing["trace_s"] += t_ilp - t_trace
         unit_of_nodes(graph)  # a graph without layers cannot be cut: PlanError
         unit_groups(len(graph.layers), None, pipeline.layers)  # fixed layers must cover the model: ConfigError
         variants = []  # (rows, UnitPrices)
@@ -435,7 +444,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
 
     counts = microbatch_candidates(batch, pipeline.microbatches)
     if counts != [1]:
-        why = batch_mixing(ir.trace(model, inputs, example_kwargs), batch)
+        why = batch_mixing(traced(1), batch)
         if why is not None:
             if pipeline.microbatches is not None:
                 raise ConfigError(f"Pipeline(microbatches={pipeline.microbatches}) splits the inputs' dim 0 into "

@@ -77,13 +77,16 @@ def matmul_force(model, inputs, family: str, *, params: str | None = None) -> di
     return force
 
 
-def zoo_case(tag, factory: str, mesh, groups, layout, **build):
-    """A model of tests/models_zoo.py under a hand-style layout."""
+def zoo_case(tag, factory: str, mesh, groups, layout, *, float64: bool = False, **build):
+    """A model of tests/models_zoo.py under a hand-style layout (``float64``: model and float
+    inputs in float64)."""
     def go():
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         import models_zoo
 
         model, inputs = getattr(models_zoo, factory)(**build)
+        if float64:
+            model, inputs = model.double(), tuple(t.double() if t.is_floating_point() else t for t in inputs)
         return summary(tag, compare(model, inputs, mesh, groups, force=layout))
 
     return run_case(tag, go)
@@ -94,14 +97,7 @@ def vit_case(tag, mesh, groups, layout):
     nn.MultiheadAttention running time-first inside) under a hand-style layout, in float64: in
     float32 five AdamW steps grow rounding in a layer-norm weight's gradient (a sum that cancels)
     to 2e-5 of its largest entry under dp2 x tp2 (6.6e-7 at the first step; 1e-14 in float64)."""
-    def go():
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from models_zoo import vit
-
-        model, (images, labels) = vit(batch=8, image=8, dim=32, depth=2)
-        return summary(tag, compare(model.double(), (images.double(), labels), mesh, groups, force=layout))
-
-    return run_case(tag, go)
+    return zoo_case(tag, "vit", mesh, groups, layout, float64=True, batch=8, image=8, dim=32, depth=2)
 
 
 def ulysses_hybrid_case(tag, mesh, groups):
