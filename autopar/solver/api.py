@@ -50,6 +50,7 @@ def plan(
     microbatches: int = 1,
     pipeline="auto",
     identical_axes="auto",
+    objective_cutoff_s: float | None = None,
 ) -> Plan:
     """The cheapest plan of ``model`` on ``mesh`` (no processes needed).
 
@@ -78,6 +79,9 @@ def plan(
         -> a predicate on a ``Strategy``: restricts that node's candidates (hand-written plans, tests);
         or an ``autopar.Layout`` (e.g. ``Layout(dp=2, tp=2, zero=2)``): the plan of that hand-style
         layout, on every mesh axis (no idle axes).
+    objective_cutoff_s: a plan whose ILP objective (seconds per run of the graph) is above this is of
+        no use to the caller: PlanError (``ilp.NoCheaperPlan``) instead, found quickly (the pipeline
+        search's lean variants; ``autopar.solver.pipeline``).
     """
     from autopar import ir
 
@@ -136,7 +140,8 @@ def plan(
                 continue
         try:
             attempt = _plan_on(graph, view_mesh(mesh, idle), budget, optimizer, op_table, optimizer_sharding,
-                               force, reuse_blocks, simplify, time_limit_s, solver, bucket_bytes, 1.0 / microbatches)
+                               force, reuse_blocks, simplify, time_limit_s, solver, bucket_bytes, 1.0 / microbatches,
+                               objective_cutoff_s)
         except (PlanError, ConfigError) as e:
             # the no-idle candidate comes first: its error (least memory; a bad `force`) is the one to show
             first_error = first_error or e
@@ -247,7 +252,7 @@ def view_mesh(mesh: Mesh, idle: tuple[int, ...]) -> Mesh:
 
 
 def _plan_on(graph, mesh, budget, optimizer, op_table, optimizer_sharding, force, reuse_blocks, simplify,
-             time_limit_s, solver, bucket_bytes=DEFAULT_BUCKET_BYTES, step_share=1.0):
+             time_limit_s, solver, bucket_bytes=DEFAULT_BUCKET_BYTES, step_share=1.0, cutoff_s=None):
     """Solve on one (view of the) mesh: (mesh, built problem, choice per node, stats, memory)."""
     t0 = time.perf_counter()
     choices = node_choices(graph, mesh, optimizer=optimizer, op_table=op_table,
@@ -266,7 +271,12 @@ def _plan_on(graph, mesh, budget, optimizer, op_table, optimizer_sharding, force
         # the second solve keeps the first one's block period (the tie pattern does not depend on
         # how gathers are priced, and each period is a whole solve)
         periods = ((1, 2) if reuse_blocks else (0,)) if best is None else (best[2][1],)
-        attempt = _solve_tied(graph, built.problem, periods, choices, simplify, time_limit_s, solver)
+        try:
+            attempt = _solve_tied(graph, built.problem, periods, choices, simplify, time_limit_s, solver, cutoff_s)
+        except ilp.NoCheaperPlan:
+            if best is None:
+                raise
+            break
         correction = gather_latency_correction(graph, built, attempt[2], mesh)
         true_objective = attempt[4] + correction
         if best is None or true_objective < best[0] - 1e-15:
@@ -295,28 +305,34 @@ def _plan_on(graph, mesh, budget, optimizer, op_table, optimizer_sharding, force
     return mesh, built, full, stats, memory
 
 
-def _solve_tied(graph, problem, periods, choices, simplify, time_limit_s, solver):
+def _solve_tied(graph, problem, periods, choices, simplify, time_limit_s, solver, cutoff_s=None):
     """Solve with repeated blocks sharing one solution, for each block period (0: no sharing):
     (tie, period, choice per node, solution, objective, memory, reduced, solved) of the cheapest.
     A period of 2 lets neighbouring copies alternate (e.g. column- then row-parallel when each copy
-    is a single linear)."""
-    best = None
+    is a single linear). ``cutoff_s``: see ``ilp.solve`` (NoCheaperPlan when no period gets under it)."""
+    best, above = None, None
     for period in periods:
         problem.tie = block_ties(graph, choices, period) if period else {}
         if best is not None and problem.tie == best[0]:
             continue
-        attempt = _solve(problem, simplify, time_limit_s, solver)
+        try:
+            attempt = _solve(problem, simplify, time_limit_s, solver, cutoff_s)
+        except ilp.NoCheaperPlan as err:
+            above = err
+            continue
         if best is None or attempt[2] < best[4] - 1e-15:
             best = (problem.tie, period, *attempt)
+    if best is None:
+        raise above
     return best
 
 
-def _solve(problem, simplify: bool, time_limit_s: float, solver):
+def _solve(problem, simplify: bool, time_limit_s: float, solver, cutoff_s=None):
     """(choice per node, solution, objective, memory, reduced problem, solved problem)."""
     reduced = problem.reduced()
     small, records = eliminate(reduced) if simplify else (reduced, [])
     pruned, keep = prune(small) if simplify else (small, {v: None for v in small.costs})
-    solution = ilp.solve(pruned, time_limit_s=time_limit_s, solver=solver)
+    solution = ilp.solve(pruned, time_limit_s=time_limit_s, solver=solver, cutoff_s=cutoff_s)
     choice = {v: (i if keep[v] is None else int(keep[v][i])) for v, i in solution.choice.items()}
     solution.pruned = any(k is not None and len(k) < len(small.costs[v]) for v, k in keep.items())
     picked = recover(choice, records)

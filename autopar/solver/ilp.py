@@ -110,8 +110,12 @@ def _prune_infinite(problem: Problem) -> dict[str, list[int]]:
     return {v: [i for i, c in enumerate(cs) if math.isfinite(c)] for v, cs in problem.costs.items()}
 
 
-def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = None, msg: bool = False) -> Solution:
-    """Solve with pulp: HiGHS when highspy is installed (or ``solver="highs"``), else CBC."""
+def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = None, msg: bool = False,
+          cutoff_s: float | None = None) -> Solution:
+    """Solve with pulp: HiGHS when highspy is installed (or ``solver="highs"``), else CBC.
+    ``cutoff_s``: the caller needs no assignment costing more (it has a better option elsewhere):
+    HiGHS stops as soon as its bound proves none costs less, and a result above it raises
+    ``NoCheaperPlan`` (a PlanError)."""
     t0 = time.perf_counter()
     red = problem.reduced()
     alive = _prune_infinite(red)
@@ -160,8 +164,10 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
         )
     lp += pulp.lpSum(objective)
     with _quiet(not msg):
-        status = lp.solve(_solver(solver, time_limit_s, msg))
+        status = lp.solve(_solver(solver, time_limit_s, msg, cutoff_s))
     status_name = pulp.LpStatus[status]
+    if cutoff_s is not None and (not _has_solution(s) or evaluate(problem, _picked(problem, s))[0] > cutoff_s):
+        raise NoCheaperPlan(f"no assignment costs under the cutoff of {cutoff_s:.3g} s")
     if status_name != "Optimal" and not _has_solution(s):
         if status_name == "Infeasible" and problem.budget is not None:
             raise _budget_error(problem)
@@ -169,12 +175,17 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
             f"the ILP solver stopped with status {status_name!r} before it found a plan (time limit "
             f"{time_limit_s:g} s); raise time_limit_s, or plan on a smaller mesh or model"
         )
-    choice = {v: max(vars_, key=lambda i: vars_[i].value() or 0.0) for v, vars_ in s.items()}
-    full = {v: choice[problem.rep(v)] for v in problem.costs}
+    full = _picked(problem, s)
     obj, mem = evaluate(problem, full)
     if problem.budget is not None and mem > problem.budget * (1 + 1e-9):
         raise _budget_error(problem)
     return Solution(full, obj, mem, status_name, time.perf_counter() - t0, lp.numVariables(), lp.numConstraints())
+
+
+def _picked(problem: Problem, s) -> dict[str, int]:
+    """The strategy each node's variables chose (tied nodes: their representative's)."""
+    choice = {v: max(vars_, key=lambda i: vars_[i].value() or 0.0) for v, vars_ in s.items()}
+    return {v: choice[problem.rep(v)] for v in problem.costs}
 
 
 @contextlib.contextmanager
@@ -199,6 +210,10 @@ def _variable_factory(lp):
     if hasattr(lp, "add_variable"):
         return lambda name, **kw: lp.add_variable(name, **kw)
     return lambda name, **kw: pulp.LpVariable(name, **kw)
+
+
+class NoCheaperPlan(PlanError):
+    """Every assignment costs more than the caller's cutoff."""
 
 
 def _budget_error(problem: Problem) -> PlanError:
@@ -229,14 +244,16 @@ def _round(c: float) -> float:
 SOLVERS = (None, "highs", "cbc")
 
 
-def _solver(name: str | None, time_limit_s: float, msg: bool):
+def _solver(name: str | None, time_limit_s: float, msg: bool, cutoff_s: float | None = None):
     if name not in SOLVERS:
         raise ConfigError(f"unknown ILP solver {name!r}; use 'highs' (needs highspy), 'cbc', or None for the best available")
     if name in (None, "highs"):
         try:
             import highspy  # noqa: F401
 
-            return pulp.HiGHS(msg=msg, timeLimit=time_limit_s, gapRel=MIP_GAP)
+            # objective_bound: HiGHS drops every branch whose bound is above it (CBC runs without)
+            bound = {} if cutoff_s is None else {"objective_bound": cutoff_s * OBJECTIVE_SCALE}
+            return pulp.HiGHS(msg=msg, timeLimit=time_limit_s, gapRel=MIP_GAP, **bound)
         except ImportError:
             if name == "highs":
                 raise PlanError("solver 'highs' needs the highspy package: pip install 'autopar[highs]'") from None

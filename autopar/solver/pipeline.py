@@ -353,29 +353,10 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
             timing["trace_s"] += time.perf_counter() - t0
         return graphs[count]
 
-    def evaluate(count: int):
-        """The best stages for ``count`` microbatches: (solution, count, schedule, variants,
-        graph, groups), or None when nothing fits."""
-        if count in results:
-            return results[count]
-        t_trace = time.perf_counter()
-        graph = traced(count)
-        t_ilp = time.perf_counter()
-        unit_of_nodes(graph)  # a graph without layers cannot be cut: PlanError
-        unit_groups(len(graph.layers), None, pipeline.layers)  # fixed layers must cover the model: ConfigError
-        variants = []  # (rows, UnitPrices)
-        for rows in options:
-            if equal_stages and mesh.shape[0] // rows > len(graph.layers):
-                continue  # more stages of this size than layers
-            share = rows / mesh.shape[0] if equal_stages else None  # of the layers a stage holds
-            for p in _variants(model, sub_mesh(mesh, rows), graph, intra_op_plan, {**plan_kwargs, "microbatches": count},
-                               budget, share):
-                if pipeline.recompute is not True:
-                    variants.append((rows, p))
-                if pipeline.recompute is not False:  # None: both, the DP chooses per stage
-                    variants.append((rows, p.recomputed()))
+    def best_stages(variants, count: int, graph):
+        """The stage DP over ``variants`` for every schedule: (solution, count, schedule, variants,
+        graph, groups) of the fastest, or None when nothing fits."""
         t_dp = time.perf_counter()
-        timing["intra_op_s"] += t_dp - t_ilp
         found = None
         tables: dict[tuple, tuple] = {}  # group sizes -> (groups, grouped variants, time, memory, activations)
 
@@ -391,50 +372,97 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                 tables[key] = (groups, grouped, time_t, mem_t, act_t)
             return tables[key]
 
-        if variants:
-            devices = np.array([rows for rows, _ in variants])
-            recomputed = np.array([p.recompute for _, p in variants])
-            for schedule in schedules:
-                virtual = (pipeline.virtual_stages or 2) if schedule == "interleaved-1f1b" else 1
-                if virtual > 1 and not equal_stages:
-                    if pipeline.schedule is None:
-                        continue  # searched, not asked for: it needs equal stages
-                    raise ConfigError("interleaved 1F1B places several equal stages on each rank: plan it with equal_stages")
-                for keep, counts in _stage_shapes(devices, mesh.shape[0], pipeline.stages, equal_stages):
-                    groups, grouped, time_t, mem_t, act_t = tables_for(
-                        next(iter(counts)) * virtual if counts is not None and len(counts) == 1 else None)
-                    if schedule == "zero-bubble":  # its split backward does not recompute (see Pipeline)
-                        keep = keep & ~recomputed
-                    if not keep.any():
-                        continue
-                    if schedule == "1f1b":  # torch's 1F1B runs at least one microbatch per stage
-                        counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if c <= count}
-                    if schedule in ("zero-bubble", "interleaved-1f1b"):  # torch's run equal rounds of >= p microbatches
-                        counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if count % max(1, count // c) == 0
-                                  and (virtual == 1 or 1 < c <= count)}  # interleaving: 2+ blocks, a microbatch each
-                    if counts is not None and not counts:
-                        continue
-                    if virtual > 1:  # v stages per rank: the DP cuts p * v stages on v copies of the rows
-                        counts = {c * virtual for c in counts}
-                    sol = solve_stages(time_t[:, :, keep], devices[keep], mesh.shape[0] * virtual, count,
-                                       mem=mem_t[:, :, keep], act=act_t[:, :, keep], budget=budget / virtual,
-                                       schedule="1f1b" if virtual > 1 or schedule == "zero-bubble" else schedule,
-                                       stage_counts=counts, tolerance=tolerance)
-                    if sol is not None and schedule == "zero-bubble" and not _fits_zero_bubble(
-                            sol, mem_t[:, :, keep], act_t[:, :, keep], count, budget):
-                        sol = None
-                    if sol is not None and virtual > 1:
-                        sol.step_time = interleaved_time(sol.stage_times, len(sol.stages) // virtual, virtual, count)
-                    if sol is not None:
-                        kept = np.flatnonzero(keep)  # the DP's variant index -> the variants list's
-                        per_step = [count * grouped[kept[m]][1].per_step_s[i:j + 1].sum() for i, j, m in sol.stages]
-                        sol.step_time = shared_core_time(sol, devices[keep], count, contention, mesh.shape[0], schedule,
-                                                         per_step)
-                        sol.step_time += step_extras(graph, groups, sol.stages, len(sol.stages) // virtual, mesh)
-                        if found is None or sol.step_time < found[0].step_time - 1e-15:
-                            sol.stages = [(i, j, int(kept[m])) for i, j, m in sol.stages]
-                            found = (sol, count, schedule, variants, graph, groups)
+        if not variants:
+            return None
+        devices = np.array([rows for rows, _ in variants])
+        recomputed = np.array([p.recompute for _, p in variants])
+        for schedule in schedules:
+            virtual = (pipeline.virtual_stages or 2) if schedule == "interleaved-1f1b" else 1
+            if virtual > 1 and not equal_stages:
+                if pipeline.schedule is None:
+                    continue  # searched, not asked for: it needs equal stages
+                raise ConfigError("interleaved 1F1B places several equal stages on each rank: plan it with equal_stages")
+            for keep, counts in _stage_shapes(devices, mesh.shape[0], pipeline.stages, equal_stages):
+                groups, grouped, time_t, mem_t, act_t = tables_for(
+                    next(iter(counts)) * virtual if counts is not None and len(counts) == 1 else None)
+                if schedule == "zero-bubble":  # its split backward does not recompute (see Pipeline)
+                    keep = keep & ~recomputed
+                if not keep.any():
+                    continue
+                if schedule == "1f1b":  # torch's 1F1B runs at least one microbatch per stage
+                    counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if c <= count}
+                if schedule in ("zero-bubble", "interleaved-1f1b"):  # torch's run equal rounds of >= p microbatches
+                    counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if count % max(1, count // c) == 0
+                              and (virtual == 1 or 1 < c <= count)}  # interleaving: 2+ blocks, a microbatch each
+                if counts is not None and not counts:
+                    continue
+                if virtual > 1:  # v stages per rank: the DP cuts p * v stages on v copies of the rows
+                    counts = {c * virtual for c in counts}
+                sol = solve_stages(time_t[:, :, keep], devices[keep], mesh.shape[0] * virtual, count,
+                                   mem=mem_t[:, :, keep], act=act_t[:, :, keep], budget=budget / virtual,
+                                   schedule="1f1b" if virtual > 1 or schedule == "zero-bubble" else schedule,
+                                   stage_counts=counts, tolerance=tolerance)
+                if sol is not None and schedule == "zero-bubble" and not _fits_zero_bubble(
+                        sol, mem_t[:, :, keep], act_t[:, :, keep], count, budget):
+                    sol = None
+                if sol is not None and virtual > 1:
+                    sol.step_time = interleaved_time(sol.stage_times, len(sol.stages) // virtual, virtual, count)
+                if sol is not None:
+                    kept = np.flatnonzero(keep)  # the DP's variant index -> the variants list's
+                    per_step = [count * grouped[kept[m]][1].per_step_s[i:j + 1].sum() for i, j, m in sol.stages]
+                    sol.step_time = shared_core_time(sol, devices[keep], count, contention, mesh.shape[0], schedule,
+                                                     per_step)
+                    sol.step_time += step_extras(graph, groups, sol.stages, len(sol.stages) // virtual, mesh)
+                    if found is None or sol.step_time < found[0].step_time - 1e-15:
+                        sol.stages = [(i, j, int(kept[m])) for i, j, m in sol.stages]
+                        found = (sol, count, schedule, variants, graph, groups)
         timing["dp_s"] += time.perf_counter() - t_dp
+        return found
+
+    def evaluate(count: int):
+        """The best stages for ``count`` microbatches: (solution, count, schedule, variants,
+        graph, groups), or None when nothing fits."""
+        if count in results:
+            return results[count]
+        t_trace = time.perf_counter()
+        graph = traced(count)
+        t_ilp = time.perf_counter()
+        unit_of_nodes(graph)  # a graph without layers cannot be cut: PlanError
+        unit_groups(len(graph.layers), None, pipeline.layers)  # fixed layers must cover the model: ConfigError
+        variants, lean = [], []  # (rows, UnitPrices); (rows, the fastest's prices) where it does not fit
+
+        def add(rows: int, p: UnitPrices):
+            if pipeline.recompute is not True:
+                variants.append((rows, p))
+            if pipeline.recompute is not False:  # None: both, the DP chooses per stage
+                variants.append((rows, p.recomputed()))
+
+        kwargs = {**plan_kwargs, "microbatches": count}
+        for rows in options:
+            if equal_stages and mesh.shape[0] // rows > len(graph.layers):
+                continue  # more stages of this size than layers
+            share = rows / mesh.shape[0] if equal_stages else None  # of the layers a stage holds
+            fastest = _fastest(model, sub_mesh(mesh, rows), graph, intra_op_plan, kwargs)
+            if fastest is not None:
+                add(rows, fastest)
+                if _held_bytes(fastest, share) > budget:
+                    lean.append((rows, fastest))
+        timing["intra_op_s"] += time.perf_counter() - t_ilp
+        found = best_stages(variants, count, graph)
+        if lean:
+            # Leaner plans of the sub-meshes whose fastest does not fit, each cut off where it could
+            # not beat the pipeline found: a stage on 1 / s of the rows runs at least 1 / s of the
+            # whole graph's work per microbatch (busy ranks sharing cores at most c times faster)
+            t_ilp = time.perf_counter()
+            before = len(variants)
+            for rows, fastest in lean:
+                cutoff = (found[0].step_time * max(1.0, contention) * mesh.shape[0] / (rows * count)
+                          if found is not None and equal_stages else None)
+                for p in _leaner(model, sub_mesh(mesh, rows), graph, intra_op_plan, kwargs, fastest, cutoff):
+                    add(rows, p)
+            timing["intra_op_s"] += time.perf_counter() - t_ilp
+            if len(variants) > before:
+                found = best_stages(variants, count, graph)
         results[count] = found
         log.info("pipeline search, %d microbatches: %s (%d sub-mesh options, %.1f s)", count,
                  "nothing fits" if found is None else
@@ -444,7 +472,8 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
 
     counts = microbatch_candidates(batch, pipeline.microbatches)
     if counts != [1]:
-        why = batch_mixing(traced(1), batch)
+        probe = _mixing_probe(counts, batch, inputs, example_kwargs)
+        why = batch_mixing(traced(probe), batch // probe)
         if why is not None:
             if pipeline.microbatches is not None:
                 raise ConfigError(f"Pipeline(microbatches={pipeline.microbatches}) splits the inputs' dim 0 into "
@@ -587,6 +616,20 @@ def _stage_shapes(devices: np.ndarray, rows: int, stages: int | None, equal: boo
             yield devices == k, {rows // k}
 
 
+def _mixing_probe(counts: list[int], batch: int, inputs, kwargs) -> int:
+    """The microbatch count whose graph ``batch_mixing`` reads: the one ``_search_counts``
+    evaluates first, so that no graph is traced for the check alone. The whole batch (1) when that
+    microbatch holds one sample (nothing to split) or when an input that is not cut has as many
+    rows as it (the check could not tell them apart)."""
+    import torch
+
+    count = counts[(len(counts) - 1) // 3] if len(counts) > 3 else counts[0]
+    rows = batch // count
+    uncut = {t.shape[0] for t in (*inputs, *(kwargs or {}).values())
+             if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] != batch}
+    return 1 if rows < 2 or rows in uncut else count
+
+
 def _search_counts(counts: list[int], evaluate):
     """The best result over ``counts`` (ascending), evaluating few of them: a ternary search that
     assumes the step time falls, then rises, with the microbatch count (a bigger count shrinks the
@@ -649,26 +692,30 @@ def _grouped(p: UnitPrices, groups) -> UnitPrices:
                       total(p.forward_s), p.recompute, p.stage_extra_bytes)
 
 
-def _variants(model, sm, graph, intra_op_plan, plan_kwargs, budget: float, share: float | None = None):
-    """The fastest intra-op plan on sub-mesh ``sm``, then, when it cannot hold its stage within
-    ``budget``, leaner ones (tighter memory budgets; no idle axes, a short time limit). ``share``:
-    the fraction of the layers a stage on ``sm`` holds when stages are equal (None: the whole model,
-    as a bound); its in-flight activations are at most one microbatch of every layer's (1F1B)."""
-    out = []
+def _fastest(model, sm, graph, intra_op_plan, plan_kwargs) -> UnitPrices | None:
+    """The prices of the fastest intra-op plan on sub-mesh ``sm``; None where there is no plan (or
+    a forced layout does not fit it)."""
     try:
-        fastest = intra_op_plan(model, sm, graph=graph, **plan_kwargs)
-    except (PlanError, ConfigError):  # no plan here, or a forced layout that does not fit this sub-mesh
-        return out
-    out.append(unit_prices(fastest, graph, sm))
-    memory = fastest.predicted["memory_bytes_per_device"]
-    p = out[0]
-    if share is not None:
-        memory_held = p.static_bytes.sum() * share + p.activation_bytes.sum()
-    else:
-        memory_held = memory
-    if memory_held <= budget:
-        return out
-    lean_kwargs = {**plan_kwargs, "idle_axes": (), "time_limit_s": min(plan_kwargs.get("time_limit_s", 2.0), 2.0)}
+        return unit_prices(intra_op_plan(model, sm, graph=graph, **plan_kwargs), graph, sm)
+    except (PlanError, ConfigError):
+        return None
+
+
+def _held_bytes(p: UnitPrices, share: float | None) -> float:
+    """What a stage of plan ``p`` holds: ``share`` of the layers' state (stages equal; None: the whole
+    plan's peak, a bound) and at most one microbatch of every layer's activations in flight (1F1B)."""
+    if share is None:
+        return p.plan.predicted["memory_bytes_per_device"]
+    return p.static_bytes.sum() * share + p.activation_bytes.sum()
+
+
+def _leaner(model, sm, graph, intra_op_plan, plan_kwargs, fastest: UnitPrices, cutoff_s: float | None):
+    """Leaner intra-op plans on ``sm`` than ``fastest`` (tighter memory budgets, no idle axes, a
+    short time limit), each costing under ``cutoff_s`` per microbatch (None: no cutoff)."""
+    out = [fastest]
+    memory = fastest.plan.predicted["memory_bytes_per_device"]
+    lean_kwargs = {**plan_kwargs, "idle_axes": (), "time_limit_s": min(plan_kwargs.get("time_limit_s", 2.0), 2.0),
+                   "objective_cutoff_s": cutoff_s}
     for fraction in MEMORY_VARIANTS:
         try:
             lean = intra_op_plan(model, sm, graph=graph, memory_budget=memory * fraction, **lean_kwargs)
@@ -677,7 +724,7 @@ def _variants(model, sm, graph, intra_op_plan, plan_kwargs, budget: float, share
         if lean.predicted["memory_bytes_per_device"] >= out[-1].plan.predicted["memory_bytes_per_device"] * 0.95:
             continue
         out.append(unit_prices(lean, graph, sm))
-    return out
+    return out[1:]
 
 
 def _tables(variants, n_units, count, mesh):

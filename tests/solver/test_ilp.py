@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from autopar.errors import PlanError
-from autopar.solver.ilp import Problem, brute_force, evaluate, min_memory, solve
+from autopar.solver.ilp import NoCheaperPlan, Problem, brute_force, evaluate, min_memory, solve
 from autopar.solver.simplify import eliminate, recover
 
 
@@ -89,6 +89,23 @@ def test_budget_forces_the_small_choice():
 def test_cbc_and_highs_agree():
     p = random_problem(7, infinite=False)
     assert solve(p, solver="cbc").objective == pytest.approx(solve(p, solver="highs").objective, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_a_cutoff_keeps_the_optimum_above_it_and_refuses_below_it(seed, solver):
+    """A cutoff just above the optimum changes nothing; just below it, no assignment is cheaper:
+    NoCheaperPlan (a PlanError), whatever HiGHS's bound-cut search returned."""
+    p = random_problem(seed, budget=seed % 2 == 1)
+    try:
+        _, best = brute_force(p)
+    except PlanError:
+        return
+    sol = solve(p, solver=solver, cutoff_s=best * (1 + 1e-6) + 1e-9)
+    assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+    with pytest.raises(NoCheaperPlan, match="no assignment costs under the cutoff") as err:
+        solve(p, solver=solver, cutoff_s=best * (1 - 1e-3) - 1e-9)
+    assert isinstance(err.value, PlanError)
 
 
 def test_prune_only_when_too_big_and_keeps_valid_indices():

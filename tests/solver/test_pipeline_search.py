@@ -580,3 +580,73 @@ def test_microbatches_are_refused_or_left_out_where_dim_0_is_not_a_batch():
         autopar.plan(model, mesh, inputs, pipeline=autopar.Pipeline(stages=2, microbatches=2))
     plan = autopar.plan(model, mesh, inputs, pipeline=autopar.Pipeline(stages=2))
     assert plan.pipeline.microbatches == 1 and len(plan.pipeline.stages) == 2
+
+
+def test_lean_plans_are_cut_off_without_changing_the_search():
+    """Leaner plans of a sub-mesh are solved with a cutoff from the pipeline already found (a stage
+    on 1 / s of the rows runs at least 1 / s of the work): the search finds what it finds solving
+    them whole; and a cutoff below a lean plan's cost drops it, one above it keeps it unchanged."""
+    import autopar.solver.pipeline as pipeline_search
+    from autopar.solver import api
+
+    model, inputs = models.build("gpt", device="meta", layers=8, width=1024, heads=16, seq=256, vocab=8192, batch=16)
+    mesh = autopar.Mesh((4,), cluster="a100-80g")
+    free = search(model, mesh, inputs)
+    budget = 0.8 * max(s.memory_bytes for s in free.stages)
+    solved = []
+    leaner = pipeline_search._leaner
+
+    def recorded(model, sm, graph, intra_op_plan, kwargs, fastest, cutoff_s):
+        out = leaner(model, sm, graph, intra_op_plan, kwargs, fastest, cutoff_s)
+        solved.append((sm, graph, kwargs, fastest, cutoff_s, out))
+        return out
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(pipeline_search, "MEMORY_VARIANTS", (0.6,))  # lean plans that fit here
+        mp.setattr(pipeline_search, "_leaner", recorded)
+        with_cutoff = search(model, mesh, inputs, memory_budget=budget)
+        mp.setattr(pipeline_search, "_leaner", lambda *a: leaner(*a[:-1], None))
+        reference = search(model, mesh, inputs, memory_budget=budget)
+        assert with_cutoff.step_time_s == pytest.approx(reference.step_time_s, rel=1e-12)
+        assert [(s.layers, s.rows) for s in with_cutoff.stages] == [(s.layers, s.rows) for s in reference.stages]
+        assert (with_cutoff.schedule, with_cutoff.microbatches) == (reference.schedule, reference.microbatches)
+        kept = [r for r in solved if r[4] is not None and r[5]]
+        assert kept, "the case must keep lean plans solved under a cutoff"
+        sm, graph, kwargs, fastest, cutoff_s, out = kept[0]
+        objective = out[0].plan.solver["objective_s"]
+        assert objective <= cutoff_s
+        # the cutoff bounds the ILP's objective, which prices split gathers at a share of their
+        # latency (``api._plan_on``): a plan may cost a little more than it, never less
+        assert leaner(model, sm, graph, api.plan, kwargs, fastest, objective * 0.5) == []
+        again = leaner(model, sm, graph, api.plan, kwargs, fastest, objective * 1.001)
+        assert again[0].plan.solver["objective_s"] == pytest.approx(objective, rel=1e-9)
+    finally:
+        mp.undo()
+
+
+def test_the_batch_check_reads_a_graph_the_search_evaluates():
+    """``batch_mixing`` reads the first microbatch shape the count search evaluates (no trace for
+    the check alone), or the whole batch where a microbatch holds one sample or an input that is
+    not cut has its rows; every shape is traced once."""
+    from autopar.solver.pipeline import _mixing_probe
+
+    counts = microbatch_candidates(1536, None)
+    assert _mixing_probe(counts, 1536, (torch.zeros(1536, 4),), None) == 6
+    assert _mixing_probe(counts, 1536, (torch.zeros(1536, 4), torch.zeros(256, 256)), None) == 1  # a (256, 256) mask
+    assert _mixing_probe(counts, 1536, (torch.zeros(1536, 4),), {"mask": torch.zeros(256, 1)}) == 1
+    assert _mixing_probe([4], 8, (torch.zeros(8, 4),), None) == 4
+    assert _mixing_probe([4], 4, (torch.zeros(4, 4),), None) == 1  # one sample each: nothing to split
+    assert _mixing_probe([1, 2], 2, (torch.zeros(2, 4),), None) == 1
+
+    model, inputs = models.build("gpt", layers=4, batch=8)
+    shapes = []
+    trace = ir.trace
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(ir, "trace", lambda m, args, kwargs=None, **kw: shapes.append(args[0].shape[0]) or trace(m, args, kwargs, **kw))
+        choice = search(model, autopar.Mesh((2,), cluster="a100-80g"), inputs)
+    finally:
+        mp.undo()
+    assert len(shapes) == len(set(shapes)) and 8 // shapes[0] == 2  # count 2 (of 1, 2, 4, 8) first
+    assert choice.graph is not None
