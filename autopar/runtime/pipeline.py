@@ -14,9 +14,10 @@ the backward of the last microbatch (its last backward), each bucket launched as
 gradients are complete, overlapped with the rest of that backward, as DDP does under torch's
 schedules; under interleaved and zero-bubble schedules (several stages per rank, or a weight half
 outside the taps), after the schedule. A parameter read by several stages (a tied
-embedding and head) then sums its gradient over them. The loss is each microbatch's loss over the
-microbatch count (the schedule does not scale again), summed over microbatches and sent to every
-rank. A stage the plan recomputes runs each of its layers under ``torch.utils.checkpoint`` (the
+embedding and head) then sums its gradient over them. The loss is each microbatch's loss weighed by
+``loss_weights`` (1 / m; a mean over counted targets, such as a cross entropy ignoring padding, by its
+share of the batch's count; the schedule does not scale again), summed over microbatches and sent to
+every rank. A stage the plan recomputes runs each of its layers under ``torch.utils.checkpoint`` (the
 program split by layer): a microbatch in flight keeps only each layer's inputs.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.codegen import ops
+from autopar.codegen.loss_weights import loss_denominators
 from autopar.codegen.stages import StageCut, sent_specs
 from autopar.errors import ConfigError
 from autopar.ir.blocks import unit_of_nodes
@@ -332,6 +334,9 @@ class PipelineRunner:
         unit_of = unit_of_nodes(graph)
         mesh = sg.groups.mesh
         out_node = next(n for n in graph.nodes.values() if n.op == "output")
+        # how microbatch losses are weighed (a mean over counted targets: by their counts); every
+        # rank computes the weights, so that a step that cannot be weighed fails on all of them
+        self.denominators = loss_denominators(graph, out_node.inputs[loss_index])
         if plan.pipeline.schedule == "zero-bubble" and any(st.recompute for st in plan.pipeline.stages):
             raise ConfigError("this plan recomputes stages under the zero-bubble schedule, whose split backward would "
                               "recompute once per group of weights; plan it again (autopar.Pipeline refuses the pair)")
@@ -355,9 +360,9 @@ class PipelineRunner:
         schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
         index = loss_index
 
-        def loss_fn(output, target):
+        def loss_fn(output, weight):  # ``weight``: this microbatch's slice of ``loss_weights``
             out = output[index] if isinstance(output, (tuple, list)) else output
-            return out / m
+            return out * weight[0].to(out.dtype)
 
         chunks = tuple(pipelining.microbatch.TensorChunkSpec(0) if split else pipelining.microbatch._Replicate
                        for split in batch_dims)
@@ -427,7 +432,8 @@ class PipelineRunner:
         ap = self.pmodel._ap
         losses: list = []
         args = flat_inputs if self.first else ()
-        kwargs = dict(target=torch.zeros(self.microbatches, device=self.device), losses=losses) if self.last else {}
+        weights = self.loss_weights(flat_inputs)
+        kwargs = dict(target=weights, losses=losses) if self.last else {}
         with ap.reducer.no_sync():
             self.schedule.step(*args, return_outputs=False, **kwargs)
         ap.reducer.synchronize()
@@ -438,6 +444,25 @@ class PipelineRunner:
             loss = torch.zeros((), dtype=getattr(torch, self.graph.nodes[out_meta].meta.dtype), device=self.device)
         dist.broadcast(loss, src=self.sg.pp_ranks[(self.stages - 1) % self.sg.blocks], group=self.sg.pp_group)
         return loss
+
+    @torch.no_grad()
+    def loss_weights(self, flat_inputs: list) -> torch.Tensor:
+        """What each microbatch's loss weighs in the step's (``autopar.codegen.loss_weights``):
+        1 / m, or for a mean over counted targets its share of the batch's count."""
+        m = self.microbatches
+        if self.denominators is None:
+            return torch.full((m,), 1.0 / m, dtype=torch.float64, device=self.device)
+        chunks = [list(x.tensor_split(m) if split else [x] * m) for x, split in zip(flat_inputs, self.batch_dims)]
+        counts = torch.stack([torch.stack(self.denominators([c[k] for c in chunks])) for k in range(m)])  # (m, means)
+        if self.denominators.direct:
+            return (counts[:, 0] / counts[:, 0].sum()).to(self.device)
+        if not bool((counts == counts[:1]).all()):
+            node = self.denominators.means[0]
+            raise ConfigError(
+                f"the loss adds a mean over counted targets ({node.name}, {node.target}) to other terms, and this "
+                f"step's microbatches count {counts[:, 0].tolist()} targets: weighing them alike would not give the "
+                "batch's loss. Use Pipeline(microbatches=1), or make the mean the whole loss")
+        return torch.full((m,), 1.0 / m, dtype=torch.float64, device=self.device)
 
     @torch.no_grad()
     def _sum_shared_grads(self) -> None:

@@ -83,8 +83,15 @@ class _CountSplit:
             setattr(cls, name, staticmethod(fn) if name == "backward" else fn)
 
 
-def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=None, clip=False):
-    """Train ``STEPS`` AdamW steps with ``train_step`` next to one process; errors and the stages."""
+def _padded(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Targets ``x`` with each row's first ``ids[row, 0] % 13`` positions ignored (-100): padding
+    that differs per sample and per step, so microbatches count different numbers of targets."""
+    return x.masked_fill(torch.arange(x.shape[1]) < (ids[:, :1] % 13), -100)
+
+
+def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=None, clip=False, padded=False):
+    """Train ``STEPS`` AdamW steps with ``train_step`` next to one process; errors and the stages.
+    ``padded``: targets partly ignored (``_padded``)."""
     def go():
         counts = _CountSplit()
         try:
@@ -97,12 +104,12 @@ def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=No
         warnings.simplefilter("ignore")
         if model in ("gpt", "llama"):
             net, inputs = models.build(model, layers=layers)
-            kwargs_fn = None
+            kwargs_fn = (lambda x: {"idx": x[0], "targets": _padded(x[1], x[0])}) if padded else None  # noqa: E731
         else:
             net = _hf(model, layers)
             g = torch.Generator().manual_seed(0)
             inputs = tuple(torch.randint(0, HF_VOCAB, (8, 16), generator=g) for _ in range(2))
-            kwargs_fn = lambda x: {"input_ids": x[0], "labels": x[1]}  # noqa: E731
+            kwargs_fn = lambda x: {"input_ids": x[0], "labels": _padded(x[1], x[0]) if padded else x[1]}  # noqa: E731
         ref = copy.deepcopy(net)
         mesh = autopar.Mesh(mesh_shape)
         if kwargs_fn is None:
@@ -160,9 +167,37 @@ def errors_case():
         except ConfigError as e:
             out["shape"] = str(e)
         pm.train_step(*inputs)  # still runs after refusing
+        # a loss adding a term to a mean over counted targets: exact while microbatches count alike
+        net, inputs = _CrossEntropyPlusTerm(), (torch.randint(0, 16, (4, 6)), torch.randint(0, 16, (4, 6)))
+        pm = autopar.parallelize(net, autopar.Mesh((4,)), inputs, profile=False,
+                                 pipeline=autopar.Pipeline(stages=2, microbatches=2), force=autopar.Layout(dp=2))
+        pm.train_step(*inputs)
+        try:
+            pm.train_step(inputs[0], _padded(inputs[1], torch.tensor([[0], [3], [1], [1]])))
+            out["uneven"] = "no error"
+        except ConfigError as e:
+            out["uneven"] = str(e)
         return out
 
     return run_case("errors", go)
+
+
+class _CrossEntropyPlusTerm(torch.nn.Module):
+    """Two layers; the loss is a cross entropy plus a small mean of the logits' squares."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(16, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2))
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.view(-1, 16), targets.view(-1)) + 0.01 * logits.pow(2).mean()
 
 
 CASES = [
@@ -196,6 +231,11 @@ CASES = [
      dict(model="llama", layout=autopar.Layout(tp=2), clip=True)),
     ("hf gpt2 zero bubble (tied across stages)", (4,), dict(stages=2, microbatches=2, schedule="zero-bubble"),
      dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2))),
+    # ignored targets that differ per microbatch: each microbatch weighs its share of the count
+    ("hf gpt2 padded labels 2 stages x dp2", (4,), dict(stages=2, microbatches=4, schedule="1f1b"),
+     dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2), padded=True)),
+    ("gpt padded targets interleaved 4 ranks x 2 stages", (4,), dict(stages=4, virtual_stages=2, microbatches=4),
+     dict(layers=8, padded=True)),
 ]
 
 
@@ -351,6 +391,7 @@ def test_pipelined_module_errors(results):
         assert "error" not in r, r.get("error")
         assert "train_step" in r["call"], r
         assert "shape" in r["shape"] and "microbatches" in r["shape"], r
+        assert "adds a mean over counted targets" in r["uneven"] and "Pipeline(microbatches=1)" in r["uneven"], r
 
 
 def test_the_default_plan_may_pipeline_and_trains_exactly(results):

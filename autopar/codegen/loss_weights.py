@@ -1,0 +1,128 @@
+"""How a pipelined step weighs its microbatches' losses.
+
+A step of ``m`` microbatches sums their losses, each weighed so that the sum is the whole batch's
+loss. For a mean over samples every microbatch weighs 1 / m. A class-index loss (cross entropy, NLL)
+with reduction "mean" divides by the weight of its counted targets instead: those not equal to
+``ignore_index`` (padding), each weighing ``weight[target]`` when the loss has class weights. Its
+microbatches then count differently, and the batch's loss is ``sum_k d_k * loss_k / D`` (``d_k``:
+microbatch k's denominator, ``D`` their sum), not the plain average of the ``loss_k``.
+
+``loss_denominators`` reads from the traced graph how the loss's targets are computed from the
+model's inputs (labels shifted, padded, flattened) and returns a program that computes each
+microbatch's denominator from the step's inputs, before the schedule runs. A loss that adds other
+terms to such a mean is weighed 1 / m, which is exact only while its microbatches count equally;
+the program says which case it is, and the runtime refuses a step where it would not be exact.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from autopar.codegen.lowerings import CLASS_LOSSES, _arg, _aten
+from autopar.errors import ConfigError
+from autopar.ir.graph import NodeRef, Role
+
+MEAN = 1  # ATen's reduction code for "mean"
+# Ops that pass a loss on unchanged (a dtype cast, a view, a copy, the first of nll's outputs).
+_PASS_THROUGH = {"aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.clone.default",
+                 "aten.alias.default", "aten.view.default", "aten.reshape.default", "aten.squeeze.default",
+                 "aten.squeeze.dim", "aten.squeeze.dims", "aten.unsqueeze.default", "aten.contiguous.default"}
+
+
+@dataclasses.dataclass
+class LossDenominators:
+    """The class-index means the loss reads, and the graph that computes their targets.
+    ``direct``: the loss is one such mean (through casts and views), so microbatch k weighs
+    ``d_k / D``; otherwise each mean must count equally in every microbatch (weights 1 / m)."""
+
+    graph: object
+    means: list  # the class-loss nodes
+    direct: bool
+
+    def __call__(self, inputs: list) -> list[torch.Tensor]:
+        """Each mean's denominator (a float64 scalar) on one microbatch's flattened user inputs."""
+        env = dict(zip(self.graph.inputs, inputs))
+        self._device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), None)
+        out = []
+        for node in self.means:
+            target = self._value(node.args[1], env)
+            weight = self._value(_arg(node.args, node.kwargs, 2, "weight"), env)
+            ignore_index = _arg(node.args, node.kwargs, 4, "ignore_index", -100)
+            valid = target != ignore_index
+            if weight is None:
+                out.append(valid.sum(dtype=torch.float64))
+            else:
+                out.append((weight.to(torch.float64)[target.masked_fill(~valid, 0)] * valid).sum())
+        return out
+
+    def _value(self, value, env: dict):
+        if not isinstance(value, NodeRef):
+            return value
+        if value.name not in env:
+            node = self.graph.nodes[value.name]
+            if node.target == "operator.getitem":
+                env[value.name] = self._value(node.args[0], env)[node.args[1]]
+            else:
+                read = lambda v: self._value(v, env)  # noqa: E731
+                env[value.name] = _aten(node.target)(*_substitute(node.args, read, self._device),
+                                                     **_substitute(node.kwargs, read, self._device))
+        return env[value.name]
+
+
+def loss_denominators(graph, loss: str) -> LossDenominators | None:
+    """The denominators of the class-index means behind output node ``loss`` (see the module
+    docstring), or None when it reads none (every microbatch weighs 1 / m). ConfigError when their
+    targets or class weights depend on model state rather than on the inputs alone."""
+    node = graph.nodes[loss]
+    while node.target in _PASS_THROUGH or (node.target == "operator.getitem" and node.args[1] == 0):
+        node = graph.nodes[node.inputs[0]]
+    means = [n for n in _ancestors(graph, node.name, include=True) if _is_class_mean(graph, n)]
+    if not means:
+        return None
+    for mean in means:
+        for arg in (mean.args[1], _arg(mean.args, mean.kwargs, 2, "weight")):
+            if isinstance(arg, NodeRef):
+                state = [n.name for n in _ancestors(graph, arg.name, include=True)
+                         if n.op == "placeholder" and n.role != Role.INPUT]
+                if state:
+                    raise ConfigError(
+                        f"the loss {mean.name} ({mean.target}) is a mean over targets weighed by {state[0]}, model "
+                        "state: a pipelined step cannot weigh its microbatches by it yet. Use Pipeline(microbatches=1) "
+                        "or pipeline=False")
+    return LossDenominators(graph, means, direct=means == [node])
+
+
+def _is_class_mean(graph, node) -> bool:
+    """A class-index loss (integer targets) reduced by "mean"."""
+    if node.target not in CLASS_LOSSES or _arg(node.args, node.kwargs, 3, "reduction", MEAN) != MEAN:
+        return False
+    target = graph.nodes[node.inputs[1]].meta
+    return target is not None and not isinstance(target, tuple) and target.dtype in ("int64", "int32", "uint8", "int16")
+
+
+def _ancestors(graph, name: str, include: bool = False) -> list:
+    """The nodes ``name`` reads, transitively, in graph order (``include``: with itself)."""
+    seen, stack = set(), [name]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(graph.nodes[n].inputs)
+    if not include:
+        seen.discard(name)
+    return [graph.nodes[n] for n in graph.nodes if n in seen]
+
+
+def _substitute(value, read, device):
+    """``value`` with each NodeRef read, and each device the traced one, replaced by ``device``
+    (the inputs' device: a plan traced on the meta device runs on real tensors)."""
+    if isinstance(value, NodeRef):
+        return read(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_substitute(v, read, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _substitute(v, read, device) for k, v in value.items()}
+    if isinstance(value, torch.device) and device is not None:
+        return device
+    return value
