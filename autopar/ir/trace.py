@@ -18,6 +18,7 @@ from autopar.errors import TraceError
 from autopar.ir.blocks import assign_layers, find_blocks
 from autopar.ir.flops import count_flops
 from autopar.ir.graph import Graph, Meta, Node, NodeRef, Role, TensorMeta
+from autopar.ir.rewrites import keep_leading_dims
 
 _INPUT_ROLES = {
     InputKind.PARAMETER: Role.PARAMETER,
@@ -54,6 +55,7 @@ def trace(
         raise TraceError(explain_failure(model, exc)) from exc
     finally:
         torch.fx.config.do_not_emit_stack_traces = saved
+    keep_leading_dims(exported.graph_module)
     return from_exported(model, exported, name=name)
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,7 +104,14 @@ def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=No
 
     def run():
         warnings.simplefilter("ignore")
-        if model in ("gpt", "llama"):
+        if model == "vit":  # tests/models_zoo.py, in float64 (see test_parallelize.vit_case)
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            import models_zoo
+
+            net, inputs = models_zoo.vit(batch=8, image=8, dim=32, depth=layers)
+            net, inputs = net.double(), tuple(t.double() if t.is_floating_point() else t for t in inputs)
+            kwargs_fn = None
+        elif model in ("gpt", "llama"):
             net, inputs = models.build(model, layers=layers)
             kwargs_fn = (lambda x: {"idx": x[0], "targets": _padded(x[1], x[0])}) if padded else None  # noqa: E731
         else:
@@ -236,6 +245,9 @@ CASES = [
      dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2), padded=True)),
     ("gpt padded targets interleaved 4 ranks x 2 stages", (4,), dict(stages=4, virtual_stages=2, microbatches=4),
      dict(layers=8, padded=True)),
+    # nn.MultiheadAttention merges (time, batch) rows inside: kept apart (ir/rewrites.py), so microbatches split it
+    ("vit 2 stages x dp2", (4,), dict(stages=2, microbatches=2, schedule="1f1b"), dict(model="vit", layers=2,
+                                                                                    layout=autopar.Layout(dp=2))),
 ]
 
 
