@@ -99,7 +99,9 @@ def test_a_cutoff_keeps_the_optimum_above_it_and_refuses_below_it(seed, solver):
     p = random_problem(seed, budget=seed % 2 == 1)
     try:
         _, best = brute_force(p)
-    except PlanError:
+    except PlanError:  # nothing is feasible: a cutoff does not hide that
+        with pytest.raises(PlanError):
+            solve(p, solver=solver, cutoff_s=1e9)
         return
     sol = solve(p, solver=solver, cutoff_s=best * (1 + 1e-6) + 1e-9)
     assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
