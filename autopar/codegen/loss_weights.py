@@ -19,15 +19,10 @@ import dataclasses
 
 import torch
 
-from autopar.codegen.lowerings import CLASS_LOSSES, _arg, _aten
+from autopar.codegen.lowerings import _aten
 from autopar.errors import ConfigError
-from autopar.ir.graph import NodeRef, Role
-
-MEAN = 1  # ATen's reduction code for "mean"
-# Ops that pass a loss on unchanged (a dtype cast, a view, a copy, the first of nll's outputs).
-_PASS_THROUGH = {"aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.clone.default",
-                 "aten.alias.default", "aten.view.default", "aten.reshape.default", "aten.squeeze.default",
-                 "aten.squeeze.dim", "aten.squeeze.dims", "aten.unsqueeze.default", "aten.contiguous.default"}
+from autopar.ir.graph import NodeRef
+from autopar.ir.losses import arg, class_means, state_weighing
 
 
 @dataclasses.dataclass
@@ -47,8 +42,8 @@ class LossDenominators:
         out = []
         for node in self.means:
             target = self._value(node.args[1], env)
-            weight = self._value(_arg(node.args, node.kwargs, 2, "weight"), env)
-            ignore_index = _arg(node.args, node.kwargs, 4, "ignore_index", -100)
+            weight = self._value(arg(node, 2, "weight"), env)
+            ignore_index = arg(node, 4, "ignore_index", -100)
             valid = target != ignore_index
             if weight is None:
                 out.append(valid.sum(dtype=torch.float64))
@@ -74,44 +69,16 @@ def loss_denominators(graph, loss: str) -> LossDenominators | None:
     """The denominators of the class-index means behind output node ``loss`` (see the module
     docstring), or None when it reads none (every microbatch weighs 1 / m). ConfigError when their
     targets or class weights depend on model state rather than on the inputs alone."""
-    node = graph.nodes[loss]
-    while node.target in _PASS_THROUGH or (node.target == "operator.getitem" and node.args[1] == 0):
-        node = graph.nodes[node.inputs[0]]
-    means = [n for n in _ancestors(graph, node.name, include=True) if _is_class_mean(graph, n)]
+    means, direct = class_means(graph, loss)
     if not means:
         return None
     for mean in means:
-        for arg in (mean.args[1], _arg(mean.args, mean.kwargs, 2, "weight")):
-            if isinstance(arg, NodeRef):
-                state = [n.name for n in _ancestors(graph, arg.name, include=True)
-                         if n.op == "placeholder" and n.role != Role.INPUT]
-                if state:
-                    raise ConfigError(
-                        f"the loss {mean.name} ({mean.target}) is a mean over targets weighed by {state[0]}, model "
-                        "state: a pipelined step cannot weigh its microbatches by it yet. Use Pipeline(microbatches=1) "
-                        "or pipeline=False")
-    return LossDenominators(graph, means, direct=means == [node])
-
-
-def _is_class_mean(graph, node) -> bool:
-    """A class-index loss (integer targets) reduced by "mean"."""
-    if node.target not in CLASS_LOSSES or _arg(node.args, node.kwargs, 3, "reduction", MEAN) != MEAN:
-        return False
-    target = graph.nodes[node.inputs[1]].meta
-    return target is not None and not isinstance(target, tuple) and target.dtype in ("int64", "int32", "uint8", "int16")
-
-
-def _ancestors(graph, name: str, include: bool = False) -> list:
-    """The nodes ``name`` reads, transitively, in graph order (``include``: with itself)."""
-    seen, stack = set(), [name]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(graph.nodes[n].inputs)
-    if not include:
-        seen.discard(name)
-    return [graph.nodes[n] for n in graph.nodes if n in seen]
+        state = state_weighing(graph, mean)
+        if state is not None:
+            raise ConfigError(
+                f"the loss {mean.name} ({mean.target}) is a mean over targets weighed by {state}, model state: a "
+                "pipelined step cannot weigh its microbatches by it yet. Use Pipeline(microbatches=1) or pipeline=False")
+    return LossDenominators(graph, means, direct)
 
 
 def _substitute(value, read, device):

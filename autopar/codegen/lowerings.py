@@ -27,14 +27,13 @@ import torch.distributed as dist
 from autopar.codegen.ops import autopar_all_reduce, handle
 from autopar.cost_model.gradients import whole_on
 from autopar.errors import PlanError
+from autopar.ir.losses import CLASS_LOSSES
 from autopar.sharding_spec.rules import embedding as emb_rule
 from autopar.sharding_spec.rules import loss as loss_rule
 from autopar.sharding_spec.strategy import LOWERED_FAMILIES
 
 SUM = 2
 CROSS_ENTROPY = "aten.cross_entropy_loss.default"
-CLASS_LOSSES = {"aten.cross_entropy_loss.default", "aten.nll_loss_forward.default", "aten.nll_loss.default",
-                "aten.nll_loss_nd.default", "aten.nll_loss2d_forward.default"}
 # the positional index of ``reduction`` per loss op
 REDUCTION_POS = {t: 3 for t in CLASS_LOSSES} | dict(loss_rule.ELEMENTWISE)
 

@@ -40,6 +40,7 @@ from autopar.cost_model.lowered import lowered_comm_s
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role
+from autopar.ir.losses import class_means, state_weighing
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
@@ -251,12 +252,18 @@ def batch_size(example_inputs, example_kwargs=None) -> int:
 def batch_mixing(graph, batch: int) -> str | None:
     """Why splitting the inputs' dim 0 into microbatches would change the step, or None when it
     would not: the op where the samples of dim 0 meet (attention over a time-first sequence, batch
-    norm's statistics, a loss term nonlinear in batch means), or a loss that sums over dim 0 (a
-    pipelined step averages its microbatches' losses). The sharding rules decide it: dim 0 split
+    norm's statistics, a loss term nonlinear in batch means), a loss that sums over dim 0 (a
+    pipelined step averages its microbatches' losses), or a mean over class targets weighed by
+    model state (``codegen.loss_weights`` weighs microbatches by their counts from the inputs). The sharding rules decide it: dim 0 split
     over a virtual axis must reach the outputs split, or as a pending mean, with no op needing the
     samples together."""
     from autopar.sharding_spec.strategy import OpContext, strategies_for
 
+    out = next(n for n in graph.nodes.values() if n.op == "output")
+    for mean in (m for name in out.inputs if name in graph.nodes for m in class_means(graph, name)[0]):
+        state = state_weighing(graph, mean)
+        if state is not None:  # microbatches count their targets apart (``codegen.loss_weights``)
+            return f"{mean.target} ({mean.name}) averages over targets weighed by model state ({state})"
     parts = next(p for p in range(2, batch + 1) if batch % p == 0)
     mesh = Mesh((parts,))
 

@@ -552,6 +552,18 @@ def _zoo():
     return models_zoo
 
 
+class _BufferWeightedLoss(torch.nn.Module):
+    """A cross entropy whose class weights are a buffer: microbatches count Σ weight[target] apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 3)
+        self.register_buffer("class_weight", torch.tensor([1.0, 2.0, 0.5]))
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.fc(x), y, weight=self.class_weight)
+
+
 def test_batch_mixing_finds_where_samples_meet():
     from autopar.solver.pipeline import batch_mixing
 
@@ -564,6 +576,7 @@ def test_batch_mixing_finds_where_samples_meet():
     mixing = {
         "time-first": (_TimeFirst(), (torch.randn(6, 4, 8), torch.randint(0, 3, (4,))), "aten.add.Tensor"),
         "sum loss": (_SumLoss(), (torch.randn(4, 8), torch.randn(4, 8)), "sums over dim 0"),
+        "class weights": (_BufferWeightedLoss(), (torch.randn(4, 8), torch.randint(0, 3, (4,))), "weighed by model state"),
         # Switch-style load balancing multiplies two batch means: per microbatch it is another number
         "moe aux loss": (*zoo.moe(), "aten.mul.Tensor"),
     }

@@ -1,0 +1,68 @@
+"""What a traced graph's loss is made of, where microbatching depends on it.
+
+A class-index loss (cross entropy, NLL) reduced by "mean" divides by the weight of its counted
+targets (not ``ignore_index``; ``weight[target]`` each with class weights), which differs between
+microbatches of the same batch. ``class_means`` finds such means behind a loss, and whether the loss
+is one of them itself (``direct``: through casts and views) or adds them to other terms;
+``state_weighing`` says whether a mean's targets or class weights come from model state rather than
+from the inputs. ``autopar.codegen.loss_weights`` weighs a pipelined step's microbatches from
+this; the pipeline search (``solver.pipeline.batch_mixing``) keeps one microbatch where it cannot.
+"""
+from __future__ import annotations
+
+from autopar.ir.graph import NodeRef, Role
+
+CLASS_LOSSES = {"aten.cross_entropy_loss.default", "aten.nll_loss_forward.default", "aten.nll_loss.default",
+                "aten.nll_loss_nd.default", "aten.nll_loss2d_forward.default"}
+MEAN = 1  # ATen's reduction code for "mean"
+# Ops that pass a loss on unchanged (a dtype cast, a view, a copy).
+_PASS_THROUGH = {"aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.clone.default",
+                 "aten.alias.default", "aten.view.default", "aten.reshape.default", "aten.squeeze.default",
+                 "aten.squeeze.dim", "aten.squeeze.dims", "aten.unsqueeze.default", "aten.contiguous.default"}
+
+
+def arg(node, i: int, name: str, default=None):
+    """Argument ``name`` of ``node``, positional at ``i`` or by keyword."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def class_means(graph, loss: str) -> tuple[list, bool]:
+    """(the class-index means behind node ``loss``, in graph order; whether ``loss`` is the only
+    one, passed on unchanged)."""
+    node = graph.nodes[loss]
+    while node.target in _PASS_THROUGH or (node.target == "operator.getitem" and node.args[1] == 0):
+        node = graph.nodes[node.inputs[0]]
+    means = [n for n in ancestors(graph, node.name, include=True) if _is_class_mean(graph, n)]
+    return means, means == [node]
+
+
+def state_weighing(graph, mean) -> str | None:
+    """The model state (a parameter, buffer or constant placeholder) that ``mean``'s targets or
+    class weights are computed from, or None when they come from the inputs alone."""
+    for value in (mean.args[1], arg(mean, 2, "weight")):
+        if isinstance(value, NodeRef):
+            for n in ancestors(graph, value.name, include=True):
+                if n.op == "placeholder" and n.role != Role.INPUT:
+                    return n.name
+    return None
+
+
+def ancestors(graph, name: str, include: bool = False) -> list:
+    """The nodes ``name`` reads, transitively, in graph order (``include``: with itself)."""
+    seen, stack = set(), [name]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(graph.nodes[n].inputs)
+    if not include:
+        seen.discard(name)
+    return [graph.nodes[n] for n in graph.nodes if n in seen]
+
+
+def _is_class_mean(graph, node) -> bool:
+    """A class-index loss (integer targets) reduced by "mean"."""
+    if node.target not in CLASS_LOSSES or arg(node, 3, "reduction", MEAN) != MEAN:
+        return False
+    target = graph.nodes[node.inputs[1]].meta
+    return target is not None and not isinstance(target, tuple) and target.dtype in ("int64", "int32", "uint8", "int16")
