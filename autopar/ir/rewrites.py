@@ -32,6 +32,8 @@ def keep_leading_dims(gm: torch.fx.GraphModule) -> int:
         x, val = merge.args[0], merge.meta.get("val")
         if not isinstance(x, torch.fx.Node) or not isinstance(val, torch.Tensor) or val.dim() != 2:
             continue
+        if not isinstance(x.meta.get("val"), torch.Tensor):
+            continue
         shape = tuple(x.meta["val"].shape)
         lead = _leading(shape, val.shape[0])
         linears = list(merge.users)
@@ -64,6 +66,6 @@ def _restored(linear: torch.fx.Node, merge: torch.fx.Node, lead: tuple) -> bool:
     if linear.target != _LINEAR or linear.args[0] is not merge or merge in linear.args[1:]:
         return False
     out = linear.meta.get("val")
-    return bool(linear.users) and all(
+    return isinstance(out, torch.Tensor) and bool(linear.users) and all(
         u.target in _MERGES and u.args[0] is linear and isinstance(u.meta.get("val"), torch.Tensor)
         and tuple(u.meta["val"].shape) == (*lead, out.shape[-1]) for u in linear.users)
