@@ -18,7 +18,9 @@ construction:
    states) and per microbatch in flight (activations). A stage's price is the sum over its units
    plus the activation it receives over axis 0's link. Several ILP solutions per sub-mesh (the
    fastest, then ones under tighter memory budgets) become separate options, so a stage can trade
-   speed for memory as Alpa's per-stage ILP does.
+   speed for memory as Alpa's per-stage ILP does. The leaner ones are solved after a first DP over
+   the fastest, cut off where they could not beat the step it found (a stage on 1 / s of the rows
+   runs at least 1 / s of the work).
 4. **Search.** The DP per (B, schedule), then the best step time; a one-stage result is the plain
    intra-op plan. Microbatch counts: powers of two dividing the batch (a given count is fixed).
 
@@ -254,9 +256,9 @@ def batch_mixing(graph, batch: int) -> str | None:
     would not: the op where the samples of dim 0 meet (attention over a time-first sequence, batch
     norm's statistics, a loss term nonlinear in batch means), a loss that sums over dim 0 (a
     pipelined step averages its microbatches' losses), or a mean over class targets weighed by
-    model state (``codegen.loss_weights`` weighs microbatches by their counts from the inputs). The sharding rules decide it: dim 0 split
-    over a virtual axis must reach the outputs split, or as a pending mean, with no op needing the
-    samples together."""
+    model state (``codegen.loss_weights`` weighs microbatches by their counts from the inputs).
+    The sharding rules decide it: dim 0 split over a virtual axis must reach the outputs split, or
+    as a pending mean, with no op needing the samples together."""
     from autopar.sharding_spec.strategy import OpContext, strategies_for
 
     out = next(n for n in graph.nodes.values() if n.op == "output")
