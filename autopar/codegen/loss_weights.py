@@ -38,11 +38,11 @@ class LossDenominators:
     def __call__(self, inputs: list) -> list[torch.Tensor]:
         """Each mean's denominator (a float64 scalar) on one microbatch's flattened user inputs."""
         env = dict(zip(self.graph.inputs, inputs))
-        self._device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), None)
+        device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), None)
         out = []
         for node in self.means:
-            target = self._value(node.args[1], env)
-            weight = self._value(arg(node, 2, "weight"), env)
+            target = self._value(node.args[1], env, device)
+            weight = self._value(arg(node, 2, "weight"), env, device)
             ignore_index = arg(node, 4, "ignore_index", -100)
             valid = target != ignore_index
             if weight is None:
@@ -51,17 +51,18 @@ class LossDenominators:
                 out.append((weight.to(torch.float64)[target.masked_fill(~valid, 0)] * valid).sum())
         return out
 
-    def _value(self, value, env: dict):
+    def _value(self, value, env: dict, device):
+        """``value`` with the graph's ops that compute it from the inputs in ``env`` run (each once)."""
         if not isinstance(value, NodeRef):
             return value
         if value.name not in env:
             node = self.graph.nodes[value.name]
             if node.target == "operator.getitem":
-                env[value.name] = self._value(node.args[0], env)[node.args[1]]
+                env[value.name] = self._value(node.args[0], env, device)[node.args[1]]
             else:
-                read = lambda v: self._value(v, env)  # noqa: E731
-                env[value.name] = _aten(node.target)(*_substitute(node.args, read, self._device),
-                                                     **_substitute(node.kwargs, read, self._device))
+                read = lambda v: self._value(v, env, device)  # noqa: E731
+                env[value.name] = _aten(node.target)(*_substitute(node.args, read, device),
+                                                     **_substitute(node.kwargs, read, device))
         return env[value.name]
 
 
