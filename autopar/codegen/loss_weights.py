@@ -19,10 +19,11 @@ import dataclasses
 
 import torch
 
+from autopar.codegen.lower import _subst
 from autopar.codegen.lowerings import _aten
 from autopar.errors import ConfigError
-from autopar.ir.graph import NodeRef
-from autopar.ir.losses import arg, class_means, state_weighing
+from autopar.ir.graph import NodeRef, call_arg
+from autopar.ir.losses import class_means, state_weighing
 
 
 @dataclasses.dataclass
@@ -42,8 +43,8 @@ class LossDenominators:
         out = []
         for node in self.means:
             target = self._value(node.args[1], env, device)
-            weight = self._value(arg(node, 2, "weight"), env, device)
-            ignore_index = arg(node, 4, "ignore_index", -100)
+            weight = self._value(call_arg(node.args, node.kwargs, 2, "weight"), env, device)
+            ignore_index = call_arg(node.args, node.kwargs, 4, "ignore_index", -100)
             valid = target != ignore_index
             if weight is None:
                 out.append(valid.sum(dtype=torch.float64))
@@ -57,12 +58,10 @@ class LossDenominators:
             return value
         if value.name not in env:
             node = self.graph.nodes[value.name]
-            if node.target == "operator.getitem":
-                env[value.name] = self._value(node.args[0], env, device)[node.args[1]]
-            else:
-                read = lambda v: self._value(v, env, device)  # noqa: E731
-                env[value.name] = _aten(node.target)(*_substitute(node.args, read, device),
-                                                     **_substitute(node.kwargs, read, device))
+            # the inputs in reading order, as codegen feeds a node's args (``lower._subst``)
+            feed = iter([self._value(NodeRef(i), env, device) for i in node.inputs])
+            args, kwargs = _subst(tuple(node.args), feed, device), _subst(dict(node.kwargs), feed, device)
+            env[value.name] = args[0][args[1]] if node.target == "operator.getitem" else _aten(node.target)(*args, **kwargs)
         return env[value.name]
 
 
@@ -80,17 +79,3 @@ def loss_denominators(graph, loss: str) -> LossDenominators | None:
                 f"the loss {mean.name} ({mean.target}) is a mean over targets weighed by {state}, model state: a "
                 "pipelined step cannot weigh its microbatches by it yet. Use Pipeline(microbatches=1) or pipeline=False")
     return LossDenominators(graph, means, direct)
-
-
-def _substitute(value, read, device):
-    """``value`` with each NodeRef read, and each device the traced one, replaced by ``device``
-    (the inputs' device: a plan traced on the meta device runs on real tensors)."""
-    if isinstance(value, NodeRef):
-        return read(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_substitute(v, read, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _substitute(v, read, device) for k, v in value.items()}
-    if isinstance(value, torch.device) and device is not None:
-        return device
-    return value

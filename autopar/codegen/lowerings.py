@@ -27,6 +27,7 @@ import torch.distributed as dist
 from autopar.codegen.ops import autopar_all_reduce, handle
 from autopar.cost_model.gradients import whole_on
 from autopar.errors import PlanError
+from autopar.ir.graph import call_arg
 from autopar.ir.losses import CLASS_LOSSES
 from autopar.sharding_spec.rules import embedding as emb_rule
 from autopar.sharding_spec.rules import loss as loss_rule
@@ -41,10 +42,6 @@ REDUCTION_POS = {t: 3 for t in CLASS_LOSSES} | dict(loss_rule.ELEMENTWISE)
 def _aten(target: str):
     _, name, overload = target.split(".")
     return getattr(getattr(torch.ops.aten, name), overload)
-
-
-def _arg(args, kwargs, i, name, default=None):
-    return args[i] if i < len(args) else kwargs.get(name, default)
 
 
 def _with_arg(args, kwargs, i, name, value):
@@ -94,7 +91,7 @@ def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None):
     are local sums, already pending sums."""
     if op == CROSS_ENTROPY and count is None and _fusable_cross_entropy(args, kwargs):
         # the fused cross entropy (no class split): one logits-sized tensor instead of four
-        target, ignore_index = args[1], _arg(args, kwargs, 4, "ignore_index", -100)
+        target, ignore_index = args[1], call_arg(args, kwargs, 4, "ignore_index", -100)
         loss = VocabParallelCrossEntropy.apply(_as_autocast_loss_input(args[0]), target, ignore_index, _CLASSES_WHOLE).sum()
         return loss / class_denominator(target, None, ignore_index, loss.dtype, batch_axes)
     args, kwargs = _with_arg(args, kwargs, REDUCTION_POS[op], "reduction", SUM)
@@ -103,8 +100,8 @@ def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None):
     if count is not None:
         loss = loss / count
     else:
-        target, weight = args[1], _arg(args, kwargs, 2, "weight")
-        loss = loss / class_denominator(target, weight, _arg(args, kwargs, 4, "ignore_index", -100), loss.dtype, batch_axes)
+        target, weight = args[1], call_arg(args, kwargs, 2, "weight")
+        loss = loss / class_denominator(target, weight, call_arg(args, kwargs, 4, "ignore_index", -100), loss.dtype, batch_axes)
     return (loss, *out[1:]) if isinstance(out, tuple) else loss
 
 
@@ -119,8 +116,8 @@ def _as_autocast_loss_input(x: torch.Tensor) -> torch.Tensor:
 def _fusable_cross_entropy(args, kwargs) -> bool:
     """Class-index targets, no class weight, no label smoothing: what the fused loss computes."""
     x, target = args[0], args[1]
-    return (x.is_floating_point() and not target.is_floating_point() and _arg(args, kwargs, 2, "weight") is None
-            and not _arg(args, kwargs, 5, "label_smoothing", 0.0))
+    return (x.is_floating_point() and not target.is_floating_point() and call_arg(args, kwargs, 2, "weight") is None
+            and not call_arg(args, kwargs, 5, "label_smoothing", 0.0))
 
 
 def autopar_vocab_parallel_cross_entropy(x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0, *,
@@ -209,7 +206,7 @@ def lowering(node, node_plan, graph, identical=()):
     lowered = parts & LOWERED_FAMILIES
     target = node.target
     if emb_rule.VOCAB_PARALLEL in lowered and target == "aten.embedding.default":
-        if _arg(node.args, node.kwargs, 3, "scale_grad_by_freq", False) or _arg(node.args, node.kwargs, 4, "sparse", False):
+        if call_arg(node.args, node.kwargs, 3, "scale_grad_by_freq", False) or call_arg(node.args, node.kwargs, 4, "sparse", False):
             raise PlanError(f"node {node.name}: vocabulary-parallel embedding with scale_grad_by_freq or sparse is not supported")
         axes = node_plan.inputs[0].dim_axes[0]
         return autopar_vocab_parallel_embedding, {"vocab_axes": tuple(axes)}, "direct"
@@ -224,7 +221,7 @@ def lowering(node, node_plan, graph, identical=()):
         return autopar_vocab_parallel_cross_entropy, extra, "direct"
     if lowered == {"reduce-partial(mean)"} and target in _SUM_OF_MEAN:
         shape = graph.nodes[node.inputs[0]].meta.shape
-        dim = _arg(node.args, node.kwargs, 1, "dim") if target == "aten.mean.dim" else None
+        dim = call_arg(node.args, node.kwargs, 1, "dim") if target == "aten.mean.dim" else None
         dims = range(len(shape)) if dim is None else [d % len(shape) for d in ([dim] if isinstance(dim, int) else dim)]
         return autopar_mean_as_sum, {"count": math.prod(shape[d] for d in dims)}, "packed"
     if lowered == {loss_rule.MEAN_SPLIT} and target in REDUCTION_POS:

@@ -111,6 +111,11 @@ class Node:
         return f"{self.name} = {self.target}({args}) -> {_fmt_meta(self.meta)}"
 
 
+def call_arg(args, kwargs, i: int, name: str, default=None):
+    """Argument ``name`` of a call, positional at ``i`` or by keyword."""
+    return args[i] if i < len(args) else kwargs.get(name, default)
+
+
 def edge_itemsize(producer_meta, consumer) -> int:
     """Bytes per element of the value ``consumer`` reads from a producer (a getitem reads one
     element of a tuple output)."""

@@ -10,7 +10,7 @@ this; the pipeline search (``solver.pipeline.batch_mixing``) keeps one microbatc
 """
 from __future__ import annotations
 
-from autopar.ir.graph import NodeRef, Role
+from autopar.ir.graph import NodeRef, Role, call_arg
 
 CLASS_LOSSES = {"aten.cross_entropy_loss.default", "aten.nll_loss_forward.default", "aten.nll_loss.default",
                 "aten.nll_loss_nd.default", "aten.nll_loss2d_forward.default"}
@@ -19,11 +19,6 @@ MEAN = 1  # ATen's reduction code for "mean"
 _PASS_THROUGH = {"aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.clone.default",
                  "aten.alias.default", "aten.view.default", "aten.reshape.default", "aten.squeeze.default",
                  "aten.squeeze.dim", "aten.squeeze.dims", "aten.unsqueeze.default", "aten.contiguous.default"}
-
-
-def arg(node, i: int, name: str, default=None):
-    """Argument ``name`` of ``node``, positional at ``i`` or by keyword."""
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
 def class_means(graph, loss: str) -> tuple[list, bool]:
@@ -39,7 +34,7 @@ def class_means(graph, loss: str) -> tuple[list, bool]:
 def state_weighing(graph, mean) -> str | None:
     """The model state (a parameter, buffer or constant placeholder) that ``mean``'s targets or
     class weights are computed from, or None when they come from the inputs alone."""
-    for value in (mean.args[1], arg(mean, 2, "weight")):
+    for value in (mean.args[1], call_arg(mean.args, mean.kwargs, 2, "weight")):
         if isinstance(value, NodeRef):
             for n in ancestors(graph, value.name, include=True):
                 if n.op == "placeholder" and n.role != Role.INPUT:
@@ -62,7 +57,7 @@ def ancestors(graph, name: str, include: bool = False) -> list:
 
 def _is_class_mean(graph, node) -> bool:
     """A class-index loss (integer targets) reduced by "mean"."""
-    if node.target not in CLASS_LOSSES or arg(node, 3, "reduction", MEAN) != MEAN:
+    if node.target not in CLASS_LOSSES or call_arg(node.args, node.kwargs, 3, "reduction", MEAN) != MEAN:
         return False
     target = graph.nodes[node.inputs[1]].meta
     return target is not None and not isinstance(target, tuple) and target.dtype in ("int64", "int32", "uint8", "int16")

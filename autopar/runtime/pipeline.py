@@ -450,18 +450,17 @@ class PipelineRunner:
         """What each microbatch's loss weighs in the step's (``autopar.codegen.loss_weights``):
         1 / m, or for a mean over counted targets its share of the batch's count."""
         m = self.microbatches
-        if self.denominators is None:
-            return torch.full((m,), 1.0 / m, dtype=torch.float64, device=self.device)
-        chunks = [list(x.tensor_split(m) if split else [x] * m) for x, split in zip(flat_inputs, self.batch_dims)]
-        counts = torch.stack([torch.stack(self.denominators([c[k] for c in chunks])) for k in range(m)])  # (m, means)
-        if self.denominators.direct:
-            return (counts[:, 0] / counts[:, 0].sum()).to(self.device)
-        if not bool((counts == counts[:1]).all()):
-            node = self.denominators.means[0]
-            raise ConfigError(
-                f"the loss adds a mean over counted targets ({node.name}, {node.target}) to other terms, and this "
-                f"step's microbatches count {counts[:, 0].tolist()} targets: weighing them alike would not give the "
-                "batch's loss. Use Pipeline(microbatches=1), or make the mean the whole loss")
+        if self.denominators is not None:
+            chunks = [list(x.tensor_split(m) if split else [x] * m) for x, split in zip(flat_inputs, self.batch_dims)]
+            counts = torch.stack([torch.stack(self.denominators([c[k] for c in chunks])) for k in range(m)])  # (m, means)
+            if self.denominators.direct:
+                return (counts[:, 0] / counts[:, 0].sum()).to(self.device)
+            if not bool((counts == counts[:1]).all()):
+                node = self.denominators.means[0]
+                raise ConfigError(
+                    f"the loss adds a mean over counted targets ({node.name}, {node.target}) to other terms, and this "
+                    f"step's microbatches count {counts[:, 0].tolist()} targets: weighing them alike would not give "
+                    "the batch's loss. Use Pipeline(microbatches=1), or make the mean the whole loss")
         return torch.full((m,), 1.0 / m, dtype=torch.float64, device=self.device)
 
     @torch.no_grad()
