@@ -51,8 +51,8 @@ class ClusterSpec:
     collective_factors: optional per collective kind, factors on (alpha, beta), written
       ``{"reduce_scatter": {"alpha": 1.6, "beta": 2.7}}``: how much slower (or faster) than the
       ring model a backend runs that kind (gloo's reduce_scatter, for one). Kinds not listed use
-      (1, 1); presets list none. Fitted by ``profile_comm``; applied by
-      ``comm.mesh_collective_time``.
+      (1, 1); the GPU presets list none (NCCL follows the ring model), cpu-gloo lists gloo's.
+      Fitted by ``profile_comm``; applied by ``comm.mesh_collective_time``.
     op_overhead_s / backward_op_overhead_s: framework time per op run eagerly (dispatch, autograd
       bookkeeping), forward and backward; paid by every op, views included, on top of its roofline.
     optimizer_s_per_element / optimizer_s_per_tensor: one AdamW step's time per local parameter
@@ -271,6 +271,12 @@ PRESETS: dict[str, ClusterSpec] = {
             "forward and backward, AdamW ~2 ns per fp32 element and ~20 us per tensor on one core; "
             "gloo's collectives compete with compute for the cores."
         ),
+        # gloo's own algorithms, relative to the ring model (geometric mean 1 over the kinds): its
+        # reduce_scatter moves bytes ~4x slower per byte than its all_reduce. Fitted by
+        # `autopar profile --mesh 2` and `--mesh 4` (five fits, this 2-core VM, torch 2.13); the
+        # per-axis link above stays rough, the ratios between kinds are gloo's.
+        collective_factors=(("all_gather", 1.0, 0.85), ("all_reduce", 1.1, 0.6), ("all_to_all", 0.55, 0.75),
+                            ("reduce_scatter", 1.65, 2.6)),
         op_overhead_s=2e-6,
         backward_op_overhead_s=3e-6,
         optimizer_s_per_element=2e-9,

@@ -139,10 +139,13 @@ def test_cost_scales_linearly_with_the_link(kind, b, n, link, k):
 
 
 def test_mesh_default_cluster_prices_on_cpu_gloo():
+    """A mesh without a cluster prices on the cpu-gloo preset: its link, times gloo's factor for the kind."""
     mesh = Mesh((2, 2))
-    assert mesh_collective_time("all_reduce", 1e6, mesh, (0,)) == pytest.approx(
-        collective_time("all_reduce", 1e6, 2, PRESETS["cpu-gloo"].intra_node)
-    )
+    gloo = PRESETS["cpu-gloo"]
+    for kind in COLLECTIVES:
+        fa, fb = gloo.collective_factor(kind)
+        link = Link(gloo.intra_node.alpha * fa, gloo.intra_node.beta * fb)
+        assert mesh_collective_time(kind, 1e6, mesh, (0,)) == pytest.approx(collective_time(kind, 1e6, 2, link))
 
 
 # ---- presets and resolution ----------------------------------------------------------------------------

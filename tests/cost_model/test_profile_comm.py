@@ -100,10 +100,16 @@ def test_collective_factors_are_priced_and_round_trip():
     assert cl.collective_factor("reduce_scatter") == (3.0, 2.0) and cl.collective_factor("all_gather") == (1.0, 1.0)
     assert ClusterSpec.from_dict(json.loads(json.dumps(cl.to_dict()))) == cl
     assert hash(cl) == hash(ClusterSpec.from_dict(cl.to_dict()))
-    assert PRESETS["cpu-gloo"].to_dict()["collective_factors"] == {}
+    # the cpu-gloo preset carries gloo's own factors: normalised like a fit (geometric mean 1), with
+    # reduce_scatter's bytes the slowest (gloo's reduce_scatter trails its all_reduce)
+    gloo = PRESETS["cpu-gloo"].to_dict()["collective_factors"]
+    assert set(gloo) == set(COLLECTIVES)
+    for part in ("alpha", "beta"):
+        assert math.prod(f[part] for f in gloo.values()) == pytest.approx(1.0, abs=0.1)
+    assert gloo["reduce_scatter"]["beta"] > 3 * gloo["all_reduce"]["beta"]
     B = 1 << 20
     for link, want in ((Link(0.0, 1e-9), 2.0), (Link(1e-5, 0.0), 3.0)):
-        plain = Mesh((4,), cluster=PRESETS["cpu-gloo"].with_axis_links([link]))
+        plain = Mesh((4,), cluster=dataclasses.replace(cl, collective_factors=()).with_axis_links([link]))
         scaled = Mesh((4,), cluster=cl.with_axis_links([link]))
         assert mesh_collective_time("reduce_scatter", B, scaled, (0,)) == pytest.approx(want * mesh_collective_time("reduce_scatter", B, plain, (0,)))
         assert mesh_collective_time("all_gather", B, scaled, (0,)) == mesh_collective_time("all_gather", B, plain, (0,))

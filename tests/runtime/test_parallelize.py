@@ -409,9 +409,12 @@ def fail_mid_step(rank, world_size, mode):
     """Every rank trains one step; in the second, rank 1 raises (or, ``mode="hang"``, sleeps)
     after forward, while the others enter backward's collectives with it."""
     warnings.simplefilter("ignore")
-    mesh = autopar.Mesh((2, 2) if world_size == 4 else (world_size,), cluster="cpu-gloo")
+    # Data parallel, forced: every rank's gradient all-reduce needs rank 1 (left to itself the
+    # planner may replicate so small an MLP and communicate nothing).
+    mesh = autopar.Mesh((world_size,), cluster="cpu-gloo")
     model, inputs = models.build("mlp")
-    pm = autopar.parallelize(model, mesh, inputs, timeout=MID_STEP_TIMEOUT_S, plan_kwargs={"idle_axes": ()}, pipeline=False)
+    pm = autopar.parallelize(model, mesh, inputs, timeout=MID_STEP_TIMEOUT_S, force=autopar.Layout(dp=world_size),
+                             pipeline=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     pm(*inputs).backward()
     opt.step()
@@ -684,9 +687,11 @@ def test_forced_2_5d_and_3d_and_a_2x4_mesh_on_8_ranks():
     _assert_exact(cases["gpt auto (2, 4)"])
     hybrid = cases["gpt dp2 x tp4 (2, 4)"]
     _assert_exact(hybrid)
-    # batch on axis 0, Megatron column / row on axis 1: the 2-D matmul families
+    # batch on axis 0, Megatron column / row on axis 1: both 2-D matmul families ran (which linears
+    # go row-parallel is the ILP's choice: on gloo's prices, latency-bound all-reduces of these small
+    # activations lose to gathers in some layers)
     fams = hybrid[0]["families"]
-    assert fams.get("2d", 0) >= 2 and fams.get("2d-mk", 0) >= 2, fams
+    assert fams.get("2d", 0) >= 2 and fams.get("2d-mk", 0) >= 1, fams
 
 
 def test_parallelize_outside_ranks_is_a_config_error(monkeypatch):

@@ -1,5 +1,7 @@
 """Hand-checked resharding plans: the step kinds, groups, bytes and prices one can work out on paper,
 each also run in the simulator; and the errors for impossible requests."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,6 +13,13 @@ from autopar.sharding_spec import simulator
 from autopar.sharding_spec.reshard import LOCAL_STEP_TIEBREAK_S
 
 GLOO = PRESETS["cpu-gloo"].intra_node
+# The ring model's answers: the cpu-gloo preset's links without gloo's per-kind factors (those are
+# checked on their own below).
+RING = dataclasses.replace(PRESETS["cpu-gloo"], name="cpu-gloo ring model", collective_factors=())
+
+
+def ring_mesh(shape) -> Mesh:
+    return Mesh(shape, cluster=RING)
 
 
 def spec(text, shape, mesh):
@@ -40,7 +49,7 @@ def only_step(plan):
 
 # ---- the cases of the brief ----------------------------------------------------------------------------
 def test_partial_to_multi_axis_split_is_one_reduce_scatter():
-    mesh = Mesh((2, 2))
+    mesh = ring_mesh((2, 2))
     src, dst = spec("[S0, R | P1]", (8, 8), mesh), spec("[S01, R]", (8, 8), mesh)
     plan = run(src, dst, mesh)
     step = only_step(plan)
@@ -58,9 +67,29 @@ def test_partial_to_multi_axis_split_is_one_reduce_scatter():
     assert plan.cost < naive.cost
 
 
+def test_gloo_preset_sums_then_slices_rather_than_reduce_scatter():
+    """gloo's reduce_scatter moves a byte several times slower than its all_reduce (the preset's
+    collective factors), so on cpu-gloo the same request is an all_reduce and a free slice, priced
+    with the factors, and the reduce_scatter would cost more."""
+    cluster = PRESETS["cpu-gloo"]
+    mesh = Mesh((2, 2))
+    assert mesh.resolved_cluster() is cluster and cluster.collective_factor("reduce_scatter") != (1.0, 1.0)
+    src, dst = spec("[S0, R | P1]", (64, 64), mesh), spec("[S01, R]", (64, 64), mesh)
+    plan = run(src, dst, mesh)
+    assert [s.kind for s in plan.steps] == ["all_reduce", "slice"]
+    nbytes = 32 * 64 * 4
+
+    def priced(kind):
+        fa, fb = cluster.collective_factor(kind)
+        return collective_time(kind, nbytes, 2, Link(GLOO.alpha * fa, GLOO.beta * fb))
+
+    assert plan.steps[0].cost == pytest.approx(priced("all_reduce"))
+    assert plan.cost < priced("reduce_scatter")
+
+
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2), (2, 4)])
 def test_partial_to_replicated_is_one_all_reduce(mesh_shape):
-    mesh = Mesh(mesh_shape)
+    mesh = ring_mesh(mesh_shape)
     src = ShardingSpec((16,), ((),), (0,), mesh.ndim)  # [R | P0]
     dst = ShardingSpec((16,), ((),), (), mesh.ndim)  # [R]
     assert src.notation() == "[R | P0]" and dst.notation() == "[R]"
@@ -74,7 +103,7 @@ def test_partial_to_replicated_is_one_all_reduce(mesh_shape):
 
 
 def test_shard_dim_change_is_one_all_to_all():
-    mesh = Mesh((4,))
+    mesh = ring_mesh((4,))
     src, dst = spec("[S0, R]", (8, 8), mesh), spec("[R, S0]", (8, 8), mesh)
     plan = run(src, dst, mesh)
     step = only_step(plan)
@@ -89,7 +118,7 @@ def test_shard_dim_change_is_one_all_to_all():
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 def test_replicated_to_shard_is_a_free_slice(mesh_shape):
-    mesh = Mesh(mesh_shape)
+    mesh = ring_mesh(mesh_shape)
     src = ShardingSpec.replicate((8, 4), mesh.ndim)
     dst = ShardingSpec((8, 4), ((0,), ()), (), mesh.ndim)
     plan = run(src, dst, mesh)
@@ -106,7 +135,7 @@ def test_replicated_to_shard_is_a_free_slice(mesh_shape):
     [("[R]", (8,), (4,)), ("[S0, R | P1]", (8, 8), (2, 2)), ("[S10, R]", (8, 8), (2, 4)), ("[ | P012]", (), (2, 2, 2))],
 )
 def test_same_spec_is_an_empty_plan(text, shape, mesh_shape):
-    mesh = Mesh(mesh_shape)
+    mesh = ring_mesh(mesh_shape)
     s = spec(text, shape, mesh)
     plan = plan_reshard(s, s, mesh)
     assert plan.steps == () and plan.cost == 0 and plan.comm_bytes == 0
@@ -116,7 +145,7 @@ def test_same_spec_is_an_empty_plan(text, shape, mesh_shape):
 
 
 def test_shape_mismatch_is_a_reshard_error():
-    mesh = Mesh((2,))
+    mesh = ring_mesh((2,))
     with pytest.raises(ReshardError) as e:
         plan_reshard(spec("[S0]", (8,), mesh), spec("[S0]", (16,), mesh), mesh)
     assert "(8,)" in str(e.value) and "(16,)" in str(e.value)
@@ -126,7 +155,7 @@ def test_shape_mismatch_is_a_reshard_error():
 
 @pytest.mark.parametrize("which", ["source", "target"])
 def test_uneven_spec_is_a_sharding_error(which):
-    mesh = Mesh((4,))
+    mesh = ring_mesh((4,))
     even, uneven = spec("[R, R]", (6, 8), mesh), spec("[S0, R]", (6, 8), mesh)
     src, dst = (uneven, even) if which == "source" else (even, uneven)
     with pytest.raises(ShardingError) as e:
@@ -135,7 +164,7 @@ def test_uneven_spec_is_a_sharding_error(which):
 
 
 def test_spec_for_another_mesh_is_a_sharding_error():
-    mesh = Mesh((2, 2))
+    mesh = ring_mesh((2, 2))
     one_axis = ShardingSpec.parse("[S0]", (8,), 1)
     with pytest.raises(ShardingError, match="1-axis mesh"):
         plan_reshard(one_axis, ShardingSpec.replicate((8,), 2), mesh)
@@ -143,7 +172,7 @@ def test_spec_for_another_mesh_is_a_sharding_error():
 
 # ---- more hand-checked plans -------------------------------------------------------------------------
 def test_gather_only_the_trailing_axis():
-    mesh = Mesh((2, 2))
+    mesh = ring_mesh((2, 2))
     plan = run(spec("[S01, R]", (8, 8), mesh), spec("[S0, R]", (8, 8), mesh), mesh)
     step = only_step(plan)
     assert step.kind == "all_gather" and step.axes == (1,) and step.src_dim == 0
@@ -151,14 +180,14 @@ def test_gather_only_the_trailing_axis():
 
 
 def test_multi_axis_all_to_all():
-    mesh = Mesh((2, 2))
+    mesh = ring_mesh((2, 2))
     plan = run(spec("[S01, R]", (8, 8), mesh), spec("[R, S01]", (8, 8), mesh), mesh)
     step = only_step(plan)
     assert step.kind == "all_to_all" and step.axes == (0, 1) and (step.src_dim, step.dst_dim) == (0, 1)
 
 
 def test_partial_over_two_axes_scatter_in_either_order():
-    mesh = Mesh((2, 2))
+    mesh = ring_mesh((2, 2))
     for target, axes in (("[S01, R]", (0, 1)), ("[S10, R]", (1, 0))):
         plan = run(spec("[R, R | P01]", (8, 8), mesh), spec(target, (8, 8), mesh), mesh)
         step = only_step(plan)
@@ -166,14 +195,14 @@ def test_partial_over_two_axes_scatter_in_either_order():
 
 
 def test_partial_to_partial_reduces_only_the_dropped_axis():
-    mesh = Mesh((2, 2))
+    mesh = ring_mesh((2, 2))
     plan = run(spec("[R, R | P01]", (8, 8), mesh), spec("[R, R | P0]", (8, 8), mesh), mesh)
     step = only_step(plan)
     assert step.kind == "all_reduce" and step.axes == (1,)
 
 
 def test_replicated_to_partial_is_free():
-    mesh = Mesh((2, 2))
+    mesh = ring_mesh((2, 2))
     plan = run(spec("[R, R]", (8, 8), mesh), spec("[R, R | P1]", (8, 8), mesh), mesh)
     step = only_step(plan)
     assert step.kind == "to_partial" and step.axes == (1,) and step.cost == LOCAL_STEP_TIEBREAK_S
@@ -181,7 +210,7 @@ def test_replicated_to_partial_is_free():
 
 def test_swapping_split_order_goes_through_a_gather():
     # no step permutes shards between ranks, so [S01] -> [S10] gathers and re-slices
-    mesh = Mesh((2, 2))
+    mesh = ring_mesh((2, 2))
     plan = run(spec("[S01, R]", (8, 8), mesh), spec("[S10, R]", (8, 8), mesh), mesh)
     assert [s.kind for s in plan.steps][-2:] == ["slice", "slice"]
     assert plan.cost <= naive_plan(plan.src, plan.dst, mesh).cost
@@ -215,7 +244,7 @@ def test_hierarchical_all_reduce():
 
 
 def test_itemsize_scales_bytes_and_is_part_of_the_cache_key():
-    mesh = Mesh((4,))
+    mesh = ring_mesh((4,))
     src, dst = spec("[S0]", (64,), mesh), spec("[R]", (64,), mesh)
     p4 = plan_reshard(src, dst, mesh, 4)
     p2 = plan_reshard(src, dst, mesh, 2)
@@ -226,7 +255,7 @@ def test_itemsize_scales_bytes_and_is_part_of_the_cache_key():
 
 
 def test_cluster_is_part_of_the_cache_key():
-    src_mesh, fast_mesh = Mesh((4,)), Mesh((4,), cluster=PRESETS["cpu-gloo"].with_axis_links([Link(0.0, 0.0)]))
+    src_mesh, fast_mesh = ring_mesh((4,)), Mesh((4,), cluster=PRESETS["cpu-gloo"].with_axis_links([Link(0.0, 0.0)]))
     src, dst = spec("[S0]", (64,), src_mesh), spec("[R]", (64,), src_mesh)
     assert plan_reshard(src, dst, fast_mesh).cost == 0
     assert plan_reshard(src, dst, src_mesh).cost > 0
@@ -237,7 +266,7 @@ def test_infeasible_transitions_cost_inf():
 
     from autopar.sharding_spec.reshard import reshard_cost, reshard_costs_from
 
-    mesh = Mesh((4,))
+    mesh = ring_mesh((4,))
     src = ShardingSpec.parse("[S0, R]", (8, 6), 1)
     uneven = ShardingSpec.parse("[R, S0]", (8, 6), 1)  # 6 does not split over 4
     other_shape = ShardingSpec.parse("[S0, R]", (8, 8), 1)
