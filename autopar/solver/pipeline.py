@@ -251,6 +251,48 @@ def batch_size(example_inputs, example_kwargs=None) -> int:
     return tensors[0].shape[0]
 
 
+_IOTA_THROUGH = {"aten.unsqueeze.default", "aten.view.default", "aten.reshape.default", "aten.expand.default",
+                 "aten._to_copy.default", "aten.to.dtype", "aten.to.device", "aten.clone.default"}
+
+
+
+def _iota_args(size: int) -> dict:
+    """target -> args of the aranges 0, 1, ..., size - 1."""
+    return {"aten.arange.default": (size,), "aten.arange.start": (0, size), "aten.arange.start_step": (0, size, 1)}
+
+
+def _iota_index_rows(graph, node, spec) -> int | None:
+    """The output dim that carries the samples of ``aten.index.Tensor(x, indices)`` when ``x`` is
+    split on one dim d (``spec``), the indices are the leading ones, and index d is an ``arange``
+    over all of dim d (through views and casts: transformers' masks read ``mask[batch_arange,
+    kv_arange]``), every other index unsplit. Each sample then reads its own row, and a
+    microbatch, traced at its own size, indexes its rows with its own ``arange``. None otherwise."""
+    if node.target != "aten.index.Tensor" or len(node.args) < 2 or not node.inputs:
+        return None
+    src = spec.get(node.inputs[0])
+    indices = node.args[1]
+    if not isinstance(src, ShardingSpec) or src.partial or not isinstance(indices, (list, tuple)):
+        return None
+    split = [d for d, axes in enumerate(src.dim_axes) if axes]
+    if len(split) != 1 or split[0] >= len(indices) or any(i is None for i in indices):
+        return None
+    d = split[0]
+    names = [getattr(i, "name", None) for i in indices]
+    if None in names or any(spec.get(n) is not None for n in names):
+        return None
+    iota = graph.nodes[names[d]]
+    while iota.target in _IOTA_THROUGH:
+        iota = graph.nodes[iota.inputs[0]]
+    size = src.shape[d]
+    if _iota_args(size).get(iota.target) != tuple(iota.args):
+        return None
+    shape = tuple(graph.nodes[names[d]].meta.shape)
+    broadcast = len(node.meta.shape) - (len(src.shape) - len(indices))  # the indices' broadcast dims lead the output
+    if shape.count(size) != 1 or any(n not in (1, size) for n in shape) or len(shape) > broadcast:
+        return None
+    return broadcast - len(shape) + shape.index(size)
+
+
 def batch_mixing(graph, batch: int) -> str | None:
     """Why splitting the inputs' dim 0 into microbatches would change the step, or None when it
     would not: the op where the samples of dim 0 meet (attention over a time-first sequence, batch
@@ -298,6 +340,11 @@ def batch_mixing(graph, batch: int) -> str | None:
                     return f"the output {name} sums over dim 0 (a pipelined step averages its microbatches' losses)"
             continue
         if node.op != "call_function" or not any(x is not None for x in have):
+            continue
+        rows = _iota_index_rows(graph, node, spec)
+        if rows is not None:  # x[arange(b)[:, None], ...]: each sample reads its own row
+            spec[node.name] = ShardingSpec(node.meta.shape, tuple((0,) if d == rows else () for d in range(len(node.meta.shape))),
+                                           (), 1)
             continue
         ctx = OpContext(node, mesh, [graph.nodes[i].meta for i in node.inputs], graph)
         pending = {kind[i] for i, x in zip(node.inputs, have) if isinstance(x, ShardingSpec) and x.partial}

@@ -91,9 +91,19 @@ def _padded(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(torch.arange(x.shape[1]) < (ids[:, :1] % 13), -100)
 
 
-def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=None, clip=False, padded=False):
+def _masked(kwargs: dict) -> dict:
+    """A transformers call with an attention mask that pads each row's last ``ids[row, 0] % 5``
+    positions (their labels ignored): transformers' masks read it per sample by index."""
+    ids = kwargs["input_ids"]
+    keep = torch.arange(ids.shape[1]) < ids.shape[1] - ids[:, :1] % 5
+    return {**kwargs, "attention_mask": keep.long(), "labels": kwargs["labels"].masked_fill(~keep, -100)}
+
+
+def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=None, clip=False, padded=False,
+                  masked=False):
     """Train ``STEPS`` AdamW steps with ``train_step`` next to one process; errors and the stages.
-    ``padded``: targets partly ignored (``_padded``)."""
+    ``padded``: targets partly ignored (``_padded``); ``masked``: a padding attention mask too
+    (``_masked``, transformers models)."""
     def go():
         counts = _CountSplit()
         try:
@@ -118,7 +128,9 @@ def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=No
             net = _hf(model, layers)
             g = torch.Generator().manual_seed(0)
             inputs = tuple(torch.randint(0, HF_VOCAB, (8, 16), generator=g) for _ in range(2))
-            kwargs_fn = lambda x: {"input_ids": x[0], "labels": _padded(x[1], x[0]) if padded else x[1]}  # noqa: E731
+            def kwargs_fn(x):
+                kwargs = {"input_ids": x[0], "labels": _padded(x[1], x[0]) if padded else x[1]}
+                return _masked(kwargs) if masked else kwargs
         ref = copy.deepcopy(net)
         mesh = autopar.Mesh(mesh_shape)
         if kwargs_fn is None:
@@ -245,6 +257,11 @@ CASES = [
      dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2), padded=True)),
     ("gpt padded targets interleaved 4 ranks x 2 stages", (4,), dict(stages=4, virtual_stages=2, microbatches=4),
      dict(layers=8, padded=True)),
+    # transformers' masks index the attention mask by an arange over the batch: still per sample
+    ("hf gpt2 attention mask 2 stages x dp2", (4,), dict(stages=2, microbatches=4, schedule="1f1b"),
+     dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2), masked=True)),
+    ("hf llama attention mask 2 stages x tp2", (4,), dict(stages=2, microbatches=2, schedule="gpipe"),
+     dict(model="hf-llama", layers=2, layout=autopar.Layout(tp=2), masked=True)),
     # nn.MultiheadAttention merges (time, batch) rows inside: kept apart (ir/rewrites.py), so microbatches split it
     ("vit 2 stages x dp2", (4,), dict(stages=2, microbatches=2, schedule="1f1b"), dict(model="vit", layers=2,
                                                                                     layout=autopar.Layout(dp=2))),

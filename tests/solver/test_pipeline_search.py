@@ -564,6 +564,44 @@ class _BufferWeightedLoss(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.fc(x), y, weight=self.class_weight)
 
 
+class _MaskByIndex(torch.nn.Module):
+    """Attention over a padding mask read per sample by index, as transformers 5 builds its masks:
+    ``mask[rows[:, None, None, None], cols[None, None, None, :]]`` with ``rows`` an ``arange`` over
+    the batch (``rows``: "arange"), the batch reversed ("flip": samples read each other's masks) or
+    a row index from the inputs ("input")."""
+
+    def __init__(self, rows="arange"):
+        super().__init__()
+        self.rows, self.blocks = rows, torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x, mask, pick=None):
+        b, t = mask.shape
+        rows = {"arange": lambda: torch.arange(b), "flip": lambda: torch.arange(b).flip(0), "input": lambda: pick}[self.rows]()
+        m = mask.bool()[rows[:, None, None, None], torch.arange(t)[None, None, None, :]]  # (b, 1, 1, t)
+        for proj in self.blocks:
+            scores = (proj(x) @ x.transpose(1, 2)).masked_fill(~m[:, 0], -1e4)  # (b, t, t)
+            x = x + scores.softmax(-1) @ x
+        return x.square().mean()
+
+
+def test_batch_mixing_reads_masks_indexed_per_sample():
+    """An index by an arange over the batch reads each sample's own row (microbatches trace their
+    own arange); a reversed arange or an index from the inputs reads other samples' rows."""
+    from autopar.solver.pipeline import batch_mixing
+
+    x, mask = torch.randn(4, 6, 8), (torch.rand(4, 6) > 0.3).long()
+    assert batch_mixing(ir.trace(_MaskByIndex("arange"), (x, mask)), 4) is None
+    for rows, extra in (("flip", ()), ("input", (torch.tensor([1, 0, 3, 2]),))):
+        why = batch_mixing(ir.trace(_MaskByIndex(rows), (x, mask, *extra)), 4)
+        assert why is not None and "aten.index.Tensor" in why, (rows, why)
+    # the same through autopar.plan: 2 microbatches of the arange case; the flipped one refused
+    mesh = autopar.Mesh((2,), cluster="cpu-gloo")
+    plan = autopar.plan(_MaskByIndex("arange"), mesh, (x, mask), pipeline=autopar.Pipeline(stages=2, microbatches=2))
+    assert plan.pipeline.microbatches == 2 and len(plan.pipeline.stages) == 2
+    with pytest.raises(ConfigError, match=r"not a batch of independent samples here: aten\.index\.Tensor"):
+        autopar.plan(_MaskByIndex("flip"), mesh, (x, mask), pipeline=autopar.Pipeline(stages=2, microbatches=2))
+
+
 def test_batch_mixing_finds_where_samples_meet():
     from autopar.solver.pipeline import batch_mixing
 
