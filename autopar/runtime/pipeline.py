@@ -112,7 +112,10 @@ class _StageProgram(nn.Module):
         self.chunk = 0  # the microbatch the stage runs (set by ``_chunk_stage``)
         self.sync_chunk: int | None = None  # the microbatch whose backward synchronises (None: after the schedule)
         self.read_slots = sorted({slot for slot in program.state_slots if slot is not None})
-        gm = program.lowered.gm
+        # The last stage returns the loss alone: a pipelined step reads nothing else, and the other
+        # outputs' resharding to whole values (a language model's logits, gathered over the vocab or
+        # the batch, every microbatch) would only cost time.
+        gm = program.loss_only() if last else program.lowered.gm
         # Recomputation per layer, as the plan priced it: one checkpointed piece per layer.
         self.program = checkpointed_by_layer(gm, unit_of, pmodel._ap.groups) if recompute else gm
 
@@ -135,9 +138,9 @@ class _StageProgram(nn.Module):
 
         with ops.bind(ap.groups):
             out = tuple(self.program(*state, *feed))
-        n_user = len(out) - len(lowered.boundary_outputs)
         if self.last:
-            return tuple(out[:n_user])
+            return out  # (loss,)
+        n_user = len(out) - len(lowered.boundary_outputs)
         made = dict(zip(lowered.boundary_outputs, out[n_user:]))
         # A value passing through is re-viewed so autograd hands its gradient straight back.
         return tuple(made[v] if v in made else (vals[v].view_as(vals[v]) if vals[v].requires_grad else vals[v])
@@ -346,7 +349,8 @@ class PipelineRunner:
             module = _StageProgram(pmodel, programs[s], cut, last, bool(plan.pipeline.stages[s].recompute), unit_of,
                                    split_backward=plan.pipeline.schedule == "zero-bubble")
             inputs = tuple(self._example(v, specs, mesh) for v in cut.receives)
-            outputs = tuple(self._example(v, {} if last else specs, mesh) for v in (out_node.inputs if last else cut.sends))
+            outputs = tuple(self._example(v, {} if last else specs, mesh)
+                            for v in ([out_node.inputs[loss_index]] if last else cut.sends))
             self.modules.append(module)
             stage_cls = _split_backward_stage() if plan.pipeline.schedule == "zero-bubble" else _chunk_stage()
             self.pipeline_stages.append(stage_cls(module, s, self.stages, device, input_args=inputs,
@@ -358,10 +362,8 @@ class PipelineRunner:
         if schedule not in SCHEDULE_CLASSES:
             raise ConfigError(f"schedule {schedule!r} is planned but not run yet; the runtime runs {sorted(SCHEDULE_CLASSES)}")
         schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
-        index = loss_index
-
-        def loss_fn(output, weight):  # ``weight``: this microbatch's slice of ``loss_weights``
-            out = output[index] if isinstance(output, (tuple, list)) else output
+        def loss_fn(output, weight):  # the last stage's (loss,); ``weight``: this microbatch's slice of ``loss_weights``
+            out = output[0] if isinstance(output, (tuple, list)) else output
             return out * weight[0].to(out.dtype)
 
         chunks = tuple(pipelining.microbatch.TensorChunkSpec(0) if split else pipelining.microbatch._Replicate

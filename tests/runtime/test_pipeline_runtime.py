@@ -161,13 +161,23 @@ def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=No
         state_err = max(rel(full[k], want_sd[k]) for k in want_sd)
         summary = pm.plan.summary()["pipeline"]
         pieces = sum(isinstance(m, _Checkpointed) for stage in pm._ap.pipeline.modules for m in stage.modules())
-        return {"pieces": pieces, "tag": tag, "loss_err": loss_err, "grad_err": grad_err, "norm_err": norm_err, "state_err": state_err,
+        # the last stage's program against the lowered one it was cut from: outputs and collectives
+        last = [(_outputs_and_gathers(m.feeds.lowered.gm), _outputs_and_gathers(m.program))
+                for m in pm._ap.pipeline.modules if m.last and isinstance(m.program, torch.fx.GraphModule)]
+        return {"pieces": pieces, "tag": tag, "last_stage": last, "loss_err": loss_err, "grad_err": grad_err, "norm_err": norm_err, "state_err": state_err,
                 "keys_equal": set(full) == set(want_sd), "n_params": len(list(pm.parameters())),
                 "stages": [(s["layers"], s["mesh_shape"], bool(s["recompute"])) for s in summary["stages"]],
                 "schedule": summary["schedule"], "microbatches": summary["microbatches"], "stage": pm.stage,
                 "rank_stages": pm.stages, "virtual": summary["virtual_stages"]}
 
     return run_case(tag, go)
+
+
+def _outputs_and_gathers(gm) -> tuple[int, int]:
+    """(outputs, all-gathers) of a lowered program."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return len(out.args[0]), sum(n.op == "call_function" and "all_gather" in getattr(n.target, "__name__", "")
+                                 for n in gm.graph.nodes)
 
 
 def errors_case():
@@ -357,6 +367,17 @@ def test_pipelined_training_is_exact(results, tag):
         assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, r
         assert r["norm_err"] <= TOL, r
         assert r["state_err"] <= STATE_TOL and r["keys_equal"], r
+
+
+def test_the_last_stage_computes_the_loss_alone(results):
+    """A pipelined step reads only the loss: the last stage's program returns it alone, without the
+    logits transformers' models also return, nor the gather that made them whole."""
+    for tag in ("hf gpt2 attention mask 2 stages x dp2", "hf gpt2 padded labels 2 stages x dp2"):
+        seen = [c["last_stage"] for c in results[tag] if c["last_stage"]]
+        assert seen, tag
+        for (lowered_out, lowered_gathers), (out, gathers) in (x for per_rank in seen for x in per_rank):
+            assert lowered_out >= 2 and out == 1, (tag, lowered_out, out)
+            assert gathers < lowered_gathers, (tag, lowered_gathers, gathers)  # the logits' gather is gone
 
 
 def test_stages_are_what_was_asked(results):
