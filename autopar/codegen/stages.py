@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch.utils._pytree as pytree
-
-from autopar.errors import ConfigError, PlanError
+from autopar.errors import PlanError
 from autopar.ir.blocks import unit_of_nodes
 from autopar.ir.graph import Role
 from autopar.sharding_spec.spec import ShardingSpec
@@ -104,21 +102,6 @@ def shared_params(graph, cuts: list[StageCut]) -> dict[str, frozenset]:
             if graph.nodes[n].op == "placeholder" and graph.nodes[n].role == Role.PARAMETER:
                 out.setdefault(n, set()).add(cut.index)
     return {k: frozenset(v) for k, v in out.items() if len(v) > 1}
-
-
-def loss_position(graph) -> int:
-    """Index of the loss among the model's flat outputs, as ``train_step`` reads it: a ``loss``
-    entry of a returned dict (a transformers ModelOutput), else the first floating-point scalar."""
-    out = next(n for n in graph.nodes.values() if n.op == "output")
-    tree = pytree.tree_unflatten(list(range(len(out.inputs))), graph.exported.call_spec.out_spec)
-    if isinstance(tree, dict) and isinstance(tree.get("loss"), int):
-        return tree["loss"]
-    for i, v in enumerate(out.inputs):
-        meta = graph.nodes[v].meta
-        if meta is not None and not isinstance(meta, tuple) and tuple(meta.shape) == () and "float" in meta.dtype:
-            return i
-    raise ConfigError(f"{graph.model_name} returns no scalar loss; train_step trains a model that computes its loss "
-                      "in forward (e.g. pass labels to a transformers model)")
 
 
 def lower_stage(graph, plan, cuts: list[StageCut], specs: dict, st: int, mesh, device=None):

@@ -8,8 +8,9 @@ import dataclasses
 
 import torch.distributed as dist
 
-from autopar.codegen.stages import cut_stages, loss_position, lower_stage, sent_specs, shared_params
+from autopar.codegen.stages import cut_stages, lower_stage, sent_specs, shared_params
 from autopar.errors import ConfigError
+from autopar.ir.losses import loss_position
 from autopar.runtime.pipeline import PipelineRunner, make_stage_groups
 from autopar.runtime.programs import Program
 from autopar.sharding_spec.mesh import Mesh

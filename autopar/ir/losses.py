@@ -10,6 +10,9 @@ this; the pipeline search (``solver.pipeline.batch_mixing``) keeps one microbatc
 """
 from __future__ import annotations
 
+import torch.utils._pytree as pytree
+
+from autopar.errors import ConfigError
 from autopar.ir.graph import NodeRef, Role, call_arg
 
 CLASS_LOSSES = {"aten.cross_entropy_loss.default", "aten.nll_loss_forward.default", "aten.nll_loss.default",
@@ -19,6 +22,21 @@ MEAN = 1  # ATen's reduction code for "mean"
 _PASS_THROUGH = {"aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.clone.default",
                  "aten.alias.default", "aten.view.default", "aten.reshape.default", "aten.squeeze.default",
                  "aten.squeeze.dim", "aten.squeeze.dims", "aten.unsqueeze.default", "aten.contiguous.default"}
+
+
+def loss_position(graph) -> int:
+    """Index of the loss among the model's flat outputs, as ``train_step`` reads it: a ``loss``
+    entry of a returned dict (a transformers ModelOutput), else the first floating-point scalar."""
+    out = next(n for n in graph.nodes.values() if n.op == "output")
+    tree = pytree.tree_unflatten(list(range(len(out.inputs))), graph.exported.call_spec.out_spec)
+    if isinstance(tree, dict) and isinstance(tree.get("loss"), int):
+        return tree["loss"]
+    for i, v in enumerate(out.inputs):
+        meta = graph.nodes[v].meta
+        if meta is not None and not isinstance(meta, tuple) and tuple(meta.shape) == () and "float" in meta.dtype:
+            return i
+    raise ConfigError(f"{graph.model_name} returns no scalar loss; train_step trains a model that computes its loss "
+                      "in forward (e.g. pass labels to a transformers model)")
 
 
 def class_means(graph, loss: str) -> tuple[list, bool]:

@@ -16,8 +16,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.codegen import ops
-from autopar.codegen.stages import loss_position
-
+from autopar.ir.losses import loss_position
 
 DEFAULT_MAX_PROGRAMS = 8
 

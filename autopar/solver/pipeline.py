@@ -42,7 +42,7 @@ from autopar.cost_model.lowered import lowered_comm_s
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role
-from autopar.ir.losses import class_means, state_weighing
+from autopar.ir.losses import class_means, loss_position, state_weighing
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
@@ -182,6 +182,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     micro, step, static, act, boundary, forward = (np.zeros(n) for _ in range(6))
     readers = node_readers(graph)
     crossing: set[tuple[str, int]] = set()
+    unread = _unread_outputs(graph)
     for name, np_ in plan.nodes.items():
         node = graph.nodes.get(name)
         if node is None:
@@ -199,7 +200,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
             if needs_lowering(np_.family):
                 micro[u] += lowered_comm_s(np_.target, np_.family, np_.inputs, np_.output, mesh)
     for e in plan.edges:
-        if e.dst in unit:
+        if e.dst in unit and (e.dst, e.position) not in unread:
             micro[unit[e.dst]] += e.cost_s
         src = graph.nodes[e.src]
         if src.op == "call_function" and e.src in unit and e.dst in unit and unit[e.src] < unit[e.dst]:
@@ -214,6 +215,18 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
         if p.grad_sync is not None and p.node in unit:
             step[unit[p.node]] += p.grad_sync_s
     return UnitPrices(micro, step, static, act, boundary, plan, forward)
+
+
+def _unread_outputs(graph) -> set[tuple[str, int]]:
+    """(output node, position) of the outputs a pipelined step does not read: all but the loss
+    (the last stage's program returns the loss alone, so their resharding to whole values never
+    runs). Every output is read when there is no loss to find (nothing trains such a model pipelined)."""
+    out = next(n for n in graph.nodes.values() if n.op == "output")
+    try:
+        loss = loss_position(graph)
+    except ConfigError:
+        return set()
+    return {(out.name, i) for i in range(len(out.inputs)) if i != loss}
 
 
 # ---- sub-meshes --------------------------------------------------------------------------------------------

@@ -9,9 +9,10 @@ import torch
 import autopar
 from autopar import ir, models
 from autopar.codegen.lower import lower
+from autopar.codegen.stages import cut_stages, sent_specs, shared_params
 from autopar.errors import ConfigError
 from autopar.ir.graph import Role
-from autopar.codegen.stages import cut_stages, loss_position, sent_specs, shared_params
+from autopar.ir.losses import loss_position
 from autopar.solver.pipeline import microbatch_inputs
 
 

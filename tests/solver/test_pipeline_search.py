@@ -701,3 +701,48 @@ def test_the_batch_check_reads_a_graph_the_search_evaluates():
         mp.undo()
     assert len(shapes) == len(set(shapes)) and 8 // shapes[0] == 2  # count 2 (of 1, 2, 4, 8) first
     assert choice.graph is not None
+
+
+class _LossAndLogits(torch.nn.Module):
+    """Returns (loss, logits), as a transformers language model does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+
+
+def test_stage_prices_leave_out_outputs_a_pipelined_step_does_not_read():
+    """The last stage returns the loss alone (runtime.pipeline), so the logits' gather to a whole
+    output, which a data-parallel plan prices, is left out of the unit prices, and nothing else."""
+    import autopar.solver.pipeline as pipeline_search
+    from autopar.ir.blocks import unit_of_nodes
+
+    model, inputs = _LossAndLogits(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+    mesh = autopar.Mesh((2,), cluster="cpu-gloo")
+    graph = ir.trace(model, inputs)
+    plan = autopar.plan(model, mesh, inputs, graph=graph, pipeline=False, force=autopar.Layout(dp=2))
+    out = next(n for n in graph.nodes.values() if n.op == "output")
+    gather = [e for e in plan.edges if e.dst == out.name and e.position == 1]
+    assert gather and gather[0].cost_s > 0 and [s.kind for s in gather[0].steps] == ["all_gather"]
+    assert pipeline_search._unread_outputs(graph) == {(out.name, 1)}
+    priced = pipeline_search.unit_prices(plan, graph, mesh)
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(pipeline_search, "_unread_outputs", lambda graph: set())
+        every = pipeline_search.unit_prices(plan, graph, mesh)
+    finally:
+        mp.undo()
+    last = unit_of_nodes(graph)[out.name]
+    assert every.per_microbatch_s[last] - priced.per_microbatch_s[last] == pytest.approx(gather[0].cost_s, rel=1e-12)
+    others = [u for u in range(len(graph.layers)) if u != last]
+    assert np.array_equal(every.per_microbatch_s[others], priced.per_microbatch_s[others])
