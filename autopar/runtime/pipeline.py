@@ -362,6 +362,7 @@ class PipelineRunner:
         if schedule not in SCHEDULE_CLASSES:
             raise ConfigError(f"schedule {schedule!r} is planned but not run yet; the runtime runs {sorted(SCHEDULE_CLASSES)}")
         schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
+
         def loss_fn(output, weight):  # the last stage's (loss,); ``weight``: this microbatch's slice of ``loss_weights``
             out = output[0] if isinstance(output, (tuple, list)) else output
             return out * weight[0].to(out.dtype)

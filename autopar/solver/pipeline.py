@@ -268,7 +268,6 @@ _IOTA_THROUGH = {"aten.unsqueeze.default", "aten.view.default", "aten.reshape.de
                  "aten._to_copy.default", "aten.to.dtype", "aten.to.device", "aten.clone.default"}
 
 
-
 def _iota_args(size: int) -> dict:
     """target -> args of the aranges 0, 1, ..., size - 1."""
     return {"aten.arange.default": (size,), "aten.arange.start": (0, size), "aten.arange.start_step": (0, size, 1)}
