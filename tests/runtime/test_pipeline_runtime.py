@@ -272,6 +272,9 @@ CASES = [
      dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2), masked=True)),
     ("hf llama attention mask 2 stages x tp2", (4,), dict(stages=2, microbatches=2, schedule="gpipe"),
      dict(model="hf-llama", layers=2, layout=autopar.Layout(tp=2), masked=True)),
+    # the last stage runs the loss alone (its logits dropped) under recomputation too
+    ("hf gpt2 recompute 2 stages x dp2", (4,), dict(stages=2, microbatches=2, schedule="1f1b", recompute=True),
+     dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2))),
     # nn.MultiheadAttention merges (time, batch) rows inside: kept apart (ir/rewrites.py), so microbatches split it
     ("vit 2 stages x dp2", (4,), dict(stages=2, microbatches=2, schedule="1f1b"), dict(model="vit", layers=2,
                                                                                     layout=autopar.Layout(dp=2))),
@@ -378,6 +381,8 @@ def test_the_last_stage_computes_the_loss_alone(results):
         for (lowered_out, lowered_gathers), (out, gathers) in (x for per_rank in seen for x in per_rank):
             assert lowered_out >= 2 and out == 1, (tag, lowered_out, out)
             assert gathers < lowered_gathers, (tag, lowered_gathers, gathers)  # the logits' gather is gone
+    # the loss-only program is cut into checkpointed layers as the full one was (exact: see above)
+    assert [r["pieces"] for r in results["hf gpt2 recompute 2 stages x dp2"]] == [1, 1, 1, 1]
 
 
 def test_stages_are_what_was_asked(results):
