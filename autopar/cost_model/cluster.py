@@ -272,7 +272,7 @@ PRESETS: dict[str, ClusterSpec] = {
             "gloo's collectives compete with compute for the cores."
         ),
         # gloo's own algorithms, relative to the ring model (geometric mean 1 over the kinds): its
-        # reduce_scatter moves bytes ~4x slower per byte than its all_reduce. Fitted by
+        # reduce_scatter moves a byte ~4x slower than its all_reduce does. Fitted by
         # `autopar profile --mesh 2` and `--mesh 4` (five fits, this 2-core VM, torch 2.13); the
         # per-axis link above stays rough, the ratios between kinds are gloo's.
         collective_factors=(("all_gather", 1.0, 0.85), ("all_reduce", 1.1, 0.6), ("all_to_all", 0.55, 0.75),
