@@ -38,6 +38,9 @@ def profile_comm(shape, refresh: bool = True) -> str:
         lines.append(f"{a:>4} {shape[a]:>5} {link.alpha * 1e6:>11.1f} {link.bandwidth / 1e9:>17.3f} {err:>17.0%}")
     if prof.factors:
         lines.append("per-collective factors (alpha, beta): " + ", ".join(f"{k} ({fa:.2f}, {fb:.2f})" for k, (fa, fb) in sorted(prof.factors.items())))
+    if prof.cluster.scalar_all_reduce_alphas is not None:
+        lines.append(f"an all_reduce of one value: {prof.cluster.scalar_all_reduce_alphas:.2f} alphas "
+                     f"(the ring model: {2 * max(shape) - 1} on the largest axis)")
     lines.append(f"\ncached in {path}; `autopar.parallelize` and `autopar explain --profiled` read it")
     return "\n".join(lines)
 

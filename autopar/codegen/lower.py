@@ -39,6 +39,7 @@ from autopar.cost_model.gradients import grad_sum_reads, output_whole_axes, whol
 from autopar.cost_model.step import param_gather_groups
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.graph import NodeRef, Role
+from autopar.ir.losses import counted_from_inputs
 from autopar.sharding_spec.reshard import plan_reshard, spec_after
 from autopar.sharding_spec.rules._common import localize_args, norm_dim
 from autopar.sharding_spec.spec import ShardingSpec
@@ -110,6 +111,7 @@ class _Emitter:
         self.identical = tuple(plan.identical_axes)
         self.sums = grad_sum_reads(plan, graph, self.identical)
         self.summed: dict = {}  # (value node name, axes) -> its grad_sum node
+        self.whole: dict[str, fx.Node | None] = {}  # traced value -> a node holding it whole (``_whole``)
 
     # ---- driver ------------------------------------------------------------------------------
     def run(self) -> Lowered:
@@ -194,6 +196,7 @@ class _Emitter:
         spec = self._plan_of(node.name).output
         self._note(ph, ShardingSpec.replicate(spec.shape, spec.mesh_ndim) if isinstance(spec, ShardingSpec) else None)
         self.inputs.append(node.name)
+        self.whole[node.name] = ph
         if isinstance(spec, ShardingSpec) and not spec.is_replicated:
             kw = {"shape": tuple(spec.shape), "dim_axes": tuple(tuple(a) for a in spec.dim_axes)}
             self.env[node.name] = self._emit(ops.autopar_shard_input, (ph,), kw, name=f"{node.name}_shard", spec=spec)
@@ -300,6 +303,10 @@ class _Emitter:
         kwargs = _subst(dict(node.kwargs), feed, self.device)
         if needs_lowering(node_plan.family):
             fn, extra, how = lowering(node, node_plan, self.graph, self.identical)
+            if counted_from_inputs(self.graph, node):  # a class mean counting the batch's targets
+                whole = self._whole(node.inputs[1])
+                if whole is not None:  # else its lowering all-reduces the ranks' counts
+                    extra = {**extra, "whole_target": whole}
             if how == "packed":
                 out = self._emit(fn, (node.target, args, kwargs), extra, name=node.name, spec=node_plan.output)
             else:
@@ -308,6 +315,28 @@ class _Emitter:
             args, kwargs = localize(node, node_plan, args, kwargs, self.mesh)
             out = self._emit(fx_target, args, kwargs, name=node.name, spec=node_plan.output)
         self.env[node.name] = out
+
+    def _whole(self, name: str) -> fx.Node | None:
+        """A node holding traced value ``name`` whole on every rank, or None where this program
+        cannot make one: a user input (before its shard is taken), a value held replicated, or an op
+        of the program on such values, emitted again on them (the few ops between a user input and a
+        loss's targets: ``ir.losses.counted_from_inputs``)."""
+        if name not in self.whole:
+            value = self.env.get(name)
+            spec = self.specs.get(value.name) if value is not None else None
+            node = self.graph.nodes[name]
+            if isinstance(spec, ShardingSpec) and spec.is_replicated:
+                self.whole[name] = value
+            elif node.op == "call_function" and name in self.inside:
+                ins = [self._whole(i) for i in node.inputs]
+                self.whole[name] = None
+                if all(v is not None for v in ins):
+                    feed = iter(ins)
+                    args, kwargs = _subst(tuple(node.args), feed, self.device), _subst(dict(node.kwargs), feed, self.device)
+                    self.whole[name] = self._emit(node.fx_node.target, args, kwargs, name=f"{name}_whole")
+            else:
+                self.whole[name] = None
+        return self.whole[name]
 
     def _output(self, node):
         """The graph's outputs, replicated, each with its backward seed. Every rank seeds an output

@@ -73,9 +73,13 @@ def _sum_over(x: torch.Tensor, axes) -> torch.Tensor:
     return autopar_all_reduce(x, axes) if axes else x
 
 
-def class_denominator(target, weight, ignore_index, dtype, batch_axes):
+def class_denominator(target, weight, ignore_index, dtype, batch_axes, whole_target=None):
     """The mean denominator of a class-index loss: the sum of weight[target] (1 without a weight)
-    over the non-ignored targets of every rank of the batch axes."""
+    over the non-ignored targets of every rank of the batch axes. ``whole_target``: the whole
+    batch's targets, recomputed by the program from the user inputs (``ir.losses.counted_from_inputs``):
+    counted here, without the all-reduce."""
+    if whole_target is not None:
+        target, batch_axes = whole_target, ()
     valid = target != ignore_index
     if weight is None:
         local = valid.sum().to(dtype)
@@ -84,16 +88,16 @@ def class_denominator(target, weight, ignore_index, dtype, batch_axes):
     return _sum_over(local, batch_axes)
 
 
-def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None):
+def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None, whole_target=None):
     """A mean-reduced loss over a batch split across ``batch_axes``: ``op`` with reduction="sum",
     divided by the global denominator (``count`` when static, else the weighted count of valid
-    targets, all-reduced). A pending sum over ``batch_axes``; further outputs (nll's total_weight)
-    are local sums, already pending sums."""
+    targets: of ``whole_target`` where the program has it, else all-reduced). A pending sum over
+    ``batch_axes``; further outputs (nll's total_weight) are local sums, already pending sums."""
     if op == CROSS_ENTROPY and count is None and _fusable_cross_entropy(args, kwargs):
         # the fused cross entropy (no class split): one logits-sized tensor instead of four
         target, ignore_index = args[1], call_arg(args, kwargs, 4, "ignore_index", -100)
         loss = VocabParallelCrossEntropy.apply(_as_autocast_loss_input(args[0]), target, ignore_index, _CLASSES_WHOLE).sum()
-        return loss / class_denominator(target, None, ignore_index, loss.dtype, batch_axes)
+        return loss / class_denominator(target, None, ignore_index, loss.dtype, batch_axes, whole_target)
     args, kwargs = _with_arg(args, kwargs, REDUCTION_POS[op], "reduction", SUM)
     out = _aten(op)(*args, **kwargs)
     loss = out[0] if isinstance(out, tuple) else out
@@ -101,7 +105,8 @@ def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None):
         loss = loss / count
     else:
         target, weight = args[1], call_arg(args, kwargs, 2, "weight")
-        loss = loss / class_denominator(target, weight, call_arg(args, kwargs, 4, "ignore_index", -100), loss.dtype, batch_axes)
+        loss = loss / class_denominator(target, weight, call_arg(args, kwargs, 4, "ignore_index", -100), loss.dtype,
+                                        batch_axes, whole_target)
     return (loss, *out[1:]) if isinstance(out, tuple) else loss
 
 
@@ -121,11 +126,12 @@ def _fusable_cross_entropy(args, kwargs) -> bool:
 
 
 def autopar_vocab_parallel_cross_entropy(x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0, *,
-                                         class_axes, batch_axes, whole: bool = False):
+                                         class_axes, batch_axes, whole: bool = False, whole_target=None):
     """cross_entropy with the class dim of ``x`` split over ``class_axes``: the per-sample loss
     log(sum exp(x - m)) + m - x[target] (``VocabParallelCrossEntropy``), replicated over the class
-    axes; then ``reduction`` (mean: over the global count of valid targets). ``whole``: the class
-    axes are identical-gradient axes (the loss's gradient arrives whole, not as a pending sum)."""
+    axes; then ``reduction`` (mean: over the global count of valid targets, of ``whole_target``
+    where the program has it). ``whole``: the class axes are identical-gradient axes (the loss's
+    gradient arrives whole, not as a pending sum)."""
     if weight is not None or label_smoothing:
         raise PlanError("vocabulary-parallel cross entropy supports no class weight and no label smoothing")
     loss = VocabParallelCrossEntropy.apply(_as_autocast_loss_input(x), target, ignore_index, handle(class_axes), whole)
@@ -133,7 +139,7 @@ def autopar_vocab_parallel_cross_entropy(x, target, weight=None, reduction=1, ig
         return loss
     if reduction == SUM:
         return loss.sum()
-    return loss.sum() / class_denominator(target, None, ignore_index, loss.dtype, batch_axes)
+    return loss.sum() / class_denominator(target, None, ignore_index, loss.dtype, batch_axes, whole_target)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):

@@ -53,6 +53,10 @@ class ClusterSpec:
       ring model a backend runs that kind (gloo's reduce_scatter, for one). Kinds not listed use
       (1, 1); the GPU presets list none (NCCL follows the ring model), cpu-gloo lists gloo's.
       Fitted by ``profile_comm``; applied by ``comm.mesh_collective_time``.
+    scalar_all_reduce_alphas: the alphas (all_reduce's factor applied) one all_reduce of a single
+      value (a loss, a count: at most 8 bytes) pays, where the backend does not run its ring for it
+      (gloo: about 1-1.6 where the ring pays 2n - 1); None: the ring model. Fitted by
+      ``profile_comm``; applied by ``comm.mesh_collective_time``.
     op_overhead_s / backward_op_overhead_s: framework time per op run eagerly (dispatch, autograd
       bookkeeping), forward and backward; paid by every op, views included, on top of its roofline.
     optimizer_s_per_element / optimizer_s_per_tensor: one AdamW step's time per local parameter
@@ -87,6 +91,7 @@ class ClusterSpec:
     axis_links: tuple[Link, ...] | None = None
     source: str = ""
     collective_factors: tuple[tuple[str, float, float], ...] = ()
+    scalar_all_reduce_alphas: float | None = None
     op_overhead_s: float = 0.0
     backward_op_overhead_s: float = 0.0
     optimizer_s_per_element: float = 0.0
@@ -106,6 +111,9 @@ class ClusterSpec:
         object.__setattr__(self, "collective_factors", factors)
         if any(not (v > 0 and math.isfinite(v)) for _, a, b in factors for v in (a, b)):
             raise ConfigError(f"cluster {self.name!r}: collective_factors need finite factors > 0, got {factors}")
+        if self.scalar_all_reduce_alphas is not None and not (0 < self.scalar_all_reduce_alphas < math.inf):
+            raise ConfigError(f"cluster {self.name!r}: scalar_all_reduce_alphas must be finite and > 0 (or None), "
+                              f"got {self.scalar_all_reduce_alphas}")
         timings = (self.op_overhead_s, self.backward_op_overhead_s, self.optimizer_s_per_element, self.optimizer_s_per_tensor,
                self.collective_overhead_s)
         if any(not (v >= 0 and math.isfinite(v)) for v in timings) or not 0 <= self.comm_overlap <= 1 \
@@ -277,6 +285,8 @@ PRESETS: dict[str, ClusterSpec] = {
         # per-axis link above stays rough, the ratios between kinds are gloo's.
         collective_factors=(("all_gather", 1.0, 0.85), ("all_reduce", 1.1, 0.6), ("all_to_all", 0.55, 0.75),
                             ("reduce_scatter", 1.65, 2.6)),
+        # gloo runs no ring for one value: `autopar profile` measured 1.8 alphas on 2 ranks, 1.5 on 4
+        scalar_all_reduce_alphas=1.5,
         op_overhead_s=2e-6,
         backward_op_overhead_s=3e-6,
         optimizer_s_per_element=2e-9,

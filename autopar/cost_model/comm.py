@@ -12,7 +12,9 @@ A group spanning several mesh axes is priced on its slowest link: the largest al
 largest beta among its axes (a ring over the group crosses every kind of link it contains).
 ``mesh_collective_time`` also multiplies alpha and beta by the cluster's
 ``collective_factor(kind)`` ((1, 1) unless a profiled cluster measured that the backend runs that
-kind slower or faster than the ring model).
+kind slower or faster than the ring model), and prices an all_reduce of one value (at most
+``SCALAR_BYTES``) at the cluster's ``scalar_all_reduce_alphas`` where it has one: a backend need not
+run its ring for a value it cannot split (gloo, measured: about one hop where the ring pays 2n - 1).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Sequence
 from autopar.cost_model.cluster import Link
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+SCALAR_BYTES = 8  # one value of any dtype: what ``scalar_all_reduce_alphas`` prices
 
 
 def group_link(links: Sequence[Link]) -> Link:
@@ -50,15 +53,20 @@ def volume_factor(kind: str, n: int) -> float:
     return 2 * frac if kind == "all_reduce" else frac
 
 
-def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
-    """Seconds for one ``kind`` collective of ``nbytes`` (see the module docstring for which bytes)."""
+def collective_time(kind: str, nbytes: float, n: int, link: Link, scalar_alphas: float | None = None) -> float:
+    """Seconds for one ``kind`` collective of ``nbytes`` (see the module docstring for which bytes);
+    ``scalar_alphas``: the alphas of an all_reduce of one value, where not the ring's."""
     if nbytes < 0:
         raise ValueError(f"bytes must be >= 0, got {nbytes}")
-    return link.alpha * latency_hops(kind, n) + link.beta * volume_factor(kind, n) * nbytes
+    hops = latency_hops(kind, n)
+    if scalar_alphas is not None and kind == "all_reduce" and nbytes <= SCALAR_BYTES and hops:
+        hops = min(hops, scalar_alphas)
+    return link.alpha * hops + link.beta * volume_factor(kind, n) * nbytes
 
 
-def mesh_collective_time(kind: str, nbytes: float, mesh, axes: Sequence[int]) -> float:
-    """Seconds for ``kind`` on the mesh's group over ``axes``."""
+def mesh_collective_time(kind: str, nbytes: float, mesh, axes: Sequence[int], *, alone: bool = True) -> float:
+    """Seconds for ``kind`` on the mesh's group over ``axes``. ``alone``: the call moves these bytes
+    only (False: they share a bigger call, a gradient bucket, which runs the ring whatever their size)."""
     links = mesh.links()
     link = group_link([links[a] for a in axes])
     cluster = mesh.resolved_cluster()
@@ -66,4 +74,5 @@ def mesh_collective_time(kind: str, nbytes: float, mesh, axes: Sequence[int]) ->
     if (fa, fb) != (1.0, 1.0):
         link = Link(link.alpha * fa, link.beta * fb)
     n = math.prod(mesh.shape[a] for a in axes)
-    return collective_time(kind, nbytes, n, link) + (cluster.collective_overhead_s if n > 1 else 0.0)
+    return (collective_time(kind, nbytes, n, link, cluster.scalar_all_reduce_alphas if alone else None)
+            + (cluster.collective_overhead_s if n > 1 else 0.0))

@@ -151,6 +151,8 @@ def identical_ok(plan, graph, identical, sync: dict) -> str | None:
     ``sync``: ``param_sync_axes`` of that set."""
     identical = set(identical)
     for e in plan.edges:
+        if graph.nodes[e.dst].op == "output" and output_whole_axes(e.steps):
+            continue  # seeded whole on every axis of its steps: their backwards run no collective
         for s in e.steps:
             if identical & set(s.axes) and not set(s.axes) <= identical:
                 return f"edge {e.src} -> {e.dst} has a {s.kind} over axes {s.axes}, only partly identical"

@@ -7,6 +7,9 @@ across ranks inside the op itself, not on a resharding edge, so their price live
                             batch axes
     loss-batch-split(mean)  a class-index loss with its denominator unknown until run time: an
                             all-reduce of the valid-target count over the batch axes
+
+A count the ranks can make from the whole user inputs (``ir.losses.counted_from_inputs``:
+``counted_locally``) needs no all-reduce: the program recomputes the targets whole and counts them.
 """
 from __future__ import annotations
 
@@ -19,9 +22,11 @@ from autopar.sharding_spec.rules.loss import MEAN_SPLIT, VOCAB_PARALLEL
 _CLASS_LOSSES = ("cross_entropy", "nll_loss")
 
 
-def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int = 4, identical=()) -> float:
+def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int = 4, identical=(),
+                   counted_locally: bool = False) -> float:
     """Seconds of the collectives ``family`` runs inside the op (forward and backward); on
-    ``identical`` gradient axes the loss gradient arrives whole and backward's all-reduce is not run."""
+    ``identical`` gradient axes the loss gradient arrives whole and backward's all-reduce is not run;
+    ``counted_locally``: a mean's denominator needs no all-reduce (see the module docstring)."""
     parts = set(family.split("+"))
     total = 0.0
     if VOCAB_PARALLEL in parts and inputs and inputs[0] is not None:
@@ -35,9 +40,9 @@ def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int
             backward = 0 if whole_on(class_axes, identical) else 1
             total += ((1 + backward) * mesh_collective_time("all_reduce", samples * itemsize, mesh, class_axes)  # max
                       + mesh_collective_time("all_reduce", 2 * samples * itemsize, mesh, class_axes))  # sum exp, target
-        if batch_axes:
+        if batch_axes and not counted_locally:
             total += mesh_collective_time("all_reduce", itemsize, mesh, batch_axes)
-    elif MEAN_SPLIT in parts and any(k in target for k in _CLASS_LOSSES):
+    elif MEAN_SPLIT in parts and any(k in target for k in _CLASS_LOSSES) and not counted_locally:
         out = output[0] if isinstance(output, tuple) else output
         if out is not None and out.partial:
             total += mesh_collective_time("all_reduce", itemsize, mesh, tuple(out.partial))

@@ -25,6 +25,12 @@ default) the fit also finds per-kind factors on alpha and on beta, shared by all
 ``ClusterSpec.collective_factors`` and fits each axis' alpha and beta under them;
 ``comm.mesh_collective_time`` applies them.
 
+Each axis also times an all_reduce of one float32 value (a loss, a count): gloo does not run its
+ring for fewer elements than ranks, and such a call costs about one alpha where the ring model
+charges 2n - 1 (2026-12, 2-core VM: 0.27 ms on 2 ranks, 0.85 ms on 4, against 5-7 ms for 4 KiB).
+It is left out of the alpha-beta fits and kept as ``ClusterSpec.scalar_all_reduce_alphas``, the
+median over axes of its seconds in units of the axis' all_reduce alpha.
+
 A collective the backend lacks is emulated as the runtime emulates it (all_gather via the list
 form, reduce_scatter via all_reduce, all_to_all via all_gather) and the profile says so in
 ``emulated``.
@@ -45,12 +51,12 @@ import numpy as np
 
 from autopar.cost_model.cache import cache_dir, read_json, write_json
 from autopar.cost_model.cluster import ClusterSpec, Link, resolve_cluster
-from autopar.cost_model.comm import COLLECTIVES, latency_hops, volume_factor
+from autopar.cost_model.comm import COLLECTIVES, SCALAR_BYTES, latency_hops, volume_factor
 from autopar.errors import AutoparError
 
 KIB = 1024
 DEFAULT_SIZES = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 1024 * KIB, 4096 * KIB)
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: with the one-value all_reduce
 DEFAULT_REPEATS = 10
 
 
@@ -183,8 +189,8 @@ class CommProfile:
     def fit_error(self, axis: int, min_bytes: int = 0) -> float:
         """Median relative error of the fitted link of ``axis`` over its own measurements of at
         least ``min_bytes``."""
-        errs = relative_errors(self.cluster.links_for(self.mesh_shape)[axis], self.axis_measurements(axis, min_bytes),
-                               self.factors)
+        errs = relative_errors(self.cluster.links_for(self.mesh_shape)[axis],
+                               self.axis_measurements(axis, max(min_bytes, SCALAR_BYTES + 1)), self.factors)
         return statistics.median(errs) if errs else 0.0
 
     def to_dict(self) -> dict:
@@ -286,21 +292,35 @@ def fit_cluster(measurements: Sequence[CommMeasurement], mesh_shape: Sequence[in
         default = base.axis_links
     else:
         default = dataclasses.replace(base, axis_links=None).links_for(shape)
+    scalars = [m for m in measurements if m.nbytes <= SCALAR_BYTES]
+    measurements = [m for m in measurements if m.nbytes > SCALAR_BYTES]
     factors = fit_collective_factors(measurements) if per_kind else {}
     links = []
     for axis, size in enumerate(shape):
         points = [m for m in measurements if m.axis == axis]
         links.append(fit_alpha_beta(points, factors=factors) if size > 1 and points else default[axis])
+    scalar_alphas = _scalar_alphas(scalars, links, factors.get("all_reduce", (1.0, 1.0))[0])
     text = "; ".join(f"axis {a}: alpha={l.alpha:.3g} s, beta={l.beta:.3g} s/B" for a, l in enumerate(links))
     if factors:
         text += "; (alpha, beta) x " + ", ".join(f"{k} ({a:.2f}, {b:.2f})" for k, (a, b) in factors.items())
+    if scalar_alphas is not None:
+        text += f"; an all_reduce of one value {scalar_alphas:.2f} alphas"
     return dataclasses.replace(
         base,
         name=f"{base.name}+profiled",
         axis_links=tuple(links),
         collective_factors=tuple((k, a, b) for k, (a, b) in factors.items()),
+        scalar_all_reduce_alphas=scalar_alphas,
         source=f"profiled on a live mesh {'x'.join(map(str, shape))}: {text}; other fields from {base.name}",
     )
+
+
+def _scalar_alphas(scalars: Sequence[CommMeasurement], links: Sequence[Link], factor: float) -> float | None:
+    """The one-value all_reduces' seconds in alphas of their axis (all_reduce's ``factor``
+    applied), the median over axes, at most the ring's 2n - 1; None without such a point."""
+    ratios = [min(m.seconds / (links[m.axis].alpha * factor), latency_hops("all_reduce", m.n))
+              for m in scalars if m.kind == "all_reduce" and m.n > 1 and links[m.axis].alpha > 0]
+    return max(float(statistics.median(ratios)), 1e-3) if ratios else None
 
 
 def load_profile(mesh_shape: Sequence[int], backend: str = "gloo", directory=None) -> CommProfile | None:
@@ -325,7 +345,8 @@ def _with_base(profile: CommProfile, base: ClusterSpec) -> CommProfile:
     """A cached profile's fitted links and factors on top of the caller's base cluster."""
     fitted = profile.cluster
     cluster = dataclasses.replace(base, name=f"{base.name}+profiled", axis_links=fitted.axis_links,
-                                  collective_factors=fitted.collective_factors, source=fitted.source)
+                                  collective_factors=fitted.collective_factors,
+                                  scalar_all_reduce_alphas=fitted.scalar_all_reduce_alphas, source=fitted.source)
     return dataclasses.replace(profile, cluster=cluster)
 
 
@@ -357,6 +378,10 @@ def _measure(mesh, groups, sizes, repeats, kinds) -> tuple[list[tuple], set[str]
                     emulated.add(kind)
                 run()  # warm-up
                 plan.append(((kind, axis, n, elems * 4), pg, run))
+            if kind == "all_reduce":  # one value (see the module docstring)
+                run, _ = _collective(kind, 1, n, pg, buffers)
+                run()
+                plan.append(((kind, axis, n, 4), pg, run))
     times: list[list[float]] = [[] for _ in plan]
     for _ in range(repeats):
         for i, (_, pg, run) in enumerate(plan):

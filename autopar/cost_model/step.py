@@ -26,6 +26,7 @@ from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s, whole_on
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.graph import Role, edge_itemsize
+from autopar.ir.losses import counted_from_inputs
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
 
@@ -98,7 +99,8 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         reshard += mesh_collective_time("all_gather", nbytes, mesh, axes)
         if any(e.backward for _, e in members) and not whole_on(axes, identical):
             reshard += mesh_collective_time("reduce_scatter", nbytes, mesh, axes)
-    in_ops = sum(lowered_comm_s(n.target, n.family, n.inputs, n.output, mesh, identical=identical)
+    in_ops = sum(lowered_comm_s(n.target, n.family, n.inputs, n.output, mesh, identical=identical,
+                                counted_locally=counted_from_inputs(graph, graph.nodes[n.name]))
                  for n in plan.nodes.values() if needs_lowering(n.family))
     in_ops += grad_sum_s(plan, graph, mesh, identical)
 

@@ -7,6 +7,10 @@ is one of them itself (``direct``: through casts and views) or adds them to othe
 ``state_weighing`` says whether a mean's targets or class weights come from model state rather than
 from the inputs. ``autopar.codegen.loss_weights`` weighs a pipelined step's microbatches from
 this; the pipeline search (``solver.pipeline.batch_mixing``) keeps one microbatch where it cannot.
+
+A mean over a batch split across ranks needs the whole batch's count; ``counted_from_inputs`` says
+whether every rank can count it from the user inputs it is handed whole (a program then recomputes
+the targets from them instead of all-reducing the ranks' counts: one collective less per step).
 """
 from __future__ import annotations
 
@@ -58,6 +62,29 @@ def state_weighing(graph, mean) -> str | None:
                 if n.op == "placeholder" and n.role != Role.INPUT:
                     return n.name
     return None
+
+
+# ops that draw random numbers: run again to count the targets, they would draw other ones
+_RANDOM = ("rand", "bernoulli", "dropout", "normal", "multinomial", "uniform", "exponential", "poisson", "cauchy",
+           "geometric")
+# what recomputing the targets may cost, in FLOPs per target (views and comparisons, not a model)
+_TARGET_FLOPS = 8
+
+
+def counted_from_inputs(graph, mean) -> bool:
+    """Whether class mean ``mean``'s denominator can be counted on every rank from the whole user
+    inputs: its targets and class weights are computed from the inputs alone, by ops that draw no
+    random numbers and cost a few FLOPs per target at most."""
+    if not _is_class_mean(graph, mean):
+        return False
+    sources = [v.name for v in (mean.args[1], call_arg(mean.args, mean.kwargs, 2, "weight")) if isinstance(v, NodeRef)]
+    chain = {n.name: n for v in sources for n in ancestors(graph, v, include=True)}.values()
+    for n in chain:
+        if n.op == "placeholder" and n.role != Role.INPUT or n.op not in ("placeholder", "call_function"):
+            return False
+        if n.op == "call_function" and any(word in n.target for word in _RANDOM):
+            return False
+    return sum(n.flops for n in chain) <= _TARGET_FLOPS * max(1, graph.nodes[sources[0]].meta.numel)
 
 
 def ancestors(graph, name: str, include: bool = False) -> list:

@@ -42,7 +42,7 @@ from autopar.cost_model.lowered import lowered_comm_s
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role
-from autopar.ir.losses import class_means, loss_position, state_weighing
+from autopar.ir.losses import class_means, counted_from_inputs, loss_position, state_weighing
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
@@ -198,7 +198,8 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
             forward[u] += np_.compute_s / 3 + cluster.op_overhead_s  # node compute is forward + 2x backward
             act[u] += np_.memory_bytes
             if needs_lowering(np_.family):
-                micro[u] += lowered_comm_s(np_.target, np_.family, np_.inputs, np_.output, mesh)
+                micro[u] += lowered_comm_s(np_.target, np_.family, np_.inputs, np_.output, mesh,
+                                           counted_locally=counted_from_inputs(graph, node))
     for e in plan.edges:
         if e.dst in unit and (e.dst, e.position) not in unread:
             micro[unit[e.dst]] += e.cost_s

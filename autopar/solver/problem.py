@@ -22,6 +22,7 @@ from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
+from autopar.ir.losses import counted_from_inputs
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
 from autopar.cost_model.ops import needs_grad
 from autopar.ir.graph import NodeRef, Role, edge_itemsize
@@ -100,8 +101,8 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
 def bucketed_collective_time(kind: str, nbytes: float, mesh, axes, bucket_bytes: int) -> float:
     """One tensor's share of a bucketed collective: its bytes, and the call's latency in proportion
     to the share of a bucket it fills."""
-    latency = mesh_collective_time(kind, 0, mesh, axes)
-    return mesh_collective_time(kind, nbytes, mesh, axes) - latency + latency * min(1.0, nbytes / bucket_bytes)
+    latency = mesh_collective_time(kind, 0, mesh, axes, alone=False)
+    return mesh_collective_time(kind, nbytes, mesh, axes, alone=False) - latency + latency * min(1.0, nbytes / bucket_bytes)
 
 
 def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimizer_sharding: bool = True,
@@ -137,8 +138,9 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
             ctx = OpContext(node, mesh, [graph.nodes[i].meta for i in node.inputs], graph)
             strategies = strategies_for(ctx)
             comp = [sum(compute_model.node_time(node, s, graph, mesh, op_table)) for s in strategies]
-            comm = [lowered_comm_s(node.target, s.family, s.inputs, s.output, mesh) if needs_lowering(s.family) else 0.0
-                    for s in strategies]
+            counted = counted_from_inputs(graph, node)
+            comm = [lowered_comm_s(node.target, s.family, s.inputs, s.output, mesh, counted_locally=counted)
+                    if needs_lowering(s.family) else 0.0 for s in strategies]
             mem = [memory_model.node_activation_bytes(node, s.output, mesh, saved) for s in strategies]
         n = len(strategies)
         out[node.name] = NodeChoices(

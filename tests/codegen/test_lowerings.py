@@ -114,3 +114,27 @@ def test_mean_as_sum_divides_by_the_global_count():
     # a rank holding a quarter of dim 0 of a (16, 6, 8) tensor: its share of the global mean
     assert torch.allclose(autopar_mean_as_sum("aten.mean.dim", (x, [0, 2]), {}, count=16 * 8), x.sum((0, 2)) / 128)
     assert torch.allclose(autopar_mean_as_sum("aten.mean.default", (x,), {}, count=x.numel()), x.mean())
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_batch_split_mean_counts_the_whole_target_without_collectives(weighted):
+    # each "rank" holds half of the batch (batch axis 0 of size 2, no group bound: an all-reduce
+    # would fail) and the whole batch's targets, recomputed from the inputs: its loss is its
+    # share of torch's mean over the whole batch, ignored targets counted once, the halves
+    # holding 3 and 1 of them
+    from autopar.codegen.lowerings import autopar_loss_global_mean
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(8, 12, generator=g) * 3).requires_grad_()
+    target = torch.randint(0, 12, (8,), generator=g)
+    target[[0, 1, 3, 6]] = -100
+    weight = torch.rand(12, generator=g) + 0.5 if weighted else None
+    total = 0.0
+    for half in (slice(0, 4), slice(4, 8)):
+        args = (x[half], target[half], weight, 1, -100, 0.0)
+        total = total + autopar_loss_global_mean(CE, args, {}, batch_axes=(0,), whole_target=target)
+    ref = F.cross_entropy(x, target, weight=weight, ignore_index=-100)
+    assert torch.allclose(total, ref, rtol=1e-6, atol=1e-7)
+    (gx,) = torch.autograd.grad(total, x)
+    (gref,) = torch.autograd.grad(ref, x)
+    assert torch.allclose(gx, gref, rtol=1e-5, atol=1e-7)

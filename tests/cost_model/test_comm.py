@@ -273,3 +273,28 @@ def test_cluster_round_trip_is_equal_and_hash_equal():
     a = ClusterSpec("x", (("float32", 1.0), ("bfloat16", 2.0)), 1.0, 1, 1, Link(0, 0), Link(0, 0))
     b = ClusterSpec("x", (("bfloat16", 2.0), ("float32", 1.0)), 1.0, 1, 1, Link(0, 0), Link(0, 0))
     assert a == b and hash(a) == hash(b)
+
+
+def test_an_all_reduce_of_one_value_pays_the_clusters_scalar_alphas():
+    # gloo runs no ring for one value (a loss, a count): a cluster that measured it prices such an
+    # all_reduce at its own alphas; anything bigger, or a share of a bucket, pays the ring's 2n - 1
+    link = Link(alpha=1e-3, beta=1e-9)
+    ring = dataclasses.replace(PRESETS["cpu-gloo"], collective_factors=(), collective_overhead_s=0.0,
+                               scalar_all_reduce_alphas=None).with_axis_links([link])
+    gloo = dataclasses.replace(ring, scalar_all_reduce_alphas=1.5)
+    r, g = Mesh((4,), cluster=ring), Mesh((4,), cluster=gloo)
+    assert mesh_collective_time("all_reduce", 4, r, (0,)) == pytest.approx(7 * 1e-3 + 1.5 * 4 * 1e-9)
+    assert mesh_collective_time("all_reduce", 4, g, (0,)) == pytest.approx(1.5 * 1e-3 + 1.5 * 4 * 1e-9)
+    assert mesh_collective_time("all_reduce", 8, g, (0,)) < mesh_collective_time("all_reduce", 8, r, (0,))
+    for nbytes in (16, 1 << 20):  # more values than one
+        assert mesh_collective_time("all_reduce", nbytes, g, (0,)) == mesh_collective_time("all_reduce", nbytes, r, (0,))
+    assert mesh_collective_time("all_reduce", 4, g, (0,), alone=False) == mesh_collective_time("all_reduce", 4, r, (0,))
+    assert mesh_collective_time("all_gather", 4, g, (0,)) == mesh_collective_time("all_gather", 4, r, (0,))
+    # never above the ring's price: 2 ranks pay min(3, alphas)
+    two = Mesh((2,), cluster=dataclasses.replace(gloo, scalar_all_reduce_alphas=5.0))
+    assert mesh_collective_time("all_reduce", 4, two, (0,)) == pytest.approx(3 * 1e-3 + 4 * 1e-9)
+    assert ClusterSpec.from_dict(json.loads(json.dumps(gloo.to_dict()))) == gloo
+    assert PRESETS["cpu-gloo"].scalar_all_reduce_alphas is not None
+    assert all(PRESETS[k].scalar_all_reduce_alphas is None for k in PRESETS if k != "cpu-gloo")  # NCCL: its ring
+    with pytest.raises(ConfigError, match="scalar_all_reduce_alphas"):
+        dataclasses.replace(gloo, scalar_all_reduce_alphas=0.0)

@@ -117,6 +117,33 @@ def test_collective_factors_are_priced_and_round_trip():
         dataclasses.replace(cl, collective_factors=(("all_gather", 0.0, 1.0),))
 
 
+def test_one_value_all_reduce_is_fitted_apart_and_priced_in_alphas():
+    # gloo runs no ring for one value: the profile's 4-byte all_reduce points stay out of the
+    # alpha-beta fit (which still recovers the links exactly) and become the cluster's
+    # scalar_all_reduce_alphas, the median over axes in units of the axis' all_reduce alpha
+    factors = _normalised({"all_gather": (1.3, 1.2), "reduce_scatter": (1.6, 2.8), "all_to_all": (0.6, 0.5), "all_reduce": (0.8, 0.6)})
+    links = [Link(3e-4, 2e-9), Link(1e-4, 1e-9)]
+    pts = _synthetic(links[0].alpha, links[0].beta, 0, (2,), factors) + _synthetic(links[1].alpha, links[1].beta, 1, (4,), factors)
+    fa = factors["all_reduce"][0]
+    scalars = [CommMeasurement("all_reduce", 0, 2, 4, 1.5 * fa * links[0].alpha),
+               CommMeasurement("all_reduce", 1, 4, 4, 1.2 * fa * links[1].alpha)]
+    cluster = fit_cluster(pts + scalars, (2, 4), "cpu-gloo")
+    for got, want in zip(cluster.axis_links, links):
+        assert got.alpha == pytest.approx(want.alpha, rel=1e-6) and got.beta == pytest.approx(want.beta, rel=1e-6)
+    assert cluster.scalar_all_reduce_alphas == pytest.approx(1.35)
+    assert "one value 1.35 alphas" in cluster.source
+    mesh = Mesh((2, 4), cluster=cluster)
+    assert mesh_collective_time("all_reduce", 4, mesh, (1,)) == pytest.approx(1.35 * fa * links[1].alpha + 2 * 3 / 4 * 4 * factors["all_reduce"][1] * links[1].beta)
+    # without such points, the ring model; a slower measurement is capped at the ring's 2n - 1
+    assert fit_cluster(pts, (2, 4)).scalar_all_reduce_alphas is None
+    slow = [CommMeasurement("all_reduce", 0, 2, 4, 10 * fa * links[0].alpha)]
+    assert fit_cluster(pts + slow, (2, 4)).scalar_all_reduce_alphas == pytest.approx(3.0)
+    # a cached profile read on top of another base cluster keeps it
+    profile = CommProfile(cluster, tuple(pts + scalars), "gloo", (2, 4))
+    from autopar.cost_model.profile_comm import _with_base
+    assert _with_base(profile, PRESETS["cpu-gloo"]).cluster.scalar_all_reduce_alphas == pytest.approx(1.35)
+
+
 # ---- live: one spawn of 4 ranks, mesh (2, 2) ---------------------------------------------------------
 def _rank_profile(rank, world_size, directory):
     import time
@@ -182,4 +209,8 @@ def test_live_gloo_profile_fits_its_own_measurements(tmp_path):
     assert pooled < 0.30, "\n".join(report)
     assert max(per_axis) < 0.40, "\n".join(report)
     factors = profile.factors
-    print("\n".join(report + [f"per-kind (alpha, beta) factors: {factors}"]))
+    # one 4-byte all_reduce per axis, kept apart: gloo runs it in fewer alphas than its ring's 3
+    assert len([m for m in profile.measurements if m.nbytes == 4]) == 2
+    assert 0 < profile.cluster.scalar_all_reduce_alphas <= 3
+    print("\n".join(report + [f"per-kind (alpha, beta) factors: {factors}",
+                              f"one-value all_reduce: {profile.cluster.scalar_all_reduce_alphas:.2f} alphas"]))
