@@ -10,8 +10,10 @@ and these process groups costs, so that the planner's figures are the runtime's.
 Everything is cached under the profile cache directory (``autopar.cost_model.cache``): the
 communication profile per mesh shape and backend, the host's figures (rank contention, per-op
 overheads, AdamW) per device and number of ranks on it, the collective skew per mesh shape too, and
-the op table per device and ranks on it; later calls only read them. All functions here are
-collectives: call them on every rank.
+the op table per device and ranks on it; later calls read them. The host's figures are checked
+first when their last check is ``HOST_CHECK_S`` old: a short measurement of the rank contention and
+of the host's pace, and where either moved by ``HOST_DRIFT`` the host is measured again (and the op
+table, cached per contention, with it). All functions here are collectives: call them on every rank.
 """
 from __future__ import annotations
 
@@ -40,6 +42,14 @@ PROFILE_SUBDIR = "parallelize"
 # 3: the ranks' mean, median over CONTENTION_ROUNDS rounds (one round's slowest rank moved 2.1-3.0)
 HOST_PROFILE_VERSION = 3
 CONTENTION_ROUNDS = 5
+# A cached host profile is checked against a short measurement when it was last checked longer ago
+# than this (jobs started in a row reuse it as is) and measured again where the host has drifted:
+# one measured at 10:40 while other jobs loaded the VM said rank contention 3.43 where it was 2.0
+# at 15:45; planned with it, the bench's GPT and LLaMA took 4-stage pipelines and came out 40%
+# slower than predicted.
+HOST_CHECK_S = 600.0
+HOST_CHECK_ROUNDS = 2
+HOST_DRIFT = 1.3  # contention or pace (a fixed workload's time on one rank) this far off, either way
 IN_SITU_WARMUP = 2  # untimed forward + backward passes (the allocator settles over the first few)
 IN_SITU_REPEATS = 3  # timed passes per rank at least
 IN_SITU_WINDOW_S = 1.0  # and for about this long (at most 200 passes)
@@ -117,31 +127,32 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
                       fill at most half the cores, 0 when they fill them all, linear between); 1 on GPUs
 
     The host's figures are cached per device and ranks on the host (the op table, scaled by the
-    same contention, is too); the collective skew per mesh shape as well.
+    same contention, is too), and checked against a short measurement when their last check is
+    older than ``HOST_CHECK_S`` (see the module docstring); the collective skew per mesh shape as well.
     """
-    from autopar.cost_model.profile_runtime import contention_workload, measure_collective_overhead, measure_overheads
+    from autopar.cost_model.profile_runtime import measure_collective_overhead, measure_overheads
 
     device = torch.device(device)
 
     def host():
-        contention = 1.0
-        if device.type != "cuda":
-            rounds = []
-            for _ in range(CONTENTION_ROUNDS):
-                dist.barrier()
-                together = [None] * dist.get_world_size()
-                dist.all_gather_object(together, contention_workload(device))
-                # The ranks' mean: over a step of many windows like this the kernel evens out the
-                # cores' shares. One window's slowest rank is luck (1.3x-3.0x in one round when 3
-                # ranks landed on one core); priced by it, the 10M GPT and LLaMA of make bench
-                # came out 10-30% over their measured steps. The median over rounds drops outliers.
-                rounds.append(statistics.fmean(together))
-            alone = _on_rank0(lambda: statistics.median(contention_workload(device) for _ in range(CONTENTION_ROUNDS)))
-            contention = max(1.0, statistics.median(rounds) / alone)
+        contention, pace = _contention(device, CONTENTION_ROUNDS) if device.type != "cuda" else (1.0, None)
         out = {k: v * contention for k, v in _on_rank0(lambda: measure_overheads(device)).items()}
-        return dict(out, rank_contention=contention)
+        return dict(out, rank_contention=contention, pace_s=pace, checked_at=time.time())
 
-    out = dict(_cached(f"host-v{HOST_PROFILE_VERSION}", device, directory, host))
+    what = f"host-v{HOST_PROFILE_VERSION}"
+    out = dict(_cached(what, device, directory, host))
+    if device.type != "cuda" and _on_rank0(lambda: time.time() - out.get("checked_at", 0.0) > HOST_CHECK_S):
+        contention, pace = _contention(device, HOST_CHECK_ROUNDS)
+        drift = max(contention / out["rank_contention"], out["rank_contention"] / contention,
+                    *((pace / out["pace_s"], out["pace_s"] / pace) if out.get("pace_s") else ()))
+        if drift > HOST_DRIFT:
+            log.warning("the host drifted from its cached profile (rank contention %.2f, now %.2f): measuring it "
+                        "again", out["rank_contention"], contention)
+            out = host()
+        out["checked_at"] = time.time()
+        _store(what, device, directory, out)
+    for key in ("pace_s", "checked_at"):
+        out.pop(key, None)
     if groups is not None:
         def skew():
             pgs = [groups.group((a,)) for a, n in enumerate(groups.mesh.shape) if n > 1]
@@ -294,12 +305,46 @@ def _tensors(value) -> list:
     return []
 
 
+def _contention(device, rounds: int) -> tuple[float, float]:
+    """(rank contention, the workload's seconds on rank 0 alone): ``contention_workload`` on every
+    rank at once, the ranks' mean, the median over ``rounds`` rounds, over rank 0's median alone.
+    The same on every rank. A collective."""
+    from autopar.cost_model.profile_runtime import contention_workload
+
+    together = []
+    for _ in range(rounds):
+        dist.barrier()
+        times = [None] * dist.get_world_size()
+        dist.all_gather_object(times, contention_workload(device))
+        # The ranks' mean: over a step of many windows like this the kernel evens out the cores'
+        # shares. One window's slowest rank is luck (1.3x-3.0x in one round when 3 ranks landed on
+        # one core); priced by it, the 10M GPT and LLaMA of make bench came out 10-30% over their
+        # measured steps. The median over rounds drops outliers.
+        together.append(statistics.fmean(times))
+    alone = _on_rank0(lambda: statistics.median(contention_workload(device) for _ in range(rounds)))
+    return max(1.0, statistics.median(together) / alone), alone
+
+
+def _store(what: str, device, directory, value: dict) -> None:
+    """Rank 0 writes ``value`` where ``_cached`` reads ``what``."""
+    from autopar.cost_model.cache import write_json
+
+    if dist.get_rank() == 0:
+        write_json(_cache_path(what, device, directory), value)
+
+
+def _cache_path(what: str, device, directory):
+    from autopar.cost_model.cache import cache_dir, slug
+
+    return cache_dir(directory) / PROFILE_SUBDIR / f"{what}-{slug(_host_label(device))}-torch{slug(torch.__version__)}.json"
+
+
 def _cached(what: str, device, directory, measure) -> dict:
     """``measure()`` (a collective returning the same dict on every rank), or what rank 0 has cached
     for ``what`` on this device, ranks on the host and torch version."""
-    from autopar.cost_model.cache import cache_dir, read_json, slug, write_json
+    from autopar.cost_model.cache import read_json, write_json
 
-    path = cache_dir(directory) / PROFILE_SUBDIR / f"{what}-{slug(_host_label(device))}-torch{slug(torch.__version__)}.json"
+    path = _cache_path(what, device, directory)
     box = [read_json(path) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if box[0] is None:

@@ -77,12 +77,39 @@ def rank_main(rank, world, directory):
     groups = MeshGroups(autopar.Mesh((2,)))
     first = live_profile.live_overheads("cpu", groups=groups, directory=directory)
     again = live_profile.live_overheads("cpu", groups=groups, directory=directory)
+    drift = host_drift_case(live_profile, groups, directory)
     try:
         live_profile._on_rank0(lambda: 1 / 0)
         error = None
     except autopar.AutoparError as err:
         error = f"{type(err).__name__}: {err}"
-    return {"first": first, "again": again, "error": error, "calibration": calibration_case(directory)}
+    return {"first": first, "again": again, "error": error, "calibration": calibration_case(directory), "drift": drift}
+
+
+def host_drift_case(live_profile, groups, directory):
+    """The cached host profile rewritten as another load would have left it (rank contention 3x,
+    or 1.05x, what it measured), last checked long ago or just now: what live_overheads prices with."""
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    what = f"host-v{live_profile.HOST_PROFILE_VERSION}"
+    path = live_profile._cache_path(what, "cpu", directory)
+    out = {}
+    base = live_profile.live_overheads("cpu", groups=groups, directory=directory)["rank_contention"]
+    for tag, scale, checked_at in (("stale, long ago", 3.0, 0.0), ("stale, just checked", 3.0, time.time()),
+                                   ("close, long ago", 1.05, 0.0)):
+        if dist.get_rank() == 0:
+            cached = json.loads(path.read_text())
+            cached.update(rank_contention=base * scale, checked_at=checked_at)
+            path.write_text(json.dumps(cached))
+            out[tag + " cached"] = cached["rank_contention"]
+        dist.barrier()
+        out[tag] = live_profile.live_overheads("cpu", groups=groups, directory=directory)["rank_contention"]
+        out[tag + " checked"] = json.loads(path.read_text())["checked_at"] > time.time() - 60
+        dist.barrier()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +126,18 @@ def test_host_figures_are_measured_and_cached(results):
                     "collective_overhead_s"):
             assert math.isfinite(f[key]) and 0 <= f[key] < 0.1, (key, f[key])
     assert results[0]["first"] == results[1]["first"]  # every rank prices with the same figures
+
+
+def test_a_host_profile_that_drifted_is_measured_again(results):
+    # checked long ago and 3x off a short measurement: measured again; 1.05x off: kept (a check is
+    # noisy), only its check time renewed; checked within HOST_CHECK_S: read as is, unchecked
+    d = results[0]["drift"]
+    fresh = results[0]["first"]["rank_contention"]
+    assert d["stale, long ago"] < d["stale, long ago cached"] / 2 and d["stale, long ago checked"]
+    assert d["stale, just checked"] == d["stale, just checked cached"]
+    assert d["close, long ago"] == pytest.approx(d["close, long ago cached"]) and d["close, long ago checked"]
+    assert d["stale, long ago"] == pytest.approx(fresh, rel=0.3)
+    assert [r["drift"]["stale, long ago"] for r in results] == [d["stale, long ago"]] * len(results)
 
 
 def test_a_failure_on_rank_0_reaches_every_rank(results):
