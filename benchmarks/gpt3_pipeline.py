@@ -51,7 +51,8 @@ def main():
     s = plan.summary()
     pipe = s["pipeline"]
     print(f"GPT-3 175B on {a.mesh} a100-80g, {a.budget} per device: planned in {seconds:.1f} s "
-          f"(traces {plan.solver.get('trace_s', 0):.1f} s, intra-op ILPs {plan.solver.get('intra_op_s', 0):.1f} s, "
+          f"({plan.solver.get('traces', 0)} traces and {plan.solver.get('scaled_graphs', 0)} graphs scaled from them "
+          f"{plan.solver.get('trace_s', 0):.1f} s, intra-op ILPs {plan.solver.get('intra_op_s', 0):.1f} s, "
           f"stage DP {plan.solver.get('dp_s', 0):.1f} s)")
     print(f"  {len(pipe['stages'])} stages of {[st['layers'][1] - st['layers'][0] + 1 for st in pipe['stages']]} layers, "
           f"{pipe['schedule']}, {pipe['microbatches']} microbatches; tp {s['tp']}, sp {s['sp']}, pp {s['pp']}, dp {s['dp']}")

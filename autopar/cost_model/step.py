@@ -144,6 +144,13 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
 
 
 def _bucket_times(totals: dict, mesh, bucket_bytes: int) -> list[float]:
-    """Seconds of each bucket the reducer makes of ``{(collective, axes): bytes}``."""
-    return [mesh_collective_time(kind, b, mesh, axes)
-            for (kind, axes), total in totals.items() for b in bucket_sizes(total, bucket_bytes)]
+    """Seconds of each bucket the reducer makes of ``{(collective, axes): bytes}`` (each size priced
+    once: a model of 175B parameters fills thousands of equal buckets)."""
+    out = []
+    for (kind, axes), total in totals.items():
+        priced: dict[int, float] = {}
+        for b in bucket_sizes(total, bucket_bytes):
+            if b not in priced:
+                priced[b] = mesh_collective_time(kind, b, mesh, axes)
+            out.append(priced[b])
+    return out

@@ -41,6 +41,7 @@ from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import node_readers, unit_of_nodes
+from autopar.ir.batch_scaling import scaled_graph
 from autopar.ir.graph import Role
 from autopar.ir.losses import class_means, counted_from_inputs, loss_position, state_weighing
 from autopar.sharding_spec.mesh import Mesh
@@ -408,18 +409,32 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
     contention = mesh.resolved_cluster().rank_contention
     if equal_stages:  # only stage sizes that tile the rows (and give the fixed stage count)
         options = [k for k in options if mesh.shape[0] % k == 0 and pipeline.stages in (None, mesh.shape[0] // k)]
-    timing = {"trace_s": 0.0, "intra_op_s": 0.0, "dp_s": 0.0}
+    timing = {"trace_s": 0.0, "intra_op_s": 0.0, "dp_s": 0.0, "traces": 0, "scaled_graphs": 0}
     results: dict[int, tuple | None] = {}
     graphs: dict[int, object] = {}
+    real: list[int] = []  # the counts whose graph was traced (the others were scaled from two of them)
+
+    def trace(count: int):
+        t0 = time.perf_counter()
+        micro_in, micro_kw = microbatch_inputs(inputs, example_kwargs, count)
+        graph = ir.trace(model, micro_in, micro_kw or None)
+        timing["trace_s"] += time.perf_counter() - t0
+        timing["traces"] += 1
+        real.append(count)
+        return graph
 
     def traced(count: int):
-        """The graph at the microbatch shape of ``count`` microbatches, traced once per count
-        (one microbatch: the whole batch, which the batch-independence check reads too)."""
+        """The graph at the microbatch shape of ``count`` microbatches (one microbatch: the whole
+        batch, which the batch-independence check reads too): traced for the first two counts,
+        then read off two traces where that holds (``ir.batch_scaling``; a trace costs seconds)."""
         if count not in graphs:
             t0 = time.perf_counter()
-            micro_in, micro_kw = microbatch_inputs(inputs, example_kwargs, count)
-            graphs[count] = ir.trace(model, micro_in, micro_kw or None)
+            scaled = (scaled_graph(graphs[real[0]], batch // real[0], graphs[real[1]], batch // real[1], batch // count)
+                      if len(real) >= 2 else None)
             timing["trace_s"] += time.perf_counter() - t0
+            if scaled is not None:
+                timing["scaled_graphs"] += 1
+            graphs[count] = scaled if scaled is not None else trace(count)
         return graphs[count]
 
     def best_stages(variants, count: int, graph):
@@ -443,6 +458,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
 
         if not variants:
             return None
+        shared = multi_unit_params(graph)
         devices = np.array([rows for rows, _ in variants])
         recomputed = np.array([p.recompute for _, p in variants])
         for schedule in schedules:
@@ -481,7 +497,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                     per_step = [count * grouped[kept[m]][1].per_step_s[i:j + 1].sum() for i, j, m in sol.stages]
                     sol.step_time = shared_core_time(sol, devices[keep], count, contention, mesh.shape[0], schedule,
                                                      per_step)
-                    sol.step_time += step_extras(graph, groups, sol.stages, len(sol.stages) // virtual, mesh)
+                    sol.step_time += step_extras(graph, groups, sol.stages, len(sol.stages) // virtual, mesh, shared)
                     if found is None or sol.step_time < found[0].step_time - 1e-15:
                         sol.stages = [(i, j, int(kept[m])) for i, j, m in sol.stages]
                         found = (sol, count, schedule, variants, graph, groups)
@@ -551,6 +567,19 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
             log.info("one microbatch only: %s", why)
             counts = [1]
     best = _search_counts(counts, evaluate)
+    while best is not None and best[1] not in real:
+        # The chosen count's graph was scaled: trace it, as parallelize will. The same program
+        # keeps its plan; another one (the model is not linear in the batch there) is priced again.
+        count = best[1]
+        graph = trace(count)
+        if graph.fingerprint() == graphs[count].fingerprint():
+            graphs[count] = graph
+            best = results[count] = (*best[:4], graph, *best[5:])
+        else:
+            graphs[count] = graph
+            del results[count]
+            evaluate(count)
+            best = min((r for r in results.values() if r is not None), key=lambda r: r[0].step_time, default=None)
     if best is None:
         why = (f"fits {memory_budget} bytes per device" if memory_budget is not None else
                "can be planned (a forced layout must fit each stage's devices and the microbatch; stages must tile the mesh rows)")
@@ -608,12 +637,24 @@ def _fixed_cuts(time_t: np.ndarray) -> np.ndarray:
     return out
 
 
-def step_extras(graph, groups, stages, blocks: int, mesh: Mesh) -> float:
+def multi_unit_params(graph) -> dict[str, set[int]]:
+    """Parameter placeholder -> the layer units reading it, for those read in more than one (a
+    tied embedding and head): what ``step_extras`` looks at, found once per graph."""
+    unit, readers = unit_of_nodes(graph), node_readers(graph)
+    out = {}
+    for ph in graph.params.values():
+        units = {unit[r] for r in readers.get(ph, ()) if r in unit}
+        if len(units) > 1:
+            out[ph] = units
+    return out
+
+
+def step_extras(graph, groups, stages, blocks: int, mesh: Mesh, shared: dict[str, set[int]] | None = None) -> float:
     """What a pipelined step runs after its schedule, blocking, that no stage price holds
     (``PipelineRunner.step``): the loss sent from the last stage to every rank (one small
     collective over the pipeline group), and each parameter that several blocks of ranks read (a
     tied embedding and head) summed over them (an all-reduce of its whole gradient). Both cross
-    the mesh's first axis. 0 for one stage."""
+    the mesh's first axis. 0 for one stage. ``shared``: ``multi_unit_params(graph)``."""
     if len(stages) < 2:
         return 0.0
     link = mesh.resolved_cluster().with_axis_links([mesh.links()[0]])
@@ -622,10 +663,9 @@ def step_extras(graph, groups, stages, blocks: int, mesh: Mesh) -> float:
         for g in groups[gi: gj + 1]:
             for u in g:
                 block_of_unit[u] = s % blocks
-    unit, readers = unit_of_nodes(graph), node_readers(graph)
     total = mesh_collective_time("all_reduce", 4, Mesh((blocks,), cluster=link), (0,))  # the loss
-    for ph in graph.params.values():
-        holders = {block_of_unit[unit[r]] for r in readers.get(ph, ()) if r in unit}
+    for ph, units in (multi_unit_params(graph) if shared is None else shared).items():
+        holders = {block_of_unit[u] for u in units}
         if len(holders) > 1:
             total += mesh_collective_time("all_reduce", graph.nodes[ph].meta.nbytes, Mesh((len(holders),), cluster=link), (0,))
     return total

@@ -197,6 +197,51 @@ def test_search_under_a_tight_budget():
         assert len(choice.stages) >= 2
 
 
+def test_scaled_graphs_give_the_searchs_answer_with_fewer_traces(monkeypatch):
+    """Past its first two traces the search reads each microbatch size's graph off them
+    (``ir.batch_scaling``) and traces only the count it picks: the same choice, step and stage plans
+    as tracing every count, the chosen graph a real trace."""
+    import autopar.solver.pipeline as pipeline_module
+
+    model, inputs = models.build("gpt", device="meta", layers=8, width=1024, heads=16, seq=256, vocab=8192, batch=64)
+    mesh = autopar.Mesh((4, 2), cluster="a100-80g")
+    scaled = search(model, mesh, inputs, memory_budget=2e9)
+    monkeypatch.setattr(pipeline_module, "scaled_graph", lambda *a: None)
+    traced = search(model, mesh, inputs, memory_budget=2e9)
+    assert scaled.timing["scaled_graphs"] >= 1 and traced.timing["scaled_graphs"] == 0
+    assert scaled.timing["traces"] < traced.timing["traces"]
+    assert (scaled.microbatches, scaled.schedule, len(scaled.stages)) == (traced.microbatches, traced.schedule, len(traced.stages))
+    assert scaled.step_time_s == traced.step_time_s
+    def content(st):  # the stage's plan, less the solver's timings
+        return st.plan.nodes, st.plan.edges, st.plan.params, st.plan.predicted, st.plan.model_fingerprint
+
+    assert [content(st) for st in scaled.stages] == [content(st) for st in traced.stages]
+    assert scaled.graph.fingerprint() == traced.graph.fingerprint() and scaled.graph.nodes[scaled.graph.inputs[0]].fx_node is not None
+
+
+def test_a_scaled_graph_that_is_not_the_trace_is_priced_on_the_trace(monkeypatch):
+    """Where the model's program changes with the batch (the scaled graph is not what tracing the
+    chosen count gives), the search prices that count again on its trace."""
+    import autopar.solver.pipeline as pipeline_module
+    from autopar.ir.batch_scaling import scaled_graph
+
+    def off_by_one(*args):  # a prediction that is wrong somewhere
+        g = scaled_graph(*args)
+        if g is not None:
+            node = next(n for n in g.nodes.values() if n.op == "call_function" and n.args and isinstance(n.args[-1], int))
+            node.args = (*node.args[:-1], node.args[-1] + 1)
+        return g
+
+    model, inputs = models.build("gpt", device="meta", layers=8, width=1024, heads=16, seq=256, vocab=8192, batch=64)
+    mesh = autopar.Mesh((4, 2), cluster="a100-80g")
+    monkeypatch.setattr(pipeline_module, "scaled_graph", off_by_one)
+    wrong = search(model, mesh, inputs, memory_budget=2e9)
+    monkeypatch.setattr(pipeline_module, "scaled_graph", lambda *a: None)
+    traced = search(model, mesh, inputs, memory_budget=2e9)
+    assert wrong.graph.fingerprint() == traced.graph.fingerprint()  # what it answers with was traced
+    assert wrong.stages[0].plan.model_fingerprint == traced.stages[0].plan.model_fingerprint
+
+
 def test_search_needs_layers():
     model, inputs = torch.nn.Linear(4, 4), (torch.randn(8, 4),)
     with pytest.raises(PlanError, match="no repeated layers"):
