@@ -1,6 +1,8 @@
 """Which gradient convention a plan runs with per mesh axis (``autopar.cost_model.gradients``),
 checked by hand on a Megatron MLP block and against the step model. Runs on real ranks are in
 tests/runtime/test_identical_grads.py."""
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -96,3 +98,25 @@ def test_the_convention_survives_a_save_and_load(tmp_path):
     back = Plan.load(tmp_path / "p.json")
     assert back.identical_axes == plan.identical_axes == (0,)
     assert {p.name: p.grad_sync for p in back.params.values()} == {p.name: p.grad_sync for p in plan.params.values()}
+
+
+def test_an_output_edge_may_span_identical_and_other_axes():
+    # a loss summed over both axes of a 2x2 mesh (its rows split over both) reaches the output
+    # through one all-reduce over (0, 1): the output is seeded whole on every axis of its own
+    # gathers and all-reduces, so their backwards run nothing and the convention holds on axis 1
+    # alone; any other step over a mix of axes is still refused
+    from autopar import models
+    from autopar.cost_model.gradients import identical_ok
+
+    model, inputs = models.build("gpt", vocab=64, width=32, layers=2, heads=4, seq=8, batch=4)
+    graph = ir.trace(model, inputs)
+    plan = autopar.plan(model, autopar.Mesh((2, 2), cluster="cpu-gloo"), inputs, force=autopar.Layout(dp=2, tp=2),
+                        idle_axes=(), identical_axes=(1,), pipeline=False)
+    assert plan.identical_axes == (1,)
+    out = [e for e in plan.edges if graph.nodes[e.dst].op == "output" and e.steps]
+    assert any(set(s.axes) == {0, 1} for e in out for s in e.steps), [(e.src, e.steps) for e in out]
+    mixed = next(e for e in out if any(set(s.axes) == {0, 1} for s in e.steps))
+    moved = dataclasses.replace(plan, edges=[dataclasses.replace(mixed, dst=mixed.src) if e is mixed else e
+                                             for e in plan.edges])
+    why = identical_ok(moved, graph, (1,), param_sync_axes(moved, graph, (1,)))
+    assert why is not None and "only partly identical" in why
