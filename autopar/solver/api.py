@@ -192,12 +192,13 @@ def _identical_plan(plan: Plan, graph, mesh: Mesh, axes, bucket_bytes: int) -> P
     if why is not None:
         return why
     params = {}
+    total = sum(graph.nodes[ph].meta.nbytes for ph in graph.params.values())
     for fqn, p in plan.params.items():
         if fqn in sync and tuple(sync[fqn]) != tuple(p.grad_sync[1]):
             kind, _, nbytes = p.grad_sync
             if sync[fqn]:
                 p = dataclasses.replace(p, grad_sync=(kind, sync[fqn], nbytes), grad_sync_s=bucketed_collective_time(
-                    kind, nbytes, mesh, sync[fqn], bucket_bytes))
+                    kind, nbytes, mesh, sync[fqn], bucket_bytes, total))
             else:
                 p = dataclasses.replace(p, grad_sync=None, grad_sync_s=0.0)
         params[fqn] = p

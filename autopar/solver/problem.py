@@ -23,7 +23,7 @@ from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.losses import counted_from_inputs
-from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
+from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, bucket_sizes
 from autopar.cost_model.ops import needs_grad
 from autopar.ir.graph import NodeRef, Role, edge_itemsize
 from autopar.sharding_spec.reshard import local_bytes, plan_reshard, reshard_costs_from
@@ -58,11 +58,13 @@ class Built:
 
 
 def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[list[Strategy], list, list, list, list]:
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, total_bytes: int | None = None
+                   ) -> tuple[list[Strategy], list, list, list, list]:
     """A parameter's storage choices: (strategies, optimizer seconds, sync seconds, memory, sync).
     The gradient sync is priced as the runtime's reducer runs it: in shared buckets, so a
-    parameter pays its bytes and its share of a bucket's latency; ZeRO-2 adds the all-gather of
-    the updated parameter, in the same buckets."""
+    parameter pays its bytes and its share of the buckets' latencies (``bucketed_collective_time``;
+    ``total_bytes``: the model's parameter bytes); ZeRO-2 adds the all-gather of the updated
+    parameter, in the same buckets."""
     meta = node.meta
     itemsize = meta.itemsize
     act = active_axes(mesh)
@@ -77,7 +79,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
         local = local_bytes(spec, mesh.shape, itemsize)
         family = "replicated" if spec.is_replicated else "sharded"
         if repl:
-            cost = bucketed_collective_time("all_reduce", local, mesh, repl, bucket_bytes)
+            cost = bucketed_collective_time("all_reduce", local, mesh, repl, bucket_bytes, total_bytes)
             sync = ("all_reduce", repl, local)
         else:
             cost, sync = 0.0, None
@@ -88,8 +90,8 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
         syncs.append(sync)
         if repl and optimizer_sharding:
             # ZeRO-2: reduce-scatter the gradient, update a shard, all-gather the new parameter.
-            cost_z = (bucketed_collective_time("reduce_scatter", local, mesh, repl, bucket_bytes)
-                      + bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes))
+            cost_z = (bucketed_collective_time("reduce_scatter", local, mesh, repl, bucket_bytes, total_bytes)
+                      + bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes, total_bytes))
             strategies.append(Strategy((), spec, "zero2" if spec.is_replicated else "sharded+zero2", 1.0))
             opt.append(optimizer_s(local / math.prod(mesh.shape[a] for a in repl)))
             costs.append(cost_z)
@@ -98,11 +100,19 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
     return strategies, opt, costs, mems, syncs
 
 
-def bucketed_collective_time(kind: str, nbytes: float, mesh, axes, bucket_bytes: int) -> float:
-    """One tensor's share of a bucketed collective: its bytes, and the call's latency in proportion
-    to the share of a bucket it fills."""
+def bucketed_collective_time(kind: str, nbytes: float, mesh, axes, bucket_bytes: int, total_bytes: int | None = None) -> float:
+    """One tensor's share of a bucketed collective: its bytes, and its share of the calls'
+    latencies. The reducer fills ``bucket_sizes(total_bytes)`` buckets (a small first one, then
+    ``bucket_bytes`` each), each paying a whole latency however little it holds: a tensor pays
+    ``nbytes / total_bytes`` of them (at most one), so a model's tensors together pay every bucket
+    (a 118k-parameter GPT fills 2 buckets of 25 MiB to 2%: priced at 2% of one latency, its data
+    parallel plan looked cheaper than replicating it, and ran 1.5x slower). Without
+    ``total_bytes``, its share of one full bucket."""
     latency = mesh_collective_time(kind, 0, mesh, axes, alone=False)
-    return mesh_collective_time(kind, nbytes, mesh, axes, alone=False) - latency + latency * min(1.0, nbytes / bucket_bytes)
+    share = nbytes / bucket_bytes
+    if total_bytes:
+        share = nbytes * len(bucket_sizes(int(total_bytes), bucket_bytes)) / total_bytes
+    return mesh_collective_time(kind, nbytes, mesh, axes, alone=False) - latency + latency * min(1.0, share)
 
 
 def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimizer_sharding: bool = True,
@@ -114,6 +124,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
     ``force``: node name -> family label (or a predicate on a Strategy) restricting that node's
     candidates (see ``restrict``)."""
     saved = memory_model.saved_for_backward(graph)
+    total = sum(graph.nodes[ph].meta.nbytes for ph in graph.params.values())  # what the buckets hold, at most
     out = {}
     memo: dict = {}  # repeated blocks repeat nodes: enumerate and price each kind once
     for node in graph.nodes.values():
@@ -123,7 +134,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
             continue
         syncs = None
         if node.op == "placeholder" and node.role == Role.PARAMETER:
-            strategies, comp, comm, mem, syncs = _param_choices(node, mesh, optimizer, optimizer_sharding, bucket_bytes)
+            strategies, comp, comm, mem, syncs = _param_choices(node, mesh, optimizer, optimizer_sharding, bucket_bytes, total)
             comp, comm = [c * step_share for c in comp], [c * step_share for c in comm]
         elif node.op == "placeholder":
             strategies = [Strategy((), spec, "input" if node.role == Role.INPUT else "buffer", 1.0) for spec in _placeholder_specs(node, mesh)]

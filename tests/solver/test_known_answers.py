@@ -175,3 +175,37 @@ def test_a_data_parallel_classifier_sums_its_loss_rather_than_gathering_its_logi
     logits = 32 * 10 * 4
     assert (mesh_collective_time("all_reduce", 4, mesh, (0,)) < mesh_collective_time("all_gather", logits, mesh, (0,))
             < mesh_collective_time("all_reduce", 4, ring, (0,)))
+
+
+def test_gradient_buckets_charge_their_whole_latency_to_the_tensors_in_them():
+    # the reducer fills bucket_sizes(total) buckets, each paying a whole latency: tensors that
+    # together fill them pay every latency between them (a 118k-parameter model's 2 buckets of
+    # 25 MiB are 2% full: priced at 2% of one latency, its data parallel plan looked cheaper than
+    # replicating it and ran 1.5x slower); a tensor never pays more than one
+    from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, bucket_sizes
+    from autopar.solver.problem import bucketed_collective_time
+
+    mesh = autopar.Mesh((4,), cluster=PRESETS["cpu-gloo"].with_axis_links([Link(1e-3, 0.0)]))
+    latency = mesh_collective_time("all_reduce", 0, mesh, (0,), alone=False)
+    for sizes in ([4 * 1024] * 100, [3 << 20] * 40, [30 << 20, 1 << 10]):
+        total = sum(sizes)
+        paid = sum(bucketed_collective_time("all_reduce", b, mesh, (0,), DEFAULT_BUCKET_BYTES, total) for b in sizes)
+        buckets = len(bucket_sizes(total, DEFAULT_BUCKET_BYTES))
+        assert paid <= buckets * latency + 1e-12
+        if max(sizes) * buckets <= total:  # no tensor capped at one latency
+            assert paid == pytest.approx(buckets * latency)
+    # without the model's total: a share of one full bucket, as before
+    assert bucketed_collective_time("all_reduce", 1 << 20, mesh, (0,), 4 << 20) == pytest.approx(latency / 4)
+
+
+def test_a_model_too_small_to_split_is_replicated_where_its_buckets_cost_more_than_it_saves():
+    # make demo's GPT (118k parameters) on 2x2 gloo ranks priced as profiled there (alpha 0.64 ms,
+    # 2.2x contention): replicating every op beats data parallel, whose 2 gradient buckets and loss
+    # all-reduce cost more than the quarter of the compute it saves
+    from autopar import models
+
+    model, inputs = models.build("gpt")
+    gloo = dataclasses.replace(PRESETS["cpu-gloo"], rank_contention=2.2, collective_overhead_s=0.002)
+    plan = autopar.plan(model, autopar.Mesh((2, 2), cluster=gloo.with_axis_links([Link(6.4e-4, 1.2e-9)] * 2)), inputs,
+                        pipeline=False)
+    assert plan.idle_axes == (0, 1) and set(plan.summary()["families"]) <= {"replicate"}
