@@ -145,10 +145,10 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
         contention, pace = _contention(device, HOST_CHECK_ROUNDS)
         drift = max(contention / out["rank_contention"], out["rank_contention"] / contention,
                     *((pace / out["pace_s"], out["pace_s"] / pace) if out.get("pace_s") else ()))
-        if drift > HOST_DRIFT and dist.get_rank() == 0:
-            log.warning("the host drifted from its cached profile (rank contention %.2f, now %.2f): measuring it "
-                        "again", out["rank_contention"], contention)
         if drift > HOST_DRIFT:
+            if dist.get_rank() == 0:
+                log.warning("the host drifted from its cached profile (rank contention %.2f, now %.2f): measuring "
+                            "it again", out["rank_contention"], contention)
             out = host()
         out["checked_at"] = time.time()
         _store(what, device, directory, out)

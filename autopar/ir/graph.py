@@ -215,6 +215,10 @@ class Graph:
         """Elements over unique parameters (a tied weight counts once)."""
         return sum(self.nodes[name].meta.numel for name in self.params.values())
 
+    def param_bytes(self) -> int:
+        """Bytes over unique parameters: what the gradient reducer's buckets hold at most."""
+        return sum(self.nodes[name].meta.nbytes for name in self.params.values())
+
     def flops_per_layer(self) -> dict[str, int]:
         """FLOPs per layer id in layer order, then ``OUTSIDE`` ("(outside)") for the rest."""
         out = {layer: 0 for layer in self.layers}

@@ -192,7 +192,7 @@ def _identical_plan(plan: Plan, graph, mesh: Mesh, axes, bucket_bytes: int) -> P
     if why is not None:
         return why
     params = {}
-    total = sum(graph.nodes[ph].meta.nbytes for ph in graph.params.values())
+    total = graph.param_bytes()
     for fqn, p in plan.params.items():
         if fqn in sync and tuple(sync[fqn]) != tuple(p.grad_sync[1]):
             kind, _, nbytes = p.grad_sync

@@ -22,10 +22,10 @@ from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
-from autopar.ir.losses import counted_from_inputs
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, bucket_sizes
 from autopar.cost_model.ops import needs_grad
 from autopar.ir.graph import NodeRef, Role, edge_itemsize
+from autopar.ir.losses import counted_from_inputs
 from autopar.sharding_spec.reshard import local_bytes, plan_reshard, reshard_costs_from
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import (OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep,
@@ -124,7 +124,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
     ``force``: node name -> family label (or a predicate on a Strategy) restricting that node's
     candidates (see ``restrict``)."""
     saved = memory_model.saved_for_backward(graph)
-    total = sum(graph.nodes[ph].meta.nbytes for ph in graph.params.values())  # what the buckets hold, at most
+    total = graph.param_bytes()
     out = {}
     memo: dict = {}  # repeated blocks repeat nodes: enumerate and price each kind once
     for node in graph.nodes.values():
