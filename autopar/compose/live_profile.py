@@ -40,7 +40,8 @@ PROFILE_REPEATS = 5
 PROFILE_SUBDIR = "parallelize"
 # 2: rank_contention is the slowest rank's (was the median rank's)
 # 3: the ranks' mean, median over CONTENTION_ROUNDS rounds (one round's slowest rank moved 2.1-3.0)
-HOST_PROFILE_VERSION = 3
+# 4: the host's memory bandwidth (``measure_overheads``), for gradient accumulation
+HOST_PROFILE_VERSION = 4
 CONTENTION_ROUNDS = 5
 # A cached host profile is checked against a short measurement when it was last checked longer ago
 # than this (jobs started in a row reuse it as is) and measured again where the host has drifted:
@@ -120,7 +121,7 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
                       their mean, the median of ``CONTENTION_ROUNDS`` rounds, against the median
                       of as many rounds of rank 0 alone); 1 on GPUs (a rank per device)
     op / backward op overheads, AdamW per element and per tensor (``measure_overheads``): timed on
-                      rank 0 alone, times ``rank_contention``
+                      rank 0 alone, times ``rank_contention``; on CPU the memory bandwidth, over it
     collective_overhead_s  with ``groups``: the extra latency of a collective reached from compute
                       (``measure_collective_overhead``) on the mesh's axis groups, median over ranks
     comm_overlap      on CPU, whether a core is left for gloo's threads (1 when the ranks' threads
@@ -136,7 +137,9 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
 
     def host():
         contention, pace = _contention(device, CONTENTION_ROUNDS) if device.type != "cuda" else (1.0, None)
-        out = {k: v * contention for k, v in _on_rank0(lambda: measure_overheads(device)).items()}
+        # times stretch by the contention of ranks sharing the host, a bandwidth shrinks by it
+        out = {k: v / contention if k == "memory_bandwidth" else v * contention
+               for k, v in _on_rank0(lambda: measure_overheads(device)).items()}
         return dict(out, rank_contention=contention, pace_s=pace, checked_at=time.time())
 
     what = f"host-v{HOST_PROFILE_VERSION}"

@@ -9,6 +9,9 @@ with.
     optimizer_s_per_element  AdamW (torch's default foreach implementation), per fp32 element,
     optimizer_s_per_tensor   and per tensor: fitted to one step over many small tensors and one
                              over a few large ones
+    memory_bandwidth         bytes/s of an in-place add over tensors past the caches (what adding
+                             gradients up costs, and the roofline of ops the op table lacks); not
+                             on GPUs, whose presets carry HBM's measured rate
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ CHAIN = 200
 COMPUTE_BETWEEN = 60  # 256x256 matmuls before each loaded collective
 SMALL = (64, 1 << 10)  # (tensors, elements each)
 LARGE = (4, 1 << 19)
+STREAM = 1 << 23  # fp32 elements of each tensor the bandwidth's add reads (32 MiB: past a CPU's caches)
 
 
 def measure_overheads(device="cpu", repeats: int = 5) -> dict[str, float]:
@@ -52,12 +56,29 @@ def measure_overheads(device="cpu", repeats: int = 5) -> dict[str, float]:
     det = n1 * e2 - n2 * e1
     per_tensor = max((small * e2 - large * e1) / det, 0.0)
     per_element = max((n1 * large - n2 * small) / det, 0.0)
-    return {
+    out = {
         "op_overhead_s": statistics.median(fwd),
         "backward_op_overhead_s": statistics.median(bwd),
         "optimizer_s_per_element": per_element,
         "optimizer_s_per_tensor": per_tensor,
     }
+    if device.type != "cuda":
+        out["memory_bandwidth"] = _add_bandwidth(device, sync, repeats)
+    return out
+
+
+def _add_bandwidth(device, sync, repeats: int) -> float:
+    """Bytes/s of ``a.add_(b)``: three passes (read both, write one) over ``STREAM`` elements."""
+    a, b = torch.zeros(STREAM, device=device), torch.ones(STREAM, device=device)
+    times = []
+    for it in range(repeats + 2):
+        sync()
+        t0 = time.perf_counter()
+        a.add_(b)
+        sync()
+        if it >= 2:
+            times.append(time.perf_counter() - t0)
+    return 3 * a.element_size() * STREAM / statistics.median(times)
 
 
 def _adamw_time(n: int, size: int, device, sync, repeats: int) -> float:

@@ -378,6 +378,7 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
         params[fqn] = ParamPlan(
             fqn, node_name, s.output, s.family, c.grad_sync[i], sync_s,
             tuple(graph.param_aliases.get(fqn, (fqn,))), is_buffer,
+            0.0 if c.accumulate_s is None else float(c.accumulate_s[i]),
         )
     real_mesh = real_mesh or mesh
     plan = Plan(graph.model_name, graph.fingerprint(), real_mesh.to_dict(), nodes, edges, params, {}, stats,

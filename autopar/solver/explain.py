@@ -143,7 +143,7 @@ def _step_line(p: dict) -> str:
     """The predicted step by part (autopar/cost_model/step.py); plans saved before the step model
     carry only compute and communication."""
     parts = [("compute", "compute_s"), ("op overheads", "overhead_s"), ("communication", "comm_s"),
-             ("optimizer", "optimizer_s")]
+             ("gradient accumulation", "grad_accumulate_s"), ("optimizer", "optimizer_s")]
     text = " + ".join(f"{name} {_fmt_s(p[key])}" for name, key in parts if key in p)
     if "exposed_sync_s" in p:
         text += (f" (communication: reshards {_fmt_s(p['reshard_s'])}, in ops {_fmt_s(p.get('op_comm_s', 0.0))}, gradient sync {_fmt_s(p['exposed_sync_s'])} "

@@ -184,6 +184,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     readers = node_readers(graph)
     crossing: set[tuple[str, int]] = set()
     unread = _unread_outputs(graph)
+    accumulate = {p.node: p.accumulate_s for p in plan.params.values()}
     for name, np_ in plan.nodes.items():
         node = graph.nodes.get(name)
         if node is None:
@@ -191,9 +192,11 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
         u = unit[name]
         if node.op == "placeholder" and node.role in (Role.PARAMETER, Role.BUFFER):
             users = {unit[r] for r in readers.get(name, ()) if r in unit} or {u}
+            acc = accumulate.get(name, 0.0)
             for uu in users:  # a tied weight read at both ends is held by both stages
                 static[uu] += np_.memory_bytes
-                step[uu] += np_.compute_s  # the optimizer's share
+                step[uu] += np_.compute_s - acc  # the optimizer's share
+                micro[uu] += acc  # its gradient added up, every microbatch
         elif node.op == "call_function":
             micro[u] += np_.compute_s + cluster.op_overhead_s + cluster.backward_op_overhead_s
             forward[u] += np_.compute_s / 3 + cluster.op_overhead_s  # node compute is forward + 2x backward

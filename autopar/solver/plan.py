@@ -115,6 +115,7 @@ class ParamPlan:
     grad_sync_s: float
     aliases: tuple[str, ...] = ()
     buffer: bool = False
+    accumulate_s: float = 0.0  # adding its gradient up, per run of the graph (``cost_model.step.accumulate_s``)
 
 
 @dataclasses.dataclass

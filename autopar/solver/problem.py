@@ -22,7 +22,7 @@ from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
-from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, bucket_sizes
+from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_sizes
 from autopar.cost_model.ops import needs_grad
 from autopar.ir.graph import NodeRef, Role, edge_itemsize
 from autopar.ir.losses import counted_from_inputs
@@ -36,7 +36,9 @@ from autopar.solver.ilp import Problem
 @dataclasses.dataclass
 class NodeChoices:
     """A node's candidates and what each costs. ``grad_sync[i]``: (kind, axes, bytes) of the
-    gradient collective a parameter storage choice implies, or None."""
+    gradient collective a parameter storage choice implies, or None; ``accumulate_s[i]``: the part
+    of ``compute_s[i]`` a parameter pays per run of the graph to add its gradient up (the rest, its
+    optimizer share, once per step)."""
 
     name: str
     strategies: list[Strategy]
@@ -44,6 +46,7 @@ class NodeChoices:
     comm_s: np.ndarray
     memory: np.ndarray
     grad_sync: list
+    accumulate_s: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -132,10 +135,14 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
         if sig is not None and sig in memo:
             out[node.name] = dataclasses.replace(memo[sig], name=node.name)
             continue
-        syncs = None
+        syncs = acc = None
         if node.op == "placeholder" and node.role == Role.PARAMETER:
             strategies, comp, comm, mem, syncs = _param_choices(node, mesh, optimizer, optimizer_sharding, bucket_bytes, total)
-            comp, comm = [c * step_share for c in comp], [c * step_share for c in comm]
+            cluster = mesh.resolved_cluster()
+            acc = [accumulate_s(local_bytes(s.output, mesh.shape, node.meta.itemsize), sync is not None, step_share, cluster)
+                   for s, sync in zip(strategies, syncs)]
+            comp = [c * step_share + a for c, a in zip(comp, acc)]
+            comm = [c * step_share for c in comm]
         elif node.op == "placeholder":
             strategies = [Strategy((), spec, "input" if node.role == Role.INPUT else "buffer", 1.0) for spec in _placeholder_specs(node, mesh)]
             comp = [0.0] * len(strategies)
@@ -156,7 +163,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
         n = len(strategies)
         out[node.name] = NodeChoices(
             node.name, strategies, np.asarray(comp, float), np.asarray(comm, float), np.asarray(mem, float),
-            syncs if syncs is not None else [None] * n,
+            syncs if syncs is not None else [None] * n, None if acc is None else np.asarray(acc, float),
         )
         if sig is not None:
             memo[sig] = out[node.name]
@@ -200,7 +207,8 @@ def restrict(choices: dict[str, NodeChoices], name: str, want) -> NodeChoices:
         families = sorted({s.family for s in c.strategies})
         raise ConfigError(f"force: node {name!r} has no strategy of family {want!r}; its families are {families}")
     return NodeChoices(
-        c.name, [c.strategies[i] for i in keep], c.compute_s[keep], c.comm_s[keep], c.memory[keep], [c.grad_sync[i] for i in keep]
+        c.name, [c.strategies[i] for i in keep], c.compute_s[keep], c.comm_s[keep], c.memory[keep], [c.grad_sync[i] for i in keep],
+        None if c.accumulate_s is None else c.accumulate_s[keep],
     )
 
 

@@ -209,3 +209,38 @@ def test_a_model_too_small_to_split_is_replicated_where_its_buckets_cost_more_th
     plan = autopar.plan(model, autopar.Mesh((2, 2), cluster=gloo.with_axis_links([Link(6.4e-4, 1.2e-9)] * 2)), inputs,
                         pipeline=False)
     assert plan.idle_axes == (0, 1) and set(plan.summary()["families"]) <= {"replicate"}
+
+
+def test_gradient_accumulation_is_priced_per_run_as_the_runtime_adds():
+    # the reducer adds each run's gradient into a bucket zeroed once per step (3 passes a run, one
+    # a step); autograd keeps the first run's gradient and adds the others (3 passes each)
+    from autopar.cost_model.step import accumulate_s
+
+    cluster = PRESETS["a100-80g"]
+    bw, op = cluster.sustained_memory_bandwidth, cluster.backward_op_overhead_s
+    nbytes = 1 << 30
+    assert accumulate_s(nbytes, True, 1.0, cluster) == pytest.approx(4 * nbytes / bw + op)
+    assert accumulate_s(nbytes, True, 0.25, cluster) == pytest.approx(3.25 * nbytes / bw + op)
+    assert accumulate_s(nbytes, False, 1.0, cluster) == 0.0
+    assert accumulate_s(nbytes, False, 0.25, cluster) == pytest.approx(0.75 * (3 * nbytes / bw + op))
+
+
+def test_a_parameter_pays_its_accumulation_every_microbatch_and_its_optimizer_once_per_step():
+    # the ILP's price of a parameter stored whole on 4 data-parallel devices, at 1 and at 8
+    # microbatches a step: optimizer and gradient sync shrink to 1/8, the accumulation does not
+    from autopar.cost_model.step import accumulate_s
+    from autopar.solver.problem import node_choices
+
+    model = nn.Linear(1024, 1024, bias=False).to(torch.bfloat16)
+    graph = autopar.ir.trace(model, (torch.randn(64, 1024, dtype=torch.bfloat16),))
+    mesh = autopar.Mesh((4,), cluster="a100-80g")
+    cluster = mesh.resolved_cluster()
+    (weight,) = graph.params.values()
+    nbytes = 1024 * 1024 * 2
+    for share in (1.0, 1 / 8):
+        c = node_choices(graph, mesh, step_share=share)[weight]
+        (i,) = [k for k, s in enumerate(c.strategies) if s.family == "replicated"]
+        acc = accumulate_s(nbytes, True, share, cluster)
+        optimizer = nbytes / 2 * cluster.optimizer_s_per_element + cluster.optimizer_s_per_tensor
+        assert c.accumulate_s[i] == pytest.approx(acc)
+        assert c.compute_s[i] == pytest.approx(optimizer * share + acc)

@@ -117,8 +117,13 @@ def test_step_time_prices_buckets_not_parameters(gpt):
     assert one["buckets"] == 1
     tiny = step_time(plan, graph, mesh, bucket_bytes=1024)
     assert tiny["buckets"] > 10 and tiny["grad_sync_s"] > one["grad_sync_s"]
-    parts = one["compute_s"] + one["overhead_s"] + one["comm_s"] + one["optimizer_s"]
+    parts = one["compute_s"] + one["overhead_s"] + one["comm_s"] + one["optimizer_s"] + one["grad_accumulate_s"]
     assert one["step_time_s"] == pytest.approx(parts)
+    # every parameter is replicated and bucketed: each adds its whole gradient into a zeroed bucket
+    cluster = mesh.resolved_cluster()
+    params = graph.param_bytes()
+    assert one["grad_accumulate_s"] == pytest.approx(
+        4 * params / cluster.sustained_memory_bandwidth + len(graph.params) * cluster.backward_op_overhead_s)
 
 
 def test_zero3_gathers_are_priced_per_layer_as_they_run():

@@ -123,6 +123,20 @@ def test_units_and_attribution():
     wte = plan.nodes[graph.params["transformer.wte.weight"]].memory_bytes
     assert prices.static_bytes.sum() == pytest.approx(params + wte)
     assert prices.boundary_bytes[0] == 0 and (prices.boundary_bytes[1:] > 0).all()
+    # a parameter adds its gradient up every microbatch and pays its optimizer once per step: its
+    # accumulation moves from the per-step prices to the per-microbatch ones, in the units reading it
+    import dataclasses
+    plan = autopar.plan(model, mesh, graph=graph, microbatches=4)
+    prices = unit_prices(plan, graph, mesh)
+    assert all(p.accumulate_s > 0 for p in plan.params.values())
+    free = dataclasses.replace(plan, params={k: dataclasses.replace(p, accumulate_s=0.0) for k, p in plan.params.items()})
+    without = unit_prices(free, graph, mesh)
+    added = prices.per_microbatch_s - without.per_microbatch_s
+    assert (added > 0).all()
+    assert without.per_step_s - prices.per_step_s == pytest.approx(added)
+    acc = {p.node: p.accumulate_s for p in plan.params.values()}
+    wte = graph.params["transformer.wte.weight"]
+    assert added.sum() == pytest.approx(sum(acc.values()) + acc[wte])  # the tied weight by both its units
 
 
 def test_row_options_and_sub_mesh():
