@@ -62,9 +62,9 @@ def _column(graph, node):
 # ---- roofline --------------------------------------------------------------------------------------
 def test_forward_time_is_the_roofline_max():
     assert forward_time(2e9, 0, "float32", GLOO) == pytest.approx(0.1)  # 2 GFLOP at 20 GFLOP/s
-    assert forward_time(0, 5e9, "float32", GLOO) == pytest.approx(1.0)  # 5 GB at 5 GB/s
-    assert forward_time(2e9, 5e9, "float32", GLOO) == pytest.approx(1.0)  # memory-bound: bytes win
-    assert forward_time(4e10, 5e8, "float32", GLOO) == pytest.approx(2.0)  # compute-bound: flops win
+    assert forward_time(0, 20e9, "float32", GLOO) == pytest.approx(1.0)  # 20 GB at 20 GB/s
+    assert forward_time(2e9, 20e9, "float32", GLOO) == pytest.approx(1.0)  # memory-bound: bytes win
+    assert forward_time(4e10, 2e9, "float32", GLOO) == pytest.approx(2.0)  # compute-bound: flops win
     assert forward_time(0, 0, "float32", GLOO) == 0.0
 
 
