@@ -49,6 +49,14 @@ def bucket_sizes(total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[i
     return sizes
 
 
+def bucket_count(total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+    """``len(bucket_sizes(total, bucket_bytes))``, without the list (a 175B model fills ~13,000)."""
+    if total <= 0:
+        return 0
+    first = min(FIRST_BUCKET_BYTES, bucket_bytes)
+    return 1 + -(-max(0, total - first) // bucket_bytes)
+
+
 def accumulate_s(nbytes: float, bucketed: bool, step_share: float, cluster) -> float:
     """Seconds per run of the graph (one microbatch) the runtime spends adding one parameter's
     local gradient (``nbytes``) into what holds it: memory-bound, three passes (read the sum, read
@@ -163,9 +171,7 @@ def _bucket_times(totals: dict, mesh, bucket_bytes: int) -> list[float]:
     once: a model of 175B parameters fills thousands of equal buckets)."""
     out = []
     for (kind, axes), total in totals.items():
-        priced: dict[int, float] = {}
-        for b in bucket_sizes(total, bucket_bytes):
-            if b not in priced:
-                priced[b] = mesh_collective_time(kind, b, mesh, axes)
-            out.append(priced[b])
+        sizes = bucket_sizes(total, bucket_bytes)
+        priced = {b: mesh_collective_time(kind, b, mesh, axes) for b in set(sizes)}
+        out.extend(priced[b] for b in sizes)
     return out

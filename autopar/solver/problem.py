@@ -22,7 +22,7 @@ from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
-from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_sizes
+from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_count
 from autopar.cost_model.ops import needs_grad
 from autopar.ir.graph import NodeRef, Role, edge_itemsize
 from autopar.ir.losses import counted_from_inputs
@@ -114,7 +114,7 @@ def bucketed_collective_time(kind: str, nbytes: float, mesh, axes, bucket_bytes:
     latency = mesh_collective_time(kind, 0, mesh, axes, alone=False)
     share = nbytes / bucket_bytes
     if total_bytes:
-        share = nbytes * len(bucket_sizes(int(total_bytes), bucket_bytes)) / total_bytes
+        share = nbytes * bucket_count(int(total_bytes), bucket_bytes) / total_bytes
     return mesh_collective_time(kind, nbytes, mesh, axes, alone=False) - latency + latency * min(1.0, share)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 import autopar
 from autopar import Layout, models
-from autopar.cost_model.step import bucket_sizes, step_time
+from autopar.cost_model.step import bucket_count, bucket_sizes, step_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models_zoo import vit  # noqa: E402
@@ -106,6 +106,9 @@ def test_bucket_sizes_follow_the_reducer():
     assert bucket_sizes(100, 64) == [64, 36]
     assert bucket_sizes(3 << 20, 1 << 20) == [1 << 20, 1 << 20, 1 << 20]
     assert bucket_sizes(30 << 20) == [1 << 20, 25 << 20, 4 << 20]
+    for total in (0, 1, 1 << 20, (1 << 20) + 1, 26 << 20, (26 << 20) + 1, 350 << 30):
+        for size in (1 << 19, 25 << 20):
+            assert bucket_count(total, size) == len(bucket_sizes(total, size))
 
 
 def test_step_time_prices_buckets_not_parameters(gpt):
