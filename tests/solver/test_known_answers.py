@@ -252,3 +252,33 @@ def test_a_parameter_pays_its_accumulation_every_microbatch_and_its_optimizer_on
         optimizer = nbytes / 2 * cluster.optimizer_s_per_element + cluster.optimizer_s_per_tensor
         assert c.accumulate_s[i] == pytest.approx(acc)
         assert c.compute_s[i] == pytest.approx(optimizer * share + acc)
+
+
+def test_a_one_stage_plan_is_never_predicted_slower_than_data_parallel():
+    # The ILP ranks by its additive objective, the step model by what the runtime runs; near a tie
+    # they can disagree. The bench's LLaMA on 4 gloo ranks (contention 2.2): the ILP stores the
+    # embedding and head split and gathers them (objective 0.14% under data parallel), which the
+    # step model prices 0.4% over data parallel, and which ran 1.05x slower: data parallel is kept.
+    from autopar import models
+    from autopar.solver.layout import Layout
+
+    gloo = dataclasses.replace(PRESETS["cpu-gloo"], rank_contention=2.2, collective_overhead_s=0.002)
+    cases = [
+        ("llama", dict(vocab=8192, width=256, layers=8, heads=8, kv_heads=4, hidden=688, seq=128, batch=16), gloo),
+        ("gpt", dict(layers=4), gloo),
+        ("gpt", dict(layers=4), PRESETS["a100-80g"]),
+        ("mlp", {}, PRESETS["cpu-gloo"]),
+    ]
+    kept = []
+    for name, kw, cluster in cases:
+        model, inputs = models.build(name, **kw)
+        graph = autopar.ir.trace(model, inputs)
+        mesh = autopar.Mesh((4,), cluster=cluster)
+        chosen = autopar.plan(model, mesh, graph=graph, pipeline=False)
+        ddp = autopar.plan(model, mesh, graph=graph, force=Layout(dp=4), optimizer_sharding=False)
+        assert chosen.predicted["step_time_s"] <= ddp.predicted["step_time_s"] * (1 + 1e-9), name
+        kept.append(chosen.solver.get("data_parallel_kept", False))
+    assert kept[0]  # the LLaMA case above
+    model, inputs = models.build("llama", **cases[0][1])
+    llama = autopar.plan(model, autopar.Mesh((4,), cluster=gloo), inputs, pipeline=False)
+    assert all(p.storage.is_replicated for p in llama.params.values())
