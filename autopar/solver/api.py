@@ -157,7 +157,7 @@ def plan(
              stats["objective_s"], stats.get("ilp_variables", 0), stats["total_s"])
     best_plan = make_plan(graph, view, built, full, memory, stats, real_mesh=mesh, idle_axes=idle, bucket_bytes=bucket_bytes)
     best_plan = with_identical_axes(best_plan, graph, view, identical_axes, bucket_bytes)
-    if force is None and microbatches == 1:
+    if force is None and microbatches == 1 and (idle_axes == "auto" or not idle):
         ddp = _data_parallel_plan(graph, mesh, budget, optimizer, op_table, reuse_blocks, simplify, time_limit_s,
                                   solver, bucket_bytes, identical_axes, t0)
         if ddp is not None and ddp.predicted["step_time_s"] < best_plan.predicted["step_time_s"]:

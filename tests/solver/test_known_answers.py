@@ -282,3 +282,6 @@ def test_a_one_stage_plan_is_never_predicted_slower_than_data_parallel():
     model, inputs = models.build("llama", **cases[0][1])
     llama = autopar.plan(model, autopar.Mesh((4,), cluster=gloo), inputs, pipeline=False)
     assert all(p.storage.is_replicated for p in llama.params.values())
+    # axes the caller fixed idle stay idle (data parallel would use them)
+    kept_idle = autopar.plan(model, autopar.Mesh((4,), cluster=gloo), inputs, pipeline=False, idle_axes=(0,))
+    assert kept_idle.idle_axes == (0,) and not kept_idle.solver.get("data_parallel_kept")
