@@ -128,9 +128,11 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     synced: dict[tuple, int] = {}  # (collective, axes) -> gradient bytes the reducer buckets
     gathered: dict[tuple, int] = {}  # the same for ZeRO-2's parameter all-gathers
     elements = tensors = 0
+    accumulate = 0.0
     for p in plan.params.values():
         if p.buffer:
             continue
+        accumulate += p.accumulate_s
         itemsize = graph.nodes[p.node].meta.itemsize
         local = p.grad_sync[2] if p.grad_sync is not None else local_bytes(p.storage, mesh.shape, itemsize)
         if p.grad_sync is not None:
@@ -143,7 +145,6 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
                 local = nbytes / math.prod(mesh.shape[a] for a in axes)
         elements += local / itemsize
         tensors += 1
-    accumulate = sum(p.accumulate_s for p in plan.params.values() if not p.buffer)
     buckets = _bucket_times(synced, mesh, bucket_bytes)
     sync = sum(buckets)
     gathers = sum(_bucket_times(gathered, mesh, bucket_bytes))

@@ -150,16 +150,16 @@ def plan(
             best = (idle, attempt)
     if best is None:
         raise first_error
-    idle, (view, built, full, stats, memory) = best
-    stats.update(trace_s=t_trace - t0, total_s=time.perf_counter() - t0, idle_axes=list(idle), memory_budget=budget,
-                 layout=layout.name if layout is not None else None)
+    idle, solved = best
+    stats = dict(trace_s=t_trace - t0, memory_budget=budget, layout=layout.name if layout is not None else None)
+    best_plan = _made(graph, mesh, solved, idle, identical_axes, bucket_bytes, total_s=time.perf_counter() - t0, **stats)
     log.info("planned %s on %s: objective %.3g s, %d ILP variables (%.1f s)", graph.model_name, mesh,
-             stats["objective_s"], stats.get("ilp_variables", 0), stats["total_s"])
-    best_plan = make_plan(graph, view, built, full, memory, stats, real_mesh=mesh, idle_axes=idle, bucket_bytes=bucket_bytes)
-    best_plan = with_identical_axes(best_plan, graph, view, identical_axes, bucket_bytes)
+             best_plan.solver["objective_s"], best_plan.solver.get("ilp_variables", 0), best_plan.solver["total_s"])
     if force is None and microbatches == 1 and (idle_axes == "auto" or not idle):
-        ddp = _data_parallel_plan(graph, mesh, budget, optimizer, op_table, reuse_blocks, simplify, time_limit_s,
-                                  solver, bucket_bytes, identical_axes, t0)
+        solved = _data_parallel_solved(graph, mesh, budget, optimizer, op_table, reuse_blocks, simplify, time_limit_s,
+                                       solver, bucket_bytes)
+        ddp = None if solved is None else _made(graph, mesh, solved, (), identical_axes, bucket_bytes,
+                                                total_s=time.perf_counter() - t0, data_parallel_kept=True, **stats)
         if ddp is not None and ddp.predicted["step_time_s"] < best_plan.predicted["step_time_s"]:
             log.info("data parallel, predicted %.3g s a step, beats the ILP's plan (%.3g s): kept instead",
                      ddp.predicted["step_time_s"], best_plan.predicted["step_time_s"])
@@ -167,30 +167,35 @@ def plan(
     return best_plan
 
 
-def _data_parallel_plan(graph, mesh, budget, optimizer, op_table, reuse_blocks, simplify, time_limit_s, solver,
-                        bucket_bytes, identical_axes, t0) -> Plan | None:
-    """DDP's layout on a mesh with one active axis (batch split, parameters whole), or None.
+def _made(graph, mesh, solved, idle, identical_axes, bucket_bytes, **stats) -> Plan:
+    """The Plan of one ``_plan_on`` answer on ``mesh`` with ``idle`` axes unused, ``stats`` added
+    to its solver figures, gradients kept whole on ``identical_axes`` (see ``with_identical_axes``)."""
+    view, built, full, solver_stats, memory = solved
+    solver_stats.update(idle_axes=list(idle), **stats)
+    plan = make_plan(graph, view, built, full, memory, solver_stats, real_mesh=mesh, idle_axes=idle, bucket_bytes=bucket_bytes)
+    return with_identical_axes(plan, graph, view, identical_axes, bucket_bytes)
+
+
+def _data_parallel_solved(graph, mesh, budget, optimizer, op_table, reuse_blocks, simplify, time_limit_s, solver,
+                          bucket_bytes):
+    """DDP's layout on a mesh with one active axis (batch split, parameters whole), solved as
+    ``_plan_on`` answers; None on other meshes or where it does not fit.
 
     The ILP ranks plans by an additive objective; the step model prices what the runtime runs
     (whole bucket latencies, grouped gathers, overlap), and the plan is judged by it. Where the
     two disagree near a tie the ILP's pick can be predicted, and run, slower than data parallel:
     LLaMA on 4 gloo ranks stored its embedding and head split and gathered (objective 0.14%
     under data parallel, step 0.4% over; measured 1.05x). Data parallel is what a user would
-    run without autopar, so the plan is never predicted slower than it."""
+    run without autopar, so ``plan`` keeps it where it is predicted faster."""
     act = active_axes(mesh)
     if len(act) != 1:
         return None
-    layout = Layout(dp=mesh.shape[act[0]])
+    force = layout_force(graph, mesh, Layout(dp=mesh.shape[act[0]]))
     try:
-        view, built, full, stats, memory = _plan_on(graph, mesh, budget, optimizer, op_table, False,
-                                                    layout_force(graph, mesh, layout), reuse_blocks, simplify,
-                                                    time_limit_s, solver, bucket_bytes)
+        return _plan_on(graph, mesh, budget, optimizer, op_table, False, force, reuse_blocks, simplify, time_limit_s,
+                        solver, bucket_bytes)
     except (PlanError, ConfigError):
         return None
-    stats.update(total_s=time.perf_counter() - t0, idle_axes=[], memory_budget=budget, layout=None,
-                 data_parallel_kept=True)
-    dp = make_plan(graph, view, built, full, memory, stats, real_mesh=mesh, bucket_bytes=bucket_bytes)
-    return with_identical_axes(dp, graph, view, identical_axes, bucket_bytes)
 
 
 def with_identical_axes(plan: Plan, graph, mesh: Mesh, identical_axes="auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:

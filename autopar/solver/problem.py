@@ -61,13 +61,15 @@ class Built:
 
 
 def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, total_bytes: int | None = None
-                   ) -> tuple[list[Strategy], list, list, list, list]:
-    """A parameter's storage choices: (strategies, optimizer seconds, sync seconds, memory, sync).
-    The gradient sync is priced as the runtime's reducer runs it: in shared buckets, so a
-    parameter pays its bytes and its share of the buckets' latencies (``bucketed_collective_time``;
-    ``total_bytes``: the model's parameter bytes); ZeRO-2 adds the all-gather of the updated
-    parameter, in the same buckets."""
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, total_bytes: int | None = None, step_share: float = 1.0
+                   ) -> tuple[list[Strategy], list, list, list, list, list]:
+    """A parameter's storage choices: (strategies, seconds per run of the graph, sync seconds per
+    run, memory, sync, accumulation seconds per run). A run pays ``step_share`` of what the
+    parameter pays once per step (its optimizer, its gradient sync) and all of adding its gradient
+    up (``accumulate_s``, also part of the first list). The gradient sync is priced as the
+    runtime's reducer runs it: in shared buckets, so a parameter pays its bytes and its share of the
+    buckets' latencies (``bucketed_collective_time``; ``total_bytes``: the model's parameter
+    bytes); ZeRO-2 adds the all-gather of the updated parameter, in the same buckets."""
     meta = node.meta
     itemsize = meta.itemsize
     act = active_axes(mesh)
@@ -76,7 +78,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
     def optimizer_s(nbytes):
         return nbytes / itemsize * cluster.optimizer_s_per_element + cluster.optimizer_s_per_tensor
 
-    strategies, opt, costs, mems, syncs = [], [], [], [], []
+    strategies, opt, costs, mems, syncs, acc = [], [], [], [], [], []
     for spec in enumerate_specs(meta.shape, mesh):
         repl = tuple(a for a in act if a not in spec.used_axes)
         local = local_bytes(spec, mesh.shape, itemsize)
@@ -91,6 +93,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
         costs.append(cost)
         mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer))
         syncs.append(sync)
+        acc.append(accumulate_s(local, sync is not None, step_share, cluster))
         if repl and optimizer_sharding:
             # ZeRO-2: reduce-scatter the gradient, update a shard, all-gather the new parameter.
             cost_z = (bucketed_collective_time("reduce_scatter", local, mesh, repl, bucket_bytes, total_bytes)
@@ -100,7 +103,9 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
             costs.append(cost_z)
             mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl))
             syncs.append(("reduce_scatter+all_gather", repl, local))
-    return strategies, opt, costs, mems, syncs
+            acc.append(accumulate_s(local, True, step_share, cluster))
+    comp = [o * step_share + a for o, a in zip(opt, acc)]
+    return strategies, comp, [c * step_share for c in costs], mems, syncs, acc
 
 
 def bucketed_collective_time(kind: str, nbytes: float, mesh, axes, bucket_bytes: int, total_bytes: int | None = None) -> float:
@@ -137,12 +142,8 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
             continue
         syncs = acc = None
         if node.op == "placeholder" and node.role == Role.PARAMETER:
-            strategies, comp, comm, mem, syncs = _param_choices(node, mesh, optimizer, optimizer_sharding, bucket_bytes, total)
-            cluster = mesh.resolved_cluster()
-            acc = [accumulate_s(local_bytes(s.output, mesh.shape, node.meta.itemsize), sync is not None, step_share, cluster)
-                   for s, sync in zip(strategies, syncs)]
-            comp = [c * step_share + a for c, a in zip(comp, acc)]
-            comm = [c * step_share for c in comm]
+            strategies, comp, comm, mem, syncs, acc = _param_choices(node, mesh, optimizer, optimizer_sharding,
+                                                                     bucket_bytes, total, step_share)
         elif node.op == "placeholder":
             strategies = [Strategy((), spec, "input" if node.role == Role.INPUT else "buffer", 1.0) for spec in _placeholder_specs(node, mesh)]
             comp = [0.0] * len(strategies)
