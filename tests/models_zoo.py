@@ -13,6 +13,11 @@ way users write them rather than the way ``autopar.models`` does.
                         it ("indexed": boolean-mask indexing and index_add, data-dependent shapes)
     scalar_op(expr)     ``expr`` (Python, in terms of ``h``) applied to a parameter-derived tensor
                         ``h``: one op with a Python number in some operand's place
+    in_place()          a language model that writes into tensors it made, as encoder-decoder and
+                        hand-written code does: T5/BART's decoder-input shift (new_zeros, slice
+                        assignment, masked_fill_), a slice assignment that carries gradients, an
+                        index_put_ and a one-hot scatter_, an in-place chain (mul_, add_, relu_) on an
+                        activation, and a running-mean buffer updated in place
 
 A test in ``tests/<folder>/`` imports it after
 ``sys.path.insert(0, str(Path(__file__).resolve().parents[1]))`` (pytest puts only the test's own
@@ -213,6 +218,47 @@ def moe(*, dispatch: str = "dense", vocab: int = 64, dim: int = 32, depth: int =
         batch: int = 4, seq: int = 8, seed: int = 0):
     """A top-k mixture-of-experts language model and ``(idx, targets)``; returns the loss."""
     return _language_model(seed, lambda: MoEModel(vocab, dim, depth, experts, top_k, dispatch), vocab, batch, seq)
+
+
+# ---- writes into tensors made inside the model ------------------------------------------------------
+class InPlaceLM(nn.Module):
+    def __init__(self, vocab: int, dim: int, start: int = 1):
+        super().__init__()
+        self.start, self.vocab = start, vocab
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.onehot = nn.Linear(vocab, dim, bias=False)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("running", torch.zeros(dim))
+
+    def forward(self, idx, targets):
+        b, t = idx.shape
+        # T5 / BART: decoder inputs are the targets shifted right, written into a fresh tensor
+        dec = idx.new_zeros(idx.shape)
+        dec[:, 1:] = targets[:, :-1].clone()
+        dec[:, 0] = self.start
+        dec.masked_fill_(dec == -100, 0)
+        h = self.embed(dec)  # (B, T, C)
+        # a slice assignment that carries gradients: half the features doubled, the rest zero
+        half = h.shape[-1] // 2
+        g = torch.zeros_like(h)
+        g[..., :half] = h[..., :half] * 2.0
+        # index_put_ on a fresh tensor: each sample's first position copied to its last
+        first = torch.zeros_like(h)
+        rows = torch.arange(b, device=h.device)
+        first.index_put_((rows, torch.full_like(rows, t - 1)), h[:, 0])
+        # a one-hot made with scatter_
+        onehot = torch.zeros(b, t, self.vocab, dtype=h.dtype, device=h.device)
+        onehot.scatter_(2, idx.unsqueeze(-1), 1.0)
+        x = self.mix(g + first) + self.onehot(onehot)
+        x.mul_(0.5).add_(h).relu_()
+        self.running.mul_(0.9).add_(x.detach().mean((0, 1)) * 0.1)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def in_place(*, vocab: int = 16, dim: int = 8, batch: int = 4, seq: int = 6, seed: int = 0):
+    """``InPlaceLM`` and ``(idx, targets)``; returns the loss."""
+    return _language_model(seed, lambda: InPlaceLM(vocab, dim), vocab, batch, seq)
 
 
 # ---- one op with a Python number as an operand -------------------------------------------------------

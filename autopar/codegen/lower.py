@@ -38,6 +38,7 @@ from autopar.codegen.lowerings import lowering
 from autopar.cost_model.gradients import grad_sum_reads, output_whole_axes, whole_on
 from autopar.cost_model.step import param_gather_groups
 from autopar.errors import ConfigError, PlanError
+from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role
 from autopar.ir.losses import counted_from_inputs
 from autopar.sharding_spec.reshard import plan_reshard, spec_after
@@ -112,6 +113,9 @@ class _Emitter:
         self.sums = grad_sum_reads(plan, graph, self.identical)
         self.summed: dict = {}  # (value node name, axes) -> its grad_sum node
         self.whole: dict[str, fx.Node | None] = {}  # traced value -> a node holding it whole (``_whole``)
+        # reads that must see their producer's memory itself: an in-place write and the views on its way
+        self.in_place = {(r, p) for r, p in in_place_reads(graph) if r in self.inside}
+        self.written = {graph.nodes[r].inputs[p]: (r, p) for r, p in sorted(self.in_place)}
 
     # ---- driver ------------------------------------------------------------------------------
     def run(self) -> Lowered:
@@ -208,6 +212,18 @@ class _Emitter:
         self._note(ph, self.received[name] if name in self.received else self._plan_of(name).output)
         self.env[name] = ph
         self.boundary.append(name)
+        if name in self.written:
+            self.env[name] = self._owned_copy(ph, name, *self.written[name])
+
+    def _owned_copy(self, value: fx.Node, name: str, reader: str, pos: int) -> fx.Node:
+        """A value made in another stage that this one writes into: this stage's own copy of it,
+        in the spec its writer reads (a received tensor is a leaf of the stage's autograd graph,
+        which an in-place write may not touch), read by every later op of the stage."""
+        want = self._plan_of(reader).inputs[pos]
+        have = self.specs.get(value.name)
+        if isinstance(want, ShardingSpec) and isinstance(have, ShardingSpec) and have != want:
+            value = self._steps_to(value, name, have, want, getattr(self.graph.nodes[name].meta, "itemsize", 4))
+        return self._emit(torch.ops.aten.clone.default, (value,), name=f"{name}_owned", spec=want if want is not None else have)
 
     # ---- edges -------------------------------------------------------------------------------
     def _reshard(self, value: fx.Node, src: str, dst: str, pos: int, want, whole=()) -> fx.Node:
@@ -241,19 +257,24 @@ class _Emitter:
         return value
 
     def _reread(self, value: fx.Node, src: str, want) -> fx.Node:
-        """A received value resharded to ``want`` (once per wanted spec)."""
+        """A received value resharded to ``want`` (once per wanted spec, unless the stage writes
+        into it: a copy made before the write must not serve a read after it)."""
         have = self.specs.get(value.name)
         if not isinstance(want, ShardingSpec) or not isinstance(have, ShardingSpec) or have == want:
             return value
-        if (src, want) not in self.rereads:
+        if (src, want) not in self.rereads or src in self.written:
             itemsize = getattr(self.graph.nodes[src].meta, "itemsize", 4)
-            spec = have
-            for step in plan_reshard(have, want, self.mesh, itemsize).steps:
-                spec = spec_after(spec, step)
-                value = self._emit(ops.STEP_FUNCTIONS[step.kind], (value,), ops.step_kwargs(step, self.identical),
-                                   name=f"{src}_{step.kind}", spec=spec)
-            self.rereads[(src, want)] = value
+            self.rereads[(src, want)] = self._steps_to(value, src, have, want, itemsize)
         return self.rereads[(src, want)]
+
+    def _steps_to(self, value: fx.Node, src: str, have, want, itemsize: int) -> fx.Node:
+        """``value`` (``src`` held in ``have``) after the planner's cheapest steps to ``want``."""
+        spec = have
+        for step in plan_reshard(have, want, self.mesh, itemsize).steps:
+            spec = spec_after(spec, step)
+            value = self._emit(ops.STEP_FUNCTIONS[step.kind], (value,), ops.step_kwargs(step, self.identical),
+                               name=f"{src}_{step.kind}", spec=spec)
+        return value
 
     def _gathered_param(self, key, param: str) -> fx.Node:
         """``param`` gathered whole along ``key``'s axes, by the one collective that gathers every
@@ -283,13 +304,19 @@ class _Emitter:
                     self.summed[(value.name, axes)] = self._emit(ops.autopar_grad_sum, (value,), {"axes": axes},
                                                                  name=f"{value.name}_grad_sum", spec=want)
                 value = self.summed[(value.name, axes)]
+            if (node.name, pos) in self.in_place and value is not self.env[src]:
+                raise PlanError(f"{node.name} ({node.target}) writes into {src} in place, but the plan reads {src} "
+                                f"in {want}, not in the {self.specs.get(self.env[src].name)} it is held in: the write "
+                                "would land in a copy. Plans must read a written tensor (and the views on its way) as held")
             vals.append(value)
         return vals
 
     # ---- ops -----------------------------------------------------------------------------------
     def _op(self, node) -> None:
         node_plan = self._plan_of(node.name)
-        fx_target = _VIEW_AS_RESHAPE.get(node.fx_node.target, node.fx_node.target)
+        fx_target = node.fx_node.target
+        if not any((node.name, p) in self.in_place for p in range(len(node.inputs))):
+            fx_target = _VIEW_AS_RESHAPE.get(fx_target, fx_target)  # a view written through must stay a view
         if node.target == "operator.getitem" and isinstance(self.graph.nodes[node.inputs[0]].meta, tuple):
             # Pick the element first: the edge's steps act on it, not on the tuple.
             src = node.inputs[0]

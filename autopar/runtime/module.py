@@ -338,6 +338,14 @@ class ParallelModule(nn.Module):
         return out
 
 
+    def compare_nodes(self, *args, tol: float = 1e-5, **kwargs):
+        """Run this call node by node next to one process and report, per traced node, how far
+        its gathered value is from the single-device one; ``.first`` is the first node that
+        differs (``autopar.runtime.debug``). A collective: every rank calls it with the same inputs."""
+        from autopar.runtime.debug import compare_nodes
+
+        return compare_nodes(self, args, kwargs, tol)
+
     # ---- the training loop's other calls ---------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:

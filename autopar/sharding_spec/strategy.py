@@ -7,7 +7,9 @@ fraction of the op's FLOPs each device does, and a family label (see DESIGN.md: 
 spec (``| P1``); whoever reads the output decides how to resolve it.
 
 Rules register with ``@register("aten.mm.default", ...)`` and live in ``rules/`` by op family. An op
-without a rule runs replicated, with one warning naming the op: never a crash.
+without a rule runs replicated, with one warning naming the op: never a crash. An in-place op
+(``aten.add_.Tensor``, ``aten.copy_.default``) without a rule of its own takes its functional twin's
+strategies that leave the written tensor in the spec it is read in (the output *is* that tensor).
 
 A strategy is exact when every rank runs the same ATen op on its local shards, with the size
 arguments of view-like ops and factories rewritten to local sizes (``rules._common.localize_args``);
@@ -32,6 +34,7 @@ their rule. Family labels (several parts join with "+", e.g. "dp+1d-col", "dp+he
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import warnings
@@ -131,7 +134,34 @@ def register(*targets: str):
 
 def has_rule(target: str) -> bool:
     _load_rules()
-    return target in _RULES
+    return _rule_of(target) is not None
+
+
+def functional_twin(target: str) -> str | None:
+    """``aten.add.Tensor`` for ``aten.add_.Tensor``; None for targets that are not in-place."""
+    parts = target.split(".")
+    if len(parts) != 3 or parts[0] != "aten" or not parts[1].endswith("_") or parts[1].startswith("_"):
+        return None
+    return f"aten.{parts[1][:-1]}.{parts[2]}"
+
+
+def _rule_of(target: str) -> Rule | None:
+    rule = _RULES.get(target)
+    twin = functional_twin(target) if rule is None else None
+    if twin is not None and twin in _RULES:
+        return functools.partial(_in_place_rule, _RULES[twin], twin)
+    return rule
+
+
+def _in_place_rule(functional: Rule, twin: str, ctx: OpContext) -> list[Strategy]:
+    """The strategies of ``twin`` (the functional op) whose output spec is the spec its first
+    input (the written tensor) is read in: the op writes its result there, in place."""
+    node = dataclasses.replace(ctx.node, target=twin)
+    out = []
+    for s in functional(dataclasses.replace(ctx, node=node)):
+        if s.inputs and s.inputs[0] is not None and s.inputs[0] == s.output:
+            out.append(s)
+    return out
 
 
 def registered_targets() -> list[str]:
@@ -143,7 +173,7 @@ def strategies_for(ctx: OpContext) -> list[Strategy]:
     """The candidate strategies of one node; the replicated fallback for ops without a rule."""
     _load_rules()
     target = ctx.node.target
-    rule = _RULES.get(target)
+    rule = _rule_of(target)
     if rule is None:
         if target not in _WARNED:
             _WARNED.add(target)

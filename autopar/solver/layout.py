@@ -26,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 
 from autopar.errors import ConfigError
+from autopar.ir.aliasing import write_paths
 from autopar.ir.graph import Role
-from autopar.sharding_spec.strategy import active_axes, has_rule
+from autopar.sharding_spec.strategy import OpContext, active_axes, has_rule, strategies_for
 
 # ops whose weight a tensor-parallel layout splits
 _WEIGHT_OPS = ("linear", "mm", "addmm", "matmul", "bmm", "embedding", "conv")
@@ -73,9 +74,11 @@ class Layout:
 def layout_force(graph, mesh, layout: Layout) -> dict:
     """node name -> predicate on a Strategy, restricting the plan to ``layout`` (module docstring)."""
     dp_axis, tp_axis = layout.axes(mesh)
-    batch_nodes = _depends_on_input(graph)
     batch_sizes = {graph.nodes[name].meta.shape[0] for name in graph.inputs
                    if getattr(graph.nodes[name].meta, "shape", None)}
+    batch_nodes = _depends_on_input(graph)
+    if dp_axis is not None:
+        batch_nodes -= _written_whole(graph, mesh, dp_axis, batch_sizes)
     force = {}
     for node in graph.nodes.values():
         preds = []
@@ -113,6 +116,23 @@ def _depends_on_input(graph) -> set[str]:
                 out.add(node.name)
         elif any(i in out for i in node.inputs):
             out.add(node.name)
+    return out
+
+
+def _written_whole(graph, mesh, dp_axis: int, batch_sizes) -> set[str]:
+    """Writers into a tensor that cannot split its batch (no rule, or the written positions
+    address the batch: ``x[arange(B), i] = y``), and the values they write into with the views
+    on the way: the write must land in the memory itself (``ir.aliasing``), so all run whole, as a
+    hand-written layout runs such code."""
+    out = set()
+    for writer, path in write_paths(graph).items():
+        node = graph.nodes[writer]
+        ctx = OpContext(node, mesh, [graph.nodes[i].meta for i in node.inputs], graph)
+        shape = getattr(node.meta, "shape", None)
+        split = _batch_split(dp_axis, leading=not shape or shape[0] in batch_sizes)
+        if not has_rule(node.target) or not any(split(s) for s in strategies_for(ctx)):
+            out.add(writer)
+            out.update(graph.nodes[reader].inputs[pos] for reader, pos in path)
     return out
 
 

@@ -24,6 +24,7 @@ from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_count
 from autopar.cost_model.ops import needs_grad
+from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role, edge_itemsize
 from autopar.ir.losses import counted_from_inputs
 from autopar.sharding_spec.reshard import local_bytes, plan_reshard, reshard_costs_from
@@ -237,15 +238,22 @@ def produced_spec(strategy: Strategy, consumer, position: int, graph):
 
 
 def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool,
-                latency_share: float = 1.0) -> np.ndarray:
+                latency_share: float = 1.0, in_place: bool = False) -> np.ndarray:
     """Seconds of every (producer strategy, consumer strategy) pair's reshard (and its backward
     dual). ``latency_share`` < 1 prices only that share of the calls' latency (a parameter
-    gathered together with the rest of its layer's, see ``_layer_share``)."""
+    gathered together with the rest of its layer's, see ``_layer_share``). ``in_place``: the
+    consumer writes into the value, or views it on the way to a write (``ir.aliasing``): a reshard
+    would write into a copy, so only pairs that read the producer's spec itself are allowed."""
     consumer = graph.nodes[cons.name]
     itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
     table = _reshard_table(graph, prod, cons, position, mesh, itemsize, with_backward)
     if latency_share < 1.0:
         table = table - (1.0 - latency_share) * _reshard_table(graph, prod, cons, position, mesh, 0, with_backward)
+    if in_place:
+        srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
+        dsts = [cs.inputs[position] if position < len(cs.inputs) else None for cs in cons.strategies]
+        same = np.array([[d is None or s == d for d in dsts] for s in srcs], dtype=bool)
+        table = np.where(same, table, np.inf)
     return table
 
 
@@ -300,6 +308,7 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
     # one matrix too. Key on those lists' identities, the input position and what decides the rest.
     memo = {} if memo is None else memo
     shares = _layer_share(graph) if shared_gathers else {}
+    in_place = in_place_reads(graph)
     for node in graph.nodes.values():
         for pos, src in enumerate(node.inputs):
             if src not in choices:
@@ -309,11 +318,13 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
             # an output's steps (gathers and all-reduces) have a local backward: its seed is whole
             # on every rank (cost_model.gradients.output_whole_axes)
             backward = src in grad and node.op != "output"
+            aliased = (node.name, pos) in in_place
             key = (id(prod.strategies), id(cons.strategies), pos, backward,
                    node.args[1] if node.target == "operator.getitem" else None,
-                   edge_itemsize(graph.nodes[src].meta, node), share)
+                   edge_itemsize(graph.nodes[src].meta, node), share, aliased)
             if key not in memo:
-                memo[key] = edge_matrix(graph, prod, cons, pos, mesh, with_backward=backward, latency_share=share)
+                memo[key] = edge_matrix(graph, prod, cons, pos, mesh, with_backward=backward, latency_share=share,
+                                        in_place=aliased)
             mat = memo[key]
             edge_list.append((src, node.name, pos))
             key = (src, node.name)

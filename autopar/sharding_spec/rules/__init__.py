@@ -10,5 +10,6 @@ from autopar.sharding_spec.rules import (  # noqa: F401
     norm,
     pointwise,
     reduction,
+    scatter,
     view,
 )
