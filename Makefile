@@ -24,8 +24,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# Many more random models than `make test` runs (tests/runtime/test_fuzz.py; ~10 min on 2 cores).
+# Many more random models than `make test` runs (tests/runtime/test_fuzz.py; ~10 min on 2 cores), drawn
+# afresh each run: AUTOPAR_FUZZ_SEED (default: a new one, printed and written to the report) repeats a run.
 fuzz: $(STAMP)
+	AUTOPAR_FUZZ_SEED=$${AUTOPAR_FUZZ_SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')} \
 	AUTOPAR_FUZZ_CASES=$${AUTOPAR_FUZZ_CASES:-600} AUTOPAR_FUZZ_REPORT=$${AUTOPAR_FUZZ_REPORT:-fuzz-report.json} \
 		$(PY) -m pytest -q -s tests/runtime/test_fuzz.py
 

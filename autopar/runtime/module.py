@@ -296,8 +296,8 @@ class ParallelModule(nn.Module):
             entry = ap.zero2.get(slot)
             if grads:
                 g = t.grad if isinstance(t, nn.Parameter) else None
-                if entry is not None:
-                    g = unchunk(g if g is not None else torch.zeros_like(t), entry.full.shape, ap.groups.handle(entry.axes))
+                if entry is not None and g is not None:  # (None alike on every rank: the same program ran)
+                    g = unchunk(g, entry.full.shape, ap.groups.handle(entry.axes))
                 out[fqn_of[ph]] = g
             else:
                 out[fqn_of[ph]] = entry.full if entry is not None else t

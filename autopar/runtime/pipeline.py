@@ -31,6 +31,7 @@ import torch.nn as nn
 from autopar.codegen import ops
 from autopar.codegen.loss_weights import loss_denominators
 from autopar.codegen.stages import StageCut, sent_specs
+from autopar.cost_model.ops import needs_grad
 from autopar.errors import ConfigError
 from autopar.ir.blocks import unit_of_nodes
 from autopar.runtime.process_groups import MeshGroups
@@ -142,9 +143,21 @@ class _StageProgram(nn.Module):
             return out  # (loss,)
         n_user = len(out) - len(lowered.boundary_outputs)
         made = dict(zip(lowered.boundary_outputs, out[n_user:]))
-        # A value passing through is re-viewed so autograd hands its gradient straight back.
-        return tuple(made[v] if v in made else (vals[v].view_as(vals[v]) if vals[v].requires_grad else vals[v])
-                     for v in self.cut.sends)
+        return tuple(self._sendable(made[v] if v in made else vals[v], v not in made) for v in self.cut.sends)
+
+    def _sendable(self, t, passing: bool):
+        """A value the stage sends. One passing through is re-viewed so autograd hands its gradient
+        straight back. Under a split backward torch detaches every output in place, which a view
+        refuses (a mask built with ``expand``, a passed value): those are sent as copies. Point to
+        point sends take contiguous tensors (an op on a transposed value may keep its layout)."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not t.is_contiguous():
+            t = t.contiguous()  # a copy: no longer a view, nor the received tensor itself
+            passing = False
+        if self.weight_reads is not None and (passing or t._is_view()):
+            return t.clone() if t.requires_grad else t.detach().clone()
+        return t.view_as(t) if passing and t.requires_grad else t
 
 
 class _Checkpointed(nn.Module):
@@ -334,6 +347,7 @@ class PipelineRunner:
                 if n in fqn_of:
                     self.owner.setdefault(fqn_of[n], c.index)
         specs = sent_specs(graph, plan, cuts)
+        self.grad_values = needs_grad(graph)  # what travels with a gradient between stages
         unit_of = unit_of_nodes(graph)
         mesh = sg.groups.mesh
         out_node = next(n for n in graph.nodes.values() if n.op == "output")
@@ -426,8 +440,9 @@ class PipelineRunner:
         dtype = getattr(torch, meta.dtype)
         spec = specs.get(v)
         shape = spec.local_shape(mesh) if isinstance(spec, ShardingSpec) else tuple(meta.shape)
-        # Floating-point values carry gradients between stages (static metadata says so).
-        return torch.empty(shape, dtype=dtype, device=self.device, requires_grad=dtype.is_floating_point)
+        # Values computed from parameters carry gradients between stages (static metadata says so);
+        # masks, positions and integer tensors made from the inputs do not.
+        return torch.empty(shape, dtype=dtype, device=self.device, requires_grad=v in self.grad_values)
 
     def step(self, flat_inputs: list) -> torch.Tensor:
         """Forward and backward of the whole batch ``flat_inputs`` (the user inputs, flattened);

@@ -110,6 +110,7 @@ class _Bucket:
         self.row_of_shard = list(handle.pg_of_shard)
         self.identity = self.row_of_shard == list(range(self.n))
         self.accum: torch.Tensor | None = None  # parts summed since the last launch
+        self.received: set[int] = set()  # slots of the entries that got a part since the last launch
         self._storage: torch.Tensor | None = None  # the flat buffer, kept from step to step
         self.fired = 0  # entries reported in the current backward
         self.slots = {e.slot for e in entries}
@@ -123,6 +124,7 @@ class _Bucket:
         for e, g in zip(self.entries, grads):
             if g is not None:
                 self._view(self.accum, e).add_(self._layout(e, g))
+                self.received.add(e.slot)
 
     def _fresh_buffer(self) -> torch.Tensor:
         """A zeroed flat buffer: the one of the last step when no ``.grad`` still views it (the
@@ -158,25 +160,31 @@ class _Bucket:
 
     # ---- collectives ---------------------------------------------------------------------------
     def launch(self):
-        """Start this bucket's collective on its accumulated parts; (buffer, work) to finish."""
+        """Start this bucket's collective on its accumulated parts; (buffer, work, the slots that
+        got parts) to finish."""
         buf, self.accum = self.accum, None
+        received, self.received = self.received, set()
         pg = self.handle.pg
         if self.kind == "all_reduce":
-            return buf, dist.all_reduce(buf, group=pg, async_op=True)
+            return buf, dist.all_reduce(buf, group=pg, async_op=True), received
         out = buf.new_empty(self.numel)
         try:
-            return out, _reduce_scatter_flat(out, buf, group=pg, async_op=True)
+            return out, _reduce_scatter_flat(out, buf, group=pg, async_op=True), received
         except (RuntimeError, NotImplementedError, ValueError) as err:
             if "support" not in str(err).lower() and "implement" not in str(err).lower():
                 raise
             # the backend lacks reduce_scatter: all-reduce the whole buffer, keep this rank's row
-            return buf, dist.all_reduce(buf, group=pg, async_op=True)
+            return buf, dist.all_reduce(buf, group=pg, async_op=True), received
 
-    def finish(self, result: torch.Tensor) -> None:
-        """Add a finished collective's result into the parameters' ``.grad``."""
+    def finish(self, result: torch.Tensor, received: set[int]) -> None:
+        """Add a finished collective's result into the ``.grad`` of the parameters that got parts
+        (one no gradient reached keeps ``.grad`` None, as autograd leaves it: an optimizer then
+        skips it, weight decay included). Every rank runs the same program, so all agree."""
         if self.kind == "reduce_scatter" and result.numel() != self.numel:  # emulated: the whole buffer
             result = result.view(self.n, self.numel)[self.row_of_shard[self.handle.index]]
         for e in self.entries:
+            if e.slot not in received:
+                continue
             if self.kind == "all_reduce":
                 g = result[e.offset: e.offset + e.numel].view(e.param.shape)
             else:
@@ -268,7 +276,7 @@ class GradReducer:
         self._by_slot = {e.slot: b for b in self.buckets for e in b.entries}
         self._next = 0  # the next bucket to launch in this backward
         self._ready: set[int] = set()
-        self._inflight: list = []  # (bucket, buffer, work)
+        self._inflight: list = []  # (bucket, buffer, work, slots that got parts)
         self._callback_queued = False
         self._sync_enabled = True
         self.launched = 0  # collectives launched so far (tests, explain)
@@ -387,10 +395,10 @@ class GradReducer:
             if b.accum is not None:
                 self._launch(b)
         inflight, self._inflight = self._inflight, []
-        for b, buf, work in inflight:
+        for b, buf, work, _ in inflight:
             work.wait()
-        for b, buf, _ in inflight:
-            b.finish(buf)
+        for b, buf, _, received in inflight:
+            b.finish(buf, received)
         for b in self.buckets:
             b.fired = 0
         self._next = 0

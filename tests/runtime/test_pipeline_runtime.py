@@ -272,6 +272,16 @@ CASES = [
      dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2), masked=True)),
     ("hf llama attention mask 2 stages x tp2", (4,), dict(stages=2, microbatches=2, schedule="gpipe"),
      dict(model="hf-llama", layers=2, layout=autopar.Layout(tp=2), masked=True)),
+    # the 4-D float mask travels between stages without a gradient, and as a view: zero bubble's split
+    # backward detaches every stage output in place, which a view refuses
+    ("hf gpt2 attention mask zero bubble 4 stages", (4,), dict(stages=4, microbatches=4, schedule="zero-bubble"),
+     dict(model="gpt2", layers=4, masked=True)),
+    ("hf llama attention mask zero bubble 2 stages x tp2", (4,), dict(stages=2, microbatches=2, schedule="zero-bubble"),
+     dict(model="hf-llama", layers=2, layout=autopar.Layout(tp=2), masked=True)),
+    ("hf gpt2 attention mask interleaved x dp2", (4,), dict(stages=2, virtual_stages=2, microbatches=2),
+     dict(model="gpt2", layers=4, layout=autopar.Layout(dp=2), masked=True)),
+    ("hf llama attention mask interleaved 4 ranks", (4,), dict(stages=4, virtual_stages=2, microbatches=4),
+     dict(model="hf-llama", layers=8, masked=True)),
     # the last stage runs the loss alone (its logits dropped) under recomputation too
     ("hf gpt2 recompute 2 stages x dp2", (4,), dict(stages=2, microbatches=2, schedule="1f1b", recompute=True),
      dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2))),
