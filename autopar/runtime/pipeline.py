@@ -215,6 +215,15 @@ def _chunk_stage():
                 self.submod.chunk = bwd_chunk_id
                 return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
+            def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+                # the input gradients go out point to point, which takes contiguous tensors (the
+                # gradient of an input read transposed keeps the transpose's layout)
+                grads, groups = self._backward(backward_type, bwd_kwargs, last_backward)
+                return tuple(g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads), groups
+
+            def _backward(self, backward_type, bwd_kwargs: dict, last_backward: bool):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
         _STAGE_CLASSES["chunk"] = ChunkStage
     return _STAGE_CLASSES["chunk"]
 
@@ -240,7 +249,7 @@ def _split_backward_stage():
                 self.submod.chunk = bwd_chunk_id
                 return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
-            def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+            def _backward(self, backward_type, bwd_kwargs: dict, last_backward: bool):
                 reads = self.submod.weight_reads
                 if backward_type == "input":
                     views = [v for _, v in reads[self.submod.chunk]]
@@ -250,7 +259,7 @@ def _split_backward_stage():
                     backward_weights(self.submod.pmodel, reads.pop(self.submod.chunk), bwd_kwargs["param_groups"])
                     return (), None
                 reads.pop(self.submod.chunk, None)  # the first stage's whole backward reaches the taps itself
-                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+                return super()._backward(backward_type, bwd_kwargs, last_backward)
 
         _STAGE_CLASSES["split"] = SplitBackwardStage
     return _STAGE_CLASSES["split"]

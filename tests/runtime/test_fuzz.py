@@ -36,6 +36,9 @@ TOL = 1e-5  # loss and gradients: relative to the largest gradient entry of the 
 STATE_TOL = 5e-5
 STEPS = 2
 LR = 1e-2
+# A case that crashes on one rank leaves the others in a collective: they raise after this long
+# (a "crash" outcome) instead of waiting out the whole spawn.
+COLLECTIVE_TIMEOUT_S = 60.0
 
 
 def draw(n: int, fuzz_seed: int | None = None) -> list[dict]:
@@ -76,7 +79,7 @@ def run_case(case: dict, groups) -> dict:
         pipeline = pipeline_of(case)
         plan_kwargs = {"idle_axes": ()} if pipeline else {"idle_axes": (), "identical_axes": identical}
         pm = autopar.parallelize(model, mesh, inputs, force=force, groups=None if pipeline else groups, profile=False,
-                                 plan_kwargs=plan_kwargs, pipeline=pipeline)
+                                 plan_kwargs=plan_kwargs, pipeline=pipeline, timeout=COLLECTIVE_TIMEOUT_S)
     except AutoparError as err:
         return {"outcome": "typed", "error": f"{type(err).__name__}: {str(err)[:200]}"}
     initial = copy.deepcopy(ref)
@@ -120,7 +123,7 @@ def _ranks(rank, world, batch: list[dict]) -> list[dict]:
     for case in batch:
         shape = tuple(case["mesh"])
         if shape not in groups:
-            groups[shape] = MeshGroups(autopar.Mesh(shape))
+            groups[shape] = MeshGroups(autopar.Mesh(shape), timeout=COLLECTIVE_TIMEOUT_S)
         t0 = time.perf_counter()
         try:
             res = run_case(case, groups[shape])
