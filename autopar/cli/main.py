@@ -16,6 +16,7 @@ import os
 import sys
 
 from autopar.errors import AutoparError, ConfigError
+from autopar.solver.units import fmt_bytes, fmt_s
 
 
 class _Parser(argparse.ArgumentParser):
@@ -235,8 +236,8 @@ def cmd_plan(args) -> int:
     _save(plan, args.output)
     s = plan.summary()
     stages = len(s["pipeline"]["stages"])
-    print(f"plan written to {args.output}: predicted step {s['step_time_s'] * 1e3:.2f} ms, "
-          f"{s['memory_bytes_per_device'] / 2**20:.1f} MiB per device, {stages} stage(s)")
+    print(f"plan written to {args.output}: predicted step {fmt_s(s['step_time_s'])}, "
+          f"{fmt_bytes(s['memory_bytes_per_device'])} per device, {stages} stage(s)")
     return 0
 
 

@@ -241,7 +241,7 @@ def _dp_compute_s(model, mesh: Mesh, graph, world: int, table) -> float:
     from autopar.solver.api import plan
     from autopar.solver.layout import Layout
 
-    p = plan(model, mesh, graph=graph, force=Layout(dp=world), pipeline=False, op_table=table)
+    p = plan(model, mesh, graph=graph, force=Layout(dp=world), pipeline=False, op_table=table, memory_budget=None)
     return p.predicted["compute_s"] + p.predicted["overhead_s"]
 
 

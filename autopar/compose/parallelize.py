@@ -25,7 +25,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from autopar.errors import ConfigError, PlanError
+from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.compose.live_profile import calibrated, is_live, live_cluster, live_op_table
 from autopar.compose.programs import VariantBuilder, constants_of, meta_skeleton, plan_on_rank0
 from autopar.runtime.programs import DEFAULT_MAX_PROGRAMS
@@ -103,7 +103,14 @@ def parallelize(
     trace_inputs, trace_kwargs = tuple(inputs), dict(example_kwargs or {})
     if on_meta:
         trace_inputs, trace_kwargs = _to_meta((trace_inputs, trace_kwargs))
-    graph = ir.trace(model, trace_inputs, trace_kwargs or None)
+    try:
+        graph = ir.trace(model, trace_inputs, trace_kwargs or None)
+    except TraceError as err:  # every rank fails alike: rank 0 says why, the others say where to look
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        if rank != 0:
+            raise TraceError(f"rank {rank}: torch.export could not trace {type(model).__name__}; rank 0's "
+                             "error says why") from None
+        raise err from err.__cause__
     _check_outputs(graph)
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
@@ -114,6 +121,7 @@ def parallelize(
     _ensure_process_group(device, timeout)
     mesh.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
+    _check_same_inputs(graph)
     groups = groups if groups is not None else MeshGroups(mesh, timeout=timeout)
     plan_kwargs = dict(plan_kwargs or {})
     if bucket_bytes is not None:
@@ -205,6 +213,21 @@ def _pricing_mesh(mesh: Mesh, cluster, groups, profile: bool, device=None) -> Me
     if mesh.cluster is not None or not profile or mesh.size == 1:
         return mesh
     return mesh.with_cluster(live_cluster(mesh, groups, device=device))
+
+
+def _check_same_inputs(graph) -> None:
+    """Every rank traced the same call (the full batch, the same shapes): else a ConfigError on
+    every rank naming what differs, before any rank plans or waits in a collective."""
+    mine = [(name, str(graph.nodes[name].meta)) for name in graph.inputs]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (graph.model_name, mine))
+    if all(x == everyone[0] for x in everyone):
+        return
+    differs = [f"rank {r}: {', '.join(f'{n} {m}' for n, m in inputs)}" for r, (_, inputs) in enumerate(everyone)
+               if (_, inputs) != everyone[0]]
+    first = ", ".join(f"{n} {m}" for n, m in everyone[0][1])
+    raise ConfigError(f"the ranks called parallelize with different inputs: rank 0: {first}; {'; '.join(differs[:4])}. "
+                      "Every rank passes the same full batch (each keeps its own shard of it)")
 
 
 def _check_outputs(graph) -> None:

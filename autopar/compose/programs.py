@@ -60,11 +60,17 @@ def plan_on_rank0(model, mesh, graph, memory_budget, force, plan_kwargs, rank):
             p = make_plan(model, mesh, graph=graph, memory_budget=memory_budget, force=force, **plan_kwargs)
             box[0] = ("ok", p.to_json())
         except Exception as err:  # every rank must hear of it, or they wait forever
-            box[0] = ("error", f"{type(err).__name__}: {err}")
+            box[0] = ("error", (type(err).__name__, str(err)))
     dist.broadcast_object_list(box, src=0)
     status, payload = box[0]
-    if status != "ok":
-        raise PlanError(f"planning failed on rank 0: {payload}")
+    if status != "ok":  # the same error on every rank, of the same type where it is autopar's
+        import autopar.errors
+
+        name, message = payload
+        cls = getattr(autopar.errors, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, autopar.errors.AutoparError)):
+            cls, message = PlanError, f"planning failed on rank 0: {name}: {message}"
+        raise cls(message)
     return Plan.from_json(payload)
 
 

@@ -76,6 +76,8 @@ class ClusterSpec:
       ops profiled one by one (hot inputs, no allocation, no neighbours evicting the caches);
       multiplies profiled op times (``compute.node_time``). ``parallelize`` measures it on the
       model it plans (``live_profile.in_situ_factor``) and scales the per-op overheads with it.
+    memory_is_budget: whether ``memory_bytes`` bounds a plan when the caller gives no budget (a
+      GPU's memory is a hard limit; a CPU host's is shared by its ranks and swaps).
     Live profiles (``autopar.parallelize``) measure the overheads, the optimizer's costs, the
     overlap, the collective overhead, the contention and the in-situ factor; presets estimate them,
     and the two efficiencies (profiled op times replace the roofline where they exist).
@@ -102,6 +104,7 @@ class ClusterSpec:
     compute_efficiency: float = 1.0
     memory_efficiency: float = 1.0
     in_situ_factor: float = 1.0
+    memory_is_budget: bool = True
 
     def __post_init__(self):
         # Canonical order (by dtype name), as from_dict builds it, so a to_dict/from_dict round
@@ -293,6 +296,7 @@ PRESETS: dict[str, ClusterSpec] = {
         optimizer_s_per_element=2e-9,
         optimizer_s_per_tensor=20e-6,
         comm_overlap=0.0,
+        memory_is_budget=False,
     ),
 }
 

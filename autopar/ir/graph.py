@@ -173,8 +173,10 @@ class Graph:
         outputs: list[str],
         layers: list[str],
         blocks: list[list[str]],
+        notes: tuple[str, ...] = (),
     ):
         self.model_name = model_name
+        self.notes = tuple(notes)  # what tracing changed about the call (said once, by explain)
         self.nodes = nodes
         self.exported = exported
         self.gm: torch.fx.GraphModule = exported.graph_module

@@ -3,11 +3,20 @@
 The exported program is kept as is (no decompositions), so ops such as ``aten.linear``,
 ``aten.scaled_dot_product_attention`` and ``aten.layer_norm`` stay whole for the sharding rules.
 The model runs in whatever mode it is in: a model in training mode keeps its dropout ops.
+
+Models as they ship: a transformers model built from a default config returns a key/value cache
+for generation (``use_cache=True``), an object torch.export cannot return; training reads no cache,
+so it is traced with ``config.use_cache`` off (the Graph's ``notes`` say so). What torch prints
+while an export fails (graph dumps, symbolic-shape warnings) is dropped: the TraceError says it.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
+import sys
+import tempfile
 import traceback
 from typing import Any
 
@@ -18,7 +27,10 @@ from autopar.errors import TraceError
 from autopar.ir.blocks import assign_layers, find_blocks
 from autopar.ir.flops import count_flops
 from autopar.ir.graph import Graph, Meta, Node, NodeRef, Role, TensorMeta
+from autopar.ir.lookups import check_lookups
 from autopar.ir.rewrites import keep_leading_dims
+
+log = logging.getLogger("autopar")
 
 _INPUT_ROLES = {
     InputKind.PARAMETER: Role.PARAMETER,
@@ -50,13 +62,65 @@ def trace(
     saved = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:
-        exported = torch.export.export(model, example_inputs, example_kwargs, strict=False)
+        with _without_cache(model, example_kwargs) as notes, _stderr_kept_on_success():
+            exported = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as exc:  # torch raises many types; all mean "could not trace"
         raise TraceError(explain_failure(model, exc)) from exc
     finally:
         torch.fx.config.do_not_emit_stack_traces = saved
     keep_leading_dims(exported.graph_module)
-    return from_exported(model, exported, name=name)
+    graph = from_exported(model, exported, name=name)
+    graph.notes = tuple(notes)
+    check_lookups(graph, model, example_inputs, example_kwargs)
+    return graph
+
+
+@contextlib.contextmanager
+def _without_cache(model, kwargs: dict):
+    """A transformers model whose config asks for a generation cache, with it off for the trace
+    (unless the call passes ``use_cache`` itself); yields the notes to keep."""
+    config = getattr(model, "config", None)
+    notes: list[str] = []
+    if getattr(config, "use_cache", False) is not True or "use_cache" in kwargs:
+        yield notes
+        return
+    config.use_cache = False
+    notes.append(f"{type(model).__name__} traced with config.use_cache=False: its key/value cache is for "
+                 "generation, and training reads none")
+    log.info(notes[-1])
+    try:
+        yield notes
+    finally:
+        config.use_cache = True
+
+
+@contextlib.contextmanager
+def _stderr_kept_on_success():
+    """What is written to stderr (file descriptor 2: torch's loggers and prints) inside the block,
+    written out after it if it succeeds and dropped if it raises (torch dumps the partial graph
+    before a data-dependent error; the TraceError says what failed and where)."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no real stderr (a notebook): nothing to hold back
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        sys.stderr.flush()
+        saved = os.dup(fd)
+        os.dup2(held.fileno(), fd)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
+            if ok:
+                held.seek(0)
+                text = held.read()
+                if text:
+                    os.write(fd, text)
 
 
 def unalias(tree):

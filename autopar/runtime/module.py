@@ -471,8 +471,8 @@ class _State:
         self.canonical = {a: canon for canon, names in graph.param_aliases.items() for a in names}
         spec = graph.exported.call_spec
         self.in_spec, self.out_spec = spec.in_spec, spec.out_spec
-        self.n_pos = self.in_spec.children_specs[0].num_children
-        self.kw_keys = list(self.in_spec.children_specs[1].context)
+        self.n_pos = self.in_spec.child(0).num_children
+        self.kw_keys = list(self.in_spec.child(1).context)
         self.device = None
         self.slots: list = []
         self.pipeline = None  # a PipelineRunner when the plan has stages (this module is one stage's)

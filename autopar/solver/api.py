@@ -20,6 +20,7 @@ from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
 from autopar.solver.problem import (build_problem, bucketed_collective_time, gather_latency_correction,
                                     node_choices, produced_spec)
 from autopar.solver.simplify import block_ties, eliminate, prune, recover
+from autopar.solver.units import parse_bytes
 
 log = logging.getLogger(__name__)
 # Relative difference in predicted step time below which two gradient conventions tie.
@@ -29,65 +30,95 @@ TIE = 1e-6
 GATHER_SLACK = 1e-3
 
 
+# The options ``autopar.plan``, ``autopar.parallelize`` and the CLI all take (the rest of ``plan``'s
+# keywords serve its own callers).
+PLANNING_OPTIONS = ("memory_budget", "cluster", "pipeline", "force", "optimizer", "idle_axes", "identical_axes",
+                    "bucket_bytes", "time_limit_s", "solver")
+
+
+def default_budget(memory_budget, mesh: Mesh) -> tuple[float | None, str | None]:
+    """(bytes per device or None, where that figure comes from) for ``memory_budget`` (see ``plan``)."""
+    if memory_budget == "auto":
+        cluster = mesh.resolved_cluster()
+        if not cluster.memory_is_budget:
+            return None, None
+        return float(cluster.memory_bytes), f"the {cluster.name} device memory"
+    if memory_budget is None:
+        return None, None
+    return parse_bytes(memory_budget), "memory_budget"
+
+
 def plan(
     model,
     mesh: Mesh,
     example_inputs=(),
     *,
     example_kwargs=None,
-    memory_budget=None,
+    memory_budget="auto",
+    cluster=None,
+    pipeline="auto",
+    force=None,
     optimizer: str = "adamw",
-    op_table=None,
-    reuse_blocks: bool = True,
-    simplify: bool = True,
+    idle_axes="auto",
+    identical_axes="auto",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     time_limit_s: float = 60.0,
     solver: str | None = None,
     graph=None,
+    op_table=None,
+    reuse_blocks: bool = True,
+    simplify: bool = True,
     optimizer_sharding: bool = True,
-    force: dict | None = None,
-    idle_axes="auto",
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     microbatches: int = 1,
-    pipeline="auto",
-    identical_axes="auto",
     objective_cutoff_s: float | None = None,
 ) -> Plan:
-    """The cheapest plan of ``model`` on ``mesh`` (no processes needed).
+    """The cheapest plan of ``model`` on ``mesh``, called as ``model(*example_inputs,
+    **example_kwargs)`` (no processes needed: a mesh of 1024 GPUs plans on a laptop).
 
-    memory_budget: bytes per device (int/float) or a string like "40GB"/"512MiB".
-    reuse_blocks: tie structurally identical layers together (solve one block, reuse it).
-    simplify: eliminate chain nodes exactly before solving.
-    graph: an already traced ``autopar.ir.Graph`` (skips tracing).
-    optimizer_sharding: allow ZeRO-2 parameter choices (sharded gradients and optimizer states);
-        ``autopar.parallelize`` turns it off until the runtime supports them.
-    idle_axes: mesh axes the plan may leave unused (every rank along them computes the same thing
-        and needs no gradient sync there): "auto" tries the candidates of ``idle_candidates`` and
-        keeps the cheapest; a tuple fixes them (``()``: use every axis).
-    bucket_bytes: the runtime's gradient bucket size, for pricing the gradient sync.
-    microbatches: how many times a step runs the traced graph (pipeline microbatches): gradient
-        sync and optimizer, paid once per step, are priced at 1 / microbatches of a run.
+    The planning options (``PLANNING_OPTIONS``; ``autopar.parallelize`` and the CLI take the same):
+
+    memory_budget: bytes per device (int/float) or a string like "40GB"/"512MiB"; None: no limit;
+        "auto" (default): the cluster's device memory where that is a hard limit (the GPU presets:
+        80 GB; ``plan.solver["memory_budget_from"]`` says so), else no limit (cpu-gloo).
+    cluster: a preset name ("a100-80g", "h100-80g", "cpu-gloo"), a JSON file or a ClusterSpec to
+        price with, instead of the mesh's own (``Mesh(..., cluster=)``; default cpu-gloo).
     pipeline: "auto" (default): search pipeline stages too (``autopar.solver.pipeline``), one
         stage allowed; it plans one stage where no pipeline can be searched (``can_pipeline``: no
         batch among the example inputs, a mesh whose slowest axis has one row, a forced
         ``Layout``, a model with no layers to cut). An ``autopar.Pipeline``: search with its given
         fields fixed. None / False: one stage. A plan of more than one stage (or microbatch) has
-        ``plan.pipeline`` set (``parallelize`` runs it, ``pmodel.train_step`` trains it).
+        ``plan.pipeline`` set.
+    force: an ``autopar.Layout`` (e.g. ``Layout(dp=2, tp=2, zero=2)``): the plan of that
+        hand-style layout, on every mesh axis; or node name -> family label (e.g. ``{"linear":
+        "1d-row", "p_fc_weight": "sharded"}``) or -> a predicate on a ``Strategy``: restricts that
+        node's candidates (hand-written plans, tests).
+    optimizer: the optimizer whose states are priced: "adamw" / "adam" (2 fp32 values a parameter),
+        "sgd_momentum" / "momentum" (1), "sgd" (0).
+    idle_axes: mesh axes the plan may leave unused (every rank along them computes the same thing
+        and needs no gradient sync there): "auto" tries the candidates of ``idle_candidates`` and
+        keeps the cheapest; a tuple fixes them (``()``: use every axis).
     identical_axes: mesh axes on which gradients of replicated values are kept whole on every rank
         (Megatron's tensor-parallel convention; ``autopar.cost_model.gradients``): "auto" prices
         every set the plan can run and keeps the cheapest; a tuple fixes it (``()``: none).
-    force: node name -> family label (e.g. ``{"linear": "1d-row", "p_fc_weight": "sharded"}``), or
-        -> a predicate on a ``Strategy``: restricts that node's candidates (hand-written plans, tests);
-        or an ``autopar.Layout`` (e.g. ``Layout(dp=2, tp=2, zero=2)``): the plan of that hand-style
-        layout, on every mesh axis (no idle axes).
-    objective_cutoff_s: a plan whose ILP objective (seconds per run of the graph) is above this is of
-        no use to the caller: PlanError (``ilp.NoCheaperPlan``) instead, found quickly (the pipeline
-        search's lean variants; ``autopar.solver.pipeline``).
+    bucket_bytes: the runtime's gradient bucket size, for pricing the gradient sync.
+    time_limit_s, solver: the ILP solver's time limit and name ("highs" / "cbc"; default HiGHS
+        where installed).
+
+    For the planner's own callers (the pipeline search, tests): ``graph`` (an already traced
+    ``autopar.ir.Graph``: skips tracing), ``op_table`` (profiled op times), ``reuse_blocks`` (tie
+    structurally identical layers: solve one block, reuse it), ``simplify`` (eliminate chain nodes
+    exactly before solving), ``optimizer_sharding`` (allow ZeRO-2 choices), ``microbatches`` (how
+    many times a step runs the traced graph: gradient sync and optimizer are priced at 1 /
+    microbatches of a run), ``objective_cutoff_s`` (a plan whose ILP objective is above this is
+    of no use: ``ilp.NoCheaperPlan`` instead, found quickly).
     """
     from autopar import ir
 
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
-    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    if cluster is not None:
+        mesh = mesh.with_cluster(cluster)
+    budget, budget_from = default_budget(memory_budget, mesh)
     if pipeline == "auto" and not can_pipeline(model, mesh, example_inputs, example_kwargs, force):
         pipeline = None
     if pipeline not in (None, False):
@@ -109,7 +140,7 @@ def plan(
             choice = None
         if choice is not None and (len(choice.stages) > 1 or choice.microbatches > 1 or choice.stages[0].recompute):
             pplan = choice.to_plan()
-            pplan.solver["memory_budget"] = budget
+            pplan.solver.update(memory_budget=budget, memory_budget_from=budget_from)
             return pplan
         # one stage, one microbatch: the plain intra-op plan of the whole batch (below), on the
         # whole-batch graph the search traced
@@ -151,7 +182,8 @@ def plan(
     if best is None:
         raise first_error
     idle, solved = best
-    stats = dict(trace_s=t_trace - t0, memory_budget=budget, layout=layout.name if layout is not None else None)
+    stats = dict(trace_s=t_trace - t0, memory_budget=budget, memory_budget_from=budget_from,
+                 layout=layout.name if layout is not None else None)
     best_plan = _made(graph, mesh, solved, idle, identical_axes, bucket_bytes, total_s=time.perf_counter() - t0, **stats)
     log.info("planned %s on %s: objective %.3g s, %d ILP variables (%.1f s)", graph.model_name, mesh,
              best_plan.solver["objective_s"], best_plan.solver.get("ilp_variables", 0), best_plan.solver["total_s"])
@@ -449,28 +481,3 @@ def memory_parts(plan, graph, mesh, total: float) -> dict:
         held += node.memory_bytes
     return {"parameters": params, "gradients": grads, "optimizer_states": max(0.0, held - params - grads),
             "activations": max(0.0, total - held)}
-
-
-_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_bytes(value) -> float:
-    """Bytes from a number or a string like "40GB", "512 MiB", "1.5e9"."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"memory budget must be a number of bytes or a string like 40GB, got {value!r}")
-    if isinstance(value, (int, float)):
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"memory budget must be a positive, finite number of bytes, got {value}")
-        return float(value)
-    import re
-
-    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]*)\s*", str(value))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ConfigError(f"cannot read memory size {value!r}; write it like 40GB, 512MiB or 1.5e9")
-    try:
-        n = float(m.group(1)) * _UNITS[m.group(2).upper()]
-    except ValueError:
-        raise ConfigError(f"cannot read memory size {value!r}; write it like 40GB, 512MiB or 1.5e9") from None
-    if not (math.isfinite(n) and n > 0):
-        raise ConfigError(f"memory budget must be positive and finite, got {value!r}")
-    return n

@@ -15,6 +15,7 @@ import dataclasses
 import math
 
 from autopar.errors import ConfigError, PlanError
+from autopar.solver.units import fmt_bytes, fmt_s
 
 KEYS = ("dp", "tp", "pp", "mb", "zero", "vocab")
 
@@ -109,17 +110,19 @@ def _bytes_moved(plan) -> float:
     return bytes_per_step(plan)
 
 
-def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memory_budget=None,
+def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memory_budget="auto",
           **plan_kwargs) -> WhatIf:
-    """One configuration, priced (see the module docstring)."""
-    from autopar.solver.api import parse_bytes, plan as make_plan
+    """One configuration, priced (see the module docstring): planned without a budget, then held
+    against ``memory_budget`` (as ``autopar.plan`` reads it)."""
+    from autopar.solver.api import default_budget, plan as make_plan
     from autopar.solver.layout import Layout
     from autopar.solver.pipeline import Pipeline
 
     c, dp, tp, pp = _degrees(config, mesh)
     vocab = c.get("vocab")
-    budget = parse_bytes(memory_budget) if memory_budget is not None else math.inf
+    budget = default_budget(memory_budget, mesh)[0] or math.inf
     mesh = config_mesh(mesh, pp * dp, tp)
+    plan_kwargs = {**plan_kwargs, "memory_budget": None}
     try:
         layout = Layout(dp=dp, tp=tp, zero=c.get("zero", 0), vocab_parallel=None if vocab is None else bool(vocab))
         if pp == 1:
@@ -131,7 +134,7 @@ def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memo
         return WhatIf(config, None, None, None, False, f"cannot be planned: {err}")
     memory = plan.predicted["memory_bytes_per_device"]
     fits = memory <= budget
-    note = "" if fits else f"does not fit: needs {memory / 2**30:.1f} GiB per device, the budget is {budget / 2**30:.1f} GiB"
+    note = "" if fits else f"does not fit: needs {fmt_bytes(memory)} per device, the budget is {fmt_bytes(budget)}"
     return WhatIf(config, plan.predicted["step_time_s"], memory, _bytes_moved(plan), fits, note, plan)
 
 
@@ -152,7 +155,7 @@ def check_configs(configs, mesh) -> None:
         _degrees(config, mesh)
 
 
-def compare(model, mesh, example_inputs, configs, *, plan=None, example_kwargs=None, memory_budget=None,
+def compare(model, mesh, example_inputs, configs, *, plan=None, example_kwargs=None, memory_budget="auto",
             **plan_kwargs) -> list[WhatIf]:
     """autopar's ``plan`` (first, when given) and each configuration, priced alike."""
     check_configs(configs, mesh)
@@ -176,6 +179,6 @@ def table(rows: list[WhatIf]) -> str:
             out.append(f"{r.name:<28} {'-':>12} {'-':>9} {'-':>14} {'-':>12}  {r.note}")
             continue
         ratio = f"{r.step_time_s / base:.2f}x" if base else "-"
-        out.append(f"{r.name:<28} {r.step_time_s * 1e3:>9.2f} ms {ratio:>9} {r.memory_bytes / 2**20:>10.1f} MiB "
-                   f"{r.bytes_moved / 2**20:>8.1f} MiB  {r.note}")
+        out.append(f"{r.name:<28} {fmt_s(r.step_time_s):>12} {ratio:>9} {fmt_bytes(r.memory_bytes):>14} "
+                   f"{fmt_bytes(r.bytes_moved):>12}  {r.note}")
     return "\n".join(out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from autopar.solver.units import fmt_bytes, fmt_s
 from autopar.solver.plan import Plan, spec_str
 
 
@@ -64,8 +65,9 @@ class PlanDiff:
         if len(self.nodes) > max_nodes:
             out.append(f"... and {len(self.nodes) - max_nodes} more node(s)")
         (t0, t1), (m0, m1) = self.step_time_s, self.memory_bytes
-        out.append(f"predicted step time {t0 * 1e3:.2f} ms -> {t1 * 1e3:.2f} ms ({_signed_s(t1 - t0)}); "
-                   f"memory per device {m0 / 2**20:.1f} MiB -> {m1 / 2**20:.1f} MiB ({(m1 - m0) / 2**20:+.1f} MiB)")
+        sign = "+" if m1 >= m0 else "-"
+        out.append(f"predicted step time {fmt_s(t0)} -> {fmt_s(t1)} ({_signed_s(t1 - t0)}); "
+                   f"memory per device {fmt_bytes(m0)} -> {fmt_bytes(m1)} ({sign}{fmt_bytes(abs(m1 - m0))})")
         return out
 
 

@@ -8,25 +8,11 @@ from __future__ import annotations
 from collections import Counter
 
 from autopar.solver.plan import Plan, spec_str
+from autopar.solver.units import fmt_bytes, fmt_s
 
 _HIDE_TARGETS = ("output",)
 _PLUMBING = ("view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze",
              "contiguous", "alias", "slice", "select", "split", "getitem", "clone", "detach", "flatten", "unflatten")
-
-
-def _fmt_s(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} us"
-
-
-def _fmt_b(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def _short_target(t: str) -> str:
@@ -81,11 +67,11 @@ def _rows(plan: Plan, incoming, show_all: bool = True):
             for s in e.steps:
                 if s.kind in ("slice", "to_partial"):
                     continue
-                colls.append(f"{s.kind}[{''.join(map(str, s.axes))}] {_fmt_b(s.nbytes)}")
+                colls.append(f"{s.kind}[{''.join(map(str, s.axes))}] {fmt_bytes(s.nbytes)}")
         p = next((p for p in plan.params.values() if p.node == node.name), None)
         if p is not None and p.grad_sync is not None:
             comm += p.grad_sync_s
-            colls.append(f"grad {p.grad_sync[0]}[{''.join(map(str, p.grad_sync[1]))}] {_fmt_b(p.grad_sync[2])}")
+            colls.append(f"grad {p.grad_sync[0]}[{''.join(map(str, p.grad_sync[1]))}] {fmt_bytes(p.grad_sync[2])}")
         ins = ", ".join(spec_str(s) for s in node.inputs) if node.inputs else ""
         op = (p.name if p is not None else node.name) if node.target == "placeholder" else _short_target(node.target)
         rows.append((node.layer or "", op, node.family, ins, spec_str(node.output), "; ".join(colls), node.compute_s + comm))
@@ -108,7 +94,7 @@ def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repea
         "",
     ]
     header = ("layer", "op", "family", "inputs", "output", "collectives inserted", "time")
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *[(*r[:6], _fmt_s(r[6])) for r in shown])]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *[(*r[:6], fmt_s(r[6])) for r in shown])]
     widths = [min(w, 60) for w in widths]
 
     def line(cells):
@@ -117,7 +103,7 @@ def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repea
     out.append(line(header))
     out.append(line(["-" * w for w in widths]))
     for r in shown:
-        out.append(line((*r[:6], _fmt_s(r[6]))))
+        out.append(line((*r[:6], fmt_s(r[6]))))
     if repeats:
         out.append("")
         for first, layers in repeats.items():
@@ -127,7 +113,7 @@ def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repea
         "",  # the step and memory lead the summary above; the totals of the table close it
         "families: " + ", ".join(f"{k} x{v}" for k, v in sorted(s["families"].items(), key=lambda kv: -kv[1])),
         "parameter storage: " + ", ".join(f"{k} x{v}" for k, v in sorted(s["param_storage"].items())),
-        f"collectives per step: {len(s['collectives'])}, {_fmt_b(sum(c[2] for c in s['collectives']))} in all",
+        f"collectives per step: {len(s['collectives'])}, {fmt_bytes(sum(c[2] for c in s['collectives']))} in all",
     ]
     if plan.identical_axes:
         out.append(f"gradients whole on mesh axes {list(plan.identical_axes)} (Megatron's convention): parameters "
@@ -144,11 +130,11 @@ def _step_line(p: dict) -> str:
     carry only compute and communication."""
     parts = [("compute", "compute_s"), ("op overheads", "overhead_s"), ("communication", "comm_s"),
              ("gradient accumulation", "grad_accumulate_s"), ("optimizer", "optimizer_s")]
-    text = " + ".join(f"{name} {_fmt_s(p[key])}" for name, key in parts if key in p)
+    text = " + ".join(f"{name} {fmt_s(p[key])}" for name, key in parts if key in p)
     if "exposed_sync_s" in p:
-        text += (f" (communication: reshards {_fmt_s(p['reshard_s'])}, in ops {_fmt_s(p.get('op_comm_s', 0.0))}, gradient sync {_fmt_s(p['exposed_sync_s'])} "
-                 f"exposed of {_fmt_s(p['grad_sync_s'])} in {p['buckets']} bucket(s), ZeRO-2 gathers {_fmt_s(p['param_gather_s'])})")
-    return f"predicted step time {_fmt_s(p['step_time_s'])} = {text}"
+        text += (f" (communication: reshards {fmt_s(p['reshard_s'])}, in ops {fmt_s(p.get('op_comm_s', 0.0))}, gradient sync {fmt_s(p['exposed_sync_s'])} "
+                 f"exposed of {fmt_s(p['grad_sync_s'])} in {p['buckets']} bucket(s), ZeRO-2 gathers {fmt_s(p['param_gather_s'])})")
+    return f"predicted step time {fmt_s(p['step_time_s'])} = {text}"
 
 
 def _explain_pipeline(plan: Plan, **kw) -> str:
@@ -158,17 +144,17 @@ def _explain_pipeline(plan: Plan, **kw) -> str:
         f"{_header(plan)}: {len(p.stages)} pipeline stages"
         + (f" ({p.virtual_stages} per rank)" if p.virtual_stages > 1 else "") + f", {p.schedule}, {p.microbatches} microbatches",
         "layout: " + layout_words(plan),
-        f"predicted step time {_fmt_s(plan.predicted['step_time_s'])}, of which bubble "
-        f"{_fmt_s(p.bubble_fraction * plan.predicted['step_time_s'])} ({p.bubble_fraction:.0%}); "
-        f"memory per device up to {_fmt_b(plan.predicted['memory_bytes_per_device'])}"
-        + (f" (budget {_fmt_b(plan.solver['memory_budget'])})" if plan.solver.get("memory_budget") else ""),
+        f"predicted step time {fmt_s(plan.predicted['step_time_s'])}, of which bubble "
+        f"{fmt_s(p.bubble_fraction * plan.predicted['step_time_s'])} ({p.bubble_fraction:.0%}); "
+        f"memory per device up to {fmt_bytes(plan.predicted['memory_bytes_per_device'])}"
+        + (f" (budget {fmt_bytes(plan.solver['memory_budget'])})" if plan.solver.get("memory_budget") else ""),
         "",
     ]
     for i, s in enumerate(p.stages):
         fam = plan_families(s.plan)
         out.append(f"stage {i}: layers {s.layers[0]}-{s.layers[1]} ({s.layer_names[0]} .. {s.layer_names[1]}), "
                    f"ranks {s.ranks[0]}-{s.ranks[-1]} as mesh {'x'.join(map(str, s.mesh_shape))}, "
-                   f"{_fmt_s(s.time_per_microbatch_s)} per microbatch, {_fmt_b(s.memory_bytes)}; {fam}")
+                   f"{fmt_s(s.time_per_microbatch_s)} per microbatch, {fmt_bytes(s.memory_bytes)}; {fam}")
     for i, s in enumerate(p.stages):
         out += ["", f"--- stage {i} ---", explain(s.plan, **kw)]
     return "\n".join(out)
@@ -264,12 +250,12 @@ def layout_words(plan: Plan) -> str:
 def _memory_line(p: dict, budget=None) -> str:
     total = p["memory_bytes_per_device"]
     parts = p.get("memory_parts")
-    against = f", budget {_fmt_b(budget)} ({total / budget:.0%} used)" if budget else ", no budget given"
+    against = f", budget {fmt_bytes(budget)} ({total / budget:.0%} used)" if budget else ", no budget given"
     if not parts:
-        return f"memory per device {_fmt_b(total)} (parameters, gradients, optimizer states, saved activations){against}"
-    return (f"memory per device {_fmt_b(total)} = parameters {_fmt_b(parts['parameters'])} + gradients "
-            f"{_fmt_b(parts['gradients'])} + optimizer states {_fmt_b(parts['optimizer_states'])} + activations "
-            f"{_fmt_b(parts['activations'])}{against}")
+        return f"memory per device {fmt_bytes(total)} (parameters, gradients, optimizer states, saved activations){against}"
+    return (f"memory per device {fmt_bytes(total)} = parameters {fmt_bytes(parts['parameters'])} + gradients "
+            f"{fmt_bytes(parts['gradients'])} + optimizer states {fmt_bytes(parts['optimizer_states'])} + activations "
+            f"{fmt_bytes(parts['activations'])}{against}")
 
 
 def _per_step(plan: Plan) -> int:
@@ -316,6 +302,6 @@ def costliest_collectives(plan: Plan, k: int = 5) -> list[str]:
     top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:k]
     out = []
     for (kind, axes, nbytes, where), (seconds, count, *_) in top:
-        size = f" {_fmt_b(nbytes)}" if nbytes else ""
-        out.append(f"{kind}[{''.join(map(str, axes))}]{size} {where} x{count}: {_fmt_s(seconds)}")
+        size = f" {fmt_bytes(nbytes)}" if nbytes else ""
+        out.append(f"{kind}[{''.join(map(str, axes))}]{size} {where} x{count}: {fmt_s(seconds)}")
     return out

@@ -30,6 +30,7 @@ import numpy as np
 import pulp
 
 from autopar.errors import ConfigError, PlanError
+from autopar.solver.units import fmt_bytes
 
 # Costs below this are noise; rounding them keeps CBC's numerics clean.
 COST_EPS = 1e-12
@@ -218,8 +219,8 @@ class NoCheaperPlan(PlanError):
 
 def _budget_error(problem: Problem) -> PlanError:
     return PlanError(
-        f"no plan fits the memory budget of {_fmt_bytes(problem.budget)} per device; the smallest plan needs "
-        f"{_fmt_bytes(min_memory(problem))} per device. Raise the budget, use more devices, or a smaller model/batch."
+        f"no plan fits the memory budget of {fmt_bytes(problem.budget)} per device; the smallest plan needs "
+        f"{fmt_bytes(min_memory(problem))} per device. Raise the budget, use more devices, or a smaller model/batch."
     )
 
 
@@ -277,10 +278,3 @@ def brute_force(problem: Problem) -> tuple[dict[str, int], float]:
     if best_choice is None:
         raise PlanError("no assignment has a finite cost within the memory budget")
     return {v: best_choice[problem.rep(v)] for v in problem.costs}, best
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"

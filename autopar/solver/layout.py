@@ -102,8 +102,26 @@ def layout_force(graph, mesh, layout: Layout) -> dict:
             if layout.vocab_parallel is not None and any(k in node.target for k in _LOSS_OPS + ("embedding",)):
                 preds.append(_vocab(layout.vocab_parallel))
         if preds:
-            force[node.name] = _all(preds, f"{layout.name} at {node.name}")
+            force[node.name] = _all(preds, f"{layout.name} at {node.name}", _why_not(graph, node, mesh, layout,
+                                                                                   batch_sizes))
     return force
+
+
+def _why_not(graph, node, mesh, layout: Layout, batch_sizes) -> str:
+    """What would keep ``node`` from running under ``layout``, in numbers (for the error a layout
+    that cannot be forced gives): a batch or a weight dim the degree does not divide."""
+    shape = tuple(getattr(node.meta, "shape", ()) or ())
+    if layout.dp > 1 and shape and shape[0] in batch_sizes and shape[0] % layout.dp:
+        b = shape[0]
+        return (f"its batch of {b} does not divide by dp={layout.dp}: use a batch that does (e.g. "
+                f"{b + (-b % layout.dp)}) or a data-parallel degree that divides {b}")
+    if layout.tp > 1 and _is_weight_op(node):
+        for src in node.inputs:
+            w = _param_source(graph, src)
+            if w is not None and len(w.meta.shape) >= 2 and all(d % layout.tp for d in w.meta.shape[:2]):
+                return (f"its weight {w.param_name} {tuple(w.meta.shape)} has no dim that divides by tp={layout.tp}: "
+                        f"use a tensor-parallel degree that divides one of them")
+    return ""
 
 
 # ---- graph facts ------------------------------------------------------------------------------
@@ -154,8 +172,8 @@ def _is_weight_op(node) -> bool:
 class _all:
     """All of several predicates (named, for the error a too-tight layout gives)."""
 
-    def __init__(self, preds, what: str):
-        self.preds, self.what = preds, what
+    def __init__(self, preds, what: str, why_not: str = ""):
+        self.preds, self.what, self.why_not = preds, what, why_not
 
     def __call__(self, strategy) -> bool:
         return all(p(strategy) for p in self.preds)

@@ -412,6 +412,12 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
     contention = mesh.resolved_cluster().rank_contention
     if equal_stages:  # only stage sizes that tile the rows (and give the fixed stage count)
         options = [k for k in options if mesh.shape[0] % k == 0 and pipeline.stages in (None, mesh.shape[0] // k)]
+        if not options:
+            rows = mesh.shape[0]
+            fits = [rows // k for k in row_options(mesh) if rows % k == 0]
+            raise ConfigError(f"Pipeline(stages={pipeline.stages}) cuts the mesh's first axis ({rows} rows) into "
+                              f"{pipeline.stages} equal stages, which {rows} rows do not divide into: use stages in "
+                              f"{sorted(fits)}, or a mesh whose first axis has a multiple of {pipeline.stages} rows")
     timing = {"trace_s": 0.0, "intra_op_s": 0.0, "dp_s": 0.0, "traces": 0, "scaled_graphs": 0}
     results: dict[int, tuple | None] = {}
     graphs: dict[int, object] = {}
@@ -808,7 +814,7 @@ def _fastest(model, sm, graph, intra_op_plan, plan_kwargs) -> UnitPrices | None:
     """The prices of the fastest intra-op plan on sub-mesh ``sm``; None where there is no plan (or
     a forced layout does not fit it)."""
     try:
-        return unit_prices(intra_op_plan(model, sm, graph=graph, **plan_kwargs), graph, sm)
+        return unit_prices(intra_op_plan(model, sm, graph=graph, memory_budget=None, **plan_kwargs), graph, sm)
     except (PlanError, ConfigError):
         return None
 

@@ -207,6 +207,9 @@ def restrict(choices: dict[str, NodeChoices], name: str, want) -> NodeChoices:
     keep = [i for i, s in enumerate(c.strategies) if (want(s) if callable(want) else s.family == want)]
     if not keep:
         families = sorted({s.family for s in c.strategies})
+        why = getattr(want, "why_not", "")
+        if why:
+            raise ConfigError(f"{want} cannot be run: {why}")
         raise ConfigError(f"force: node {name!r} has no strategy of family {want!r}; its families are {families}")
     return NodeChoices(
         c.name, [c.strategies[i] for i in keep], c.compute_s[keep], c.comm_s[keep], c.memory[keep], [c.grad_sync[i] for i in keep],

@@ -8,10 +8,11 @@ import html
 import math
 
 from autopar.solver.explain import (
-    _fmt_b, _fmt_s, _is_plumbing, _memory_line, _step_line, collapsed_rows, costliest_collectives, layout_words,
+    _is_plumbing, _memory_line, _step_line, collapsed_rows, costliest_collectives, layout_words,
 )
 from autopar.solver.plan import Plan, spec_str
 from autopar.solver.schedule_time import simulate_shared
+from autopar.solver.units import fmt_bytes, fmt_s
 
 _COLORS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_states": "#e15759", "activations": "#76b7b2",
            "memory": "#59a14f", "F": "#4e79a7", "B": "#f28e2b", "W": "#59a14f"}
@@ -56,8 +57,8 @@ def html_report(plan: Plan, whatifs=None) -> str:
 def _pipeline_step(plan: Plan) -> str:
     p = plan.pipeline
     step = plan.predicted["step_time_s"]
-    return (f"predicted step time {_fmt_s(step)}: {len(p.stages)} stages, {p.schedule}, {p.microbatches} microbatches, "
-            f"bubble {_fmt_s(p.bubble_fraction * step)} ({p.bubble_fraction:.0%})")
+    return (f"predicted step time {fmt_s(step)}: {len(p.stages)} stages, {p.schedule}, {p.microbatches} microbatches, "
+            f"bubble {fmt_s(p.bubble_fraction * step)} ({p.bubble_fraction:.0%})")
 
 
 def _memory_svg(plan: Plan) -> str:
@@ -77,9 +78,9 @@ def _memory_svg(plan: Plan) -> str:
         for kind, value in p.items():
             w = width * value / top
             out.append(f"<rect x='{x:.1f}' y='{y}' width='{w:.1f}' height='18' fill='{_COLORS[kind]}'>"
-                       f"<title>{_e(kind)}: {_e(_fmt_b(value))}</title></rect>")
+                       f"<title>{_e(kind)}: {_e(fmt_bytes(value))}</title></rect>")
             x += w
-        out.append(f"<text x='{x + 6:.1f}' y='{y + 14}' font-size='12'>{_e(_fmt_b(sum(p.values())))}</text>")
+        out.append(f"<text x='{x + 6:.1f}' y='{y + 14}' font-size='12'>{_e(fmt_bytes(sum(p.values())))}</text>")
     legend_y = 10 + len(bars) * row + 16
     x = 180
     for kind in (bars[0][1] if plan.pipeline is None else {"memory": 0}):
@@ -118,7 +119,7 @@ def _timeline_svg(plan: Plan) -> str:
         for kind, m, a, b in ops:
             x, w = 60 + width * a / end, max(0.5, width * (b - a) / end)
             out.append(f"<rect x='{x:.1f}' y='{y}' width='{w:.1f}' height='18' fill='{_COLORS[kind]}' stroke='white' "
-                       f"stroke-width='0.5'><title>{kind}{m}: {_e(_fmt_s(a))} - {_e(_fmt_s(b))}</title></rect>")
+                       f"stroke-width='0.5'><title>{kind}{m}: {_e(fmt_s(a))} - {_e(fmt_s(b))}</title></rect>")
     out.append("</svg>")
     return "".join(out)
 
@@ -167,8 +168,8 @@ def _whatif_svg(rows) -> str:
         w = width * r.step_time_s / top
         fill = "#59a14f" if r.fits else "#bab0ac"
         out.append(f"<rect x='200' y='{y}' width='{w:.1f}' height='18' fill='{fill}'/>"
-                   f"<text x='{206 + w:.1f}' y='{y + 14}' font-size='11'>{_e(_fmt_s(r.step_time_s))}, "
-                   f"{_e(_fmt_b(r.memory_bytes))}{'' if r.fits else ' - ' + _e(r.note)}</text>")
+                   f"<text x='{206 + w:.1f}' y='{y + 14}' font-size='11'>{_e(fmt_s(r.step_time_s))}, "
+                   f"{_e(fmt_bytes(r.memory_bytes))}{'' if r.fits else ' - ' + _e(r.note)}</text>")
     out.append("</svg>")
     return "".join(out)
 
@@ -176,6 +177,6 @@ def _whatif_svg(rows) -> str:
 def _table(plan: Plan) -> str:
     rows, repeats = collapsed_rows(plan)
     head = "<tr>" + "".join(f"<th>{h}</th>" for h in ("layer", "op", "family", "inputs", "output", "collectives", "time")) + "</tr>"
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in (*r[:6], _fmt_s(r[6]))) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in (*r[:6], fmt_s(r[6]))) + "</tr>" for r in rows)
     notes = "".join(f"<p class='muted'>{len(v)} more layer(s) with the same choices as {_e(k)}</p>" for k, v in repeats.items())
     return f"<table>{head}{body}</table>{notes}"
