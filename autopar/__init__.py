@@ -1,8 +1,10 @@
 """autopar: a compiler-style auto-parallel planner for PyTorch.
 
-The subpackages are attributes of the package after a plain ``import autopar`` (``autopar.models
-.build("gpt")``); each is imported on first access (PEP 562), so ``import autopar`` stays light and
-never loads the runtime (torch.distributed process groups, pipelining) or codegen until asked.
+``autopar.plan`` and ``autopar.parallelize`` are the functions themselves (``help()`` shows their
+options). The subpackages are attributes of the package after a plain ``import autopar``
+(``autopar.models.build("gpt")``); each is imported on first access (PEP 562), so ``import
+autopar`` stays light and never loads the runtime (process groups, pipelining) or codegen until a
+model is parallelized.
 """
 import importlib as _importlib
 
@@ -17,17 +19,9 @@ from autopar.errors import (
     ShardingError,
     TraceError,
 )
+from autopar.compose.parallelize import parallelize
 from autopar.sharding_spec import Mesh, Partial, Replicate, Shard, ShardingSpec, plan_reshard
 from autopar.solver import Layout, Pipeline, Plan, plan
-
-
-def parallelize(*args, **kwargs):
-    from autopar.compose.parallelize import parallelize as _parallelize
-
-    return _parallelize(*args, **kwargs)
-
-
-parallelize.__doc__ = "See autopar.compose.parallelize.parallelize."
 
 
 def save(path, pmodel, optimizer=None, extra=None, **kwargs):

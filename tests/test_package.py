@@ -56,11 +56,39 @@ def test_the_documented_entry_points_are_unchanged():
         from autopar import models
         from autopar.compose.parallelize import parallelize
         assert models is autopar.models
-        assert callable(autopar.parallelize) and autopar.parallelize is not parallelize
+        assert autopar.parallelize is parallelize and autopar.plan is autopar.solver.api.plan
         assert autopar.Mesh((2,)).size == 2
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_plan_and_parallelize_show_their_options_and_share_them():
+    """``help()`` and editors see real signatures; the planning options are the same keywords with
+    the same defaults in ``plan``, ``parallelize`` and the CLI's flags."""
+    import inspect
+
+    import autopar
+    from autopar.cli.main import build_parser, planning_options
+    from autopar.solver.api import PLANNING_OPTIONS
+
+    plan_sig, par_sig = inspect.signature(autopar.plan), inspect.signature(autopar.parallelize)
+    for name in PLANNING_OPTIONS:
+        assert plan_sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert par_sig.parameters[name].default == plan_sig.parameters[name].default, name
+    assert "memory_budget" in autopar.parallelize.__doc__ and "pipeline" in autopar.plan.__doc__
+    args = build_parser().parse_args(["plan", "gpt", "--mesh", "4", "-o", "p.json"])
+    options = planning_options(args)
+    assert set(options) == set(PLANNING_OPTIONS)
+    for name in PLANNING_OPTIONS:  # the CLI's defaults are the functions' defaults
+        assert options[name] == plan_sig.parameters[name].default, name
+    args = build_parser().parse_args(["plan", "gpt", "--mesh", "2x2", "-o", "p.json", "--layout", "dp=2,tp=2,zero=2",
+                                      "--pipeline", "stages=2,schedule=1f1b", "--idle-axes", "none",
+                                      "--memory-budget", "40GB", "--bucket-size", "4MiB"])
+    options = planning_options(args)
+    assert options["force"] == autopar.Layout(dp=2, tp=2, zero=2)
+    assert options["pipeline"] == autopar.Pipeline(stages=2, schedule="1f1b")
+    assert options["idle_axes"] == () and options["memory_budget"] == "40GB" and options["bucket_bytes"] == 4 << 20
 
 
 def test_an_unknown_attribute_raises_a_helpful_attribute_error():

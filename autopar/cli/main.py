@@ -16,7 +16,7 @@ import os
 import sys
 
 from autopar.errors import AutoparError, ConfigError
-from autopar.solver.units import fmt_bytes, fmt_s
+from autopar.solver.units import fmt_bytes, fmt_s, parse_bytes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -135,14 +135,15 @@ def _is_plan_file(model: str) -> bool:
 
 
 def _make_plan(args):
-    """(plan, graph or None, model, inputs, kwargs, mesh) for ``explain``/``plan``'s arguments."""
+    """(plan, graph or None, model, inputs, kwargs, mesh, op_table) for ``explain``/``plan``'s arguments."""
     import autopar
     from autopar import ir
 
     if args.mesh is None:
         raise ConfigError("--mesh is required to plan a model (e.g. --mesh 2x4)")
     model, inputs, kwargs = load_model(args.model)
-    cluster, op_table = args.cluster, None
+    options = planning_options(args)
+    op_table = None
     if getattr(args, "profiled", False):
         from autopar.cost_model.profile_comm import load_profile
         from autopar.cost_model.profile_ops import load_op_table
@@ -151,13 +152,72 @@ def _make_plan(args):
         if prof is None:
             raise ConfigError(f"no cached profile for mesh {'x'.join(map(str, args.mesh))}; run `autopar profile --mesh "
                               f"{'x'.join(map(str, args.mesh))}` first, or drop --profiled")
-        cluster, op_table = prof.cluster, load_op_table("cpu")
-    mesh = autopar.Mesh(args.mesh, cluster=cluster)
-    pipeline = None if args.pipeline == "off" else "auto"
-    graph = ir.trace(model, inputs, kwargs) if pipeline is None else None
-    plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, memory_budget=args.memory_budget,
-                        op_table=op_table, graph=graph, pipeline=pipeline)
-    return plan, graph, model, inputs, kwargs, mesh, op_table
+        options["cluster"], op_table = prof.cluster, load_op_table("cpu")
+    _warn_cpu_pricing(args.model, options["cluster"])
+    mesh = autopar.Mesh(args.mesh)
+    graph = ir.trace(model, inputs, kwargs) if options["pipeline"] is None else None
+    plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, op_table=op_table, graph=graph, **options)
+    return plan, graph, model, inputs, kwargs, mesh.with_cluster(options["cluster"]) if options["cluster"] else mesh, op_table
+
+
+def planning_options(args) -> dict:
+    """``autopar.plan``'s planning options (``PLANNING_OPTIONS``) from the command line's flags."""
+    from autopar.solver.layout import Layout
+
+    force = None
+    if args.layout:
+        degrees = _options(args.layout)
+        unknown = sorted(set(degrees) - {"dp", "tp", "zero"})
+        if unknown:
+            raise ConfigError(f"--layout takes dp=, tp= and zero=, e.g. dp=2,tp=4,zero=2; got {', '.join(unknown)}")
+        force = Layout(**{k: int(v) for k, v in degrees.items()})
+    return {
+        "memory_budget": args.memory_budget if args.memory_budget is not None else "auto",
+        "cluster": args.cluster,
+        "pipeline": _pipeline_option(args.pipeline),
+        "force": force,
+        "optimizer": args.optimizer,
+        "idle_axes": _axes_option(args.idle_axes, "--idle-axes"),
+        "identical_axes": _axes_option(args.identical_axes, "--identical-axes"),
+        "bucket_bytes": int(parse_bytes(args.bucket_size)),
+        "time_limit_s": args.time_limit,
+        "solver": args.solver,
+    }
+
+
+def _pipeline_option(text: str):
+    """"auto", "off" or fixed fields such as "stages=4,schedule=1f1b,microbatches=8"."""
+    from autopar.solver.pipeline import Pipeline
+
+    if text in ("auto", "off"):
+        return "auto" if text == "auto" else None
+    fields = _options(text)
+    try:
+        return Pipeline(**fields)
+    except TypeError as err:
+        raise ConfigError(f"--pipeline {text!r}: {err}; fields are stages, schedule, microbatches, virtual_stages, "
+                          "recompute") from None
+
+
+def _axes_option(text: str, flag: str):
+    if text == "auto":
+        return "auto"
+    if text == "none":
+        return ()
+    try:
+        return tuple(int(a) for a in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag} takes auto, none or mesh axes such as 0,1; got {text!r}") from None
+
+
+def _warn_cpu_pricing(model: str, cluster) -> None:
+    """One line where a published shape (a model trained on GPUs) is priced on the CPU preset."""
+    from autopar import models
+
+    name = model.partition(":")[0]
+    if name in models.PUBLISHED and cluster in (None, "cpu-gloo"):
+        print(f"autopar: {name} is priced on the cpu-gloo preset (gloo on a few CPU cores); pass --cluster a100-80g "
+              "or --cluster h100-80g for GPU figures", file=sys.stderr)
 
 
 def _save(plan, path) -> None:
@@ -206,8 +266,8 @@ def cmd_explain(args) -> int:
     if args.compare:
         from autopar.solver.compare import compare, table
 
-        rows = compare(model, mesh, inputs, args.compare, plan=plan, example_kwargs=kwargs, memory_budget=args.memory_budget,
-                       op_table=op_table)
+        rows = compare(model, mesh, inputs, args.compare, plan=plan, example_kwargs=kwargs,
+                       memory_budget=plan.solver.get("memory_budget"), op_table=op_table)
         print("\nwhat-ifs, priced by the same cost model:")
         print(table(rows))
     if args.html:
@@ -291,11 +351,24 @@ def _stage_programs(plan, model, inputs, kwargs):
 
 
 def _planning_arguments(parser) -> None:
+    """The flags of ``autopar.plan``'s planning options (``planning_options`` reads them)."""
     parser.add_argument("--mesh", type=parse_mesh, default=None, help="mesh shape, e.g. 8 or 2x4 (needed unless MODEL is a plan file)")
-    parser.add_argument("--cluster", default=None, help="preset (a100-80g, h100-80g, cpu-gloo) or JSON file")
-    parser.add_argument("--memory-budget", default=None, help="per-device memory, e.g. 40GB")
-    parser.add_argument("--pipeline", choices=("off", "auto"), default="auto",
-                        help="auto (default): also search pipeline stages (microbatches, schedule, sub-meshes), as autopar.plan does; off: one stage")
+    parser.add_argument("--cluster", default=None, help="preset (a100-80g, h100-80g, cpu-gloo; default cpu-gloo) or JSON file")
+    parser.add_argument("--memory-budget", default=None,
+                        help="per-device memory, e.g. 40GB (default: a GPU preset's device memory; none on cpu-gloo)")
+    parser.add_argument("--pipeline", default="auto", metavar="auto|off|FIELDS",
+                        help="auto (default): also search pipeline stages (microbatches, schedule, sub-meshes); off: one "
+                        "stage; or fixed fields, e.g. stages=4,schedule=1f1b,microbatches=8")
+    parser.add_argument("--layout", default=None, metavar="dp=,tp=,zero=",
+                        help="plan this hand-style layout, e.g. dp=2,tp=4,zero=2 (autopar.Layout)")
+    parser.add_argument("--optimizer", default="adamw", help="optimizer whose states are priced: adamw (default), adam, "
+                        "sgd_momentum, sgd")
+    parser.add_argument("--idle-axes", default="auto", help="mesh axes the plan may leave unused: auto (default), none, or 0,1")
+    parser.add_argument("--identical-axes", default="auto",
+                        help="axes with whole (Megatron-style) gradients of replicated values: auto (default), none, or 0,1")
+    parser.add_argument("--bucket-size", default="25MiB", help="the gradient reducer's bucket size (default 25MiB)")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="the ILP solver's time limit in seconds (default 60)")
+    parser.add_argument("--solver", default=None, choices=("highs", "cbc"), help="ILP solver (default: HiGHS where installed)")
     parser.add_argument("--profiled", action="store_true",
                         help="price with this machine's cached profiles (`autopar profile --mesh ...` / `--ops ...`)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines (they show only on a terminal)")

@@ -25,13 +25,13 @@ import os
 import torch
 import torch.distributed as dist
 
-from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.compose.live_profile import calibrated, is_live, live_cluster, live_op_table
-from autopar.compose.programs import VariantBuilder, constants_of, meta_skeleton, plan_on_rank0
-from autopar.runtime.programs import DEFAULT_MAX_PROGRAMS
+from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.sharding_spec.mesh import Mesh
+from autopar.solver.api import DEFAULT_BUCKET_BYTES
 
 DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_MAX_PROGRAMS = 8
 
 
 def parallelize(
@@ -40,53 +40,58 @@ def parallelize(
     example_inputs=(),
     *,
     example_kwargs: dict | None = None,
-    memory_budget=None,
-    plan=None,
+    memory_budget="auto",
     cluster=None,
     pipeline="auto",
+    force=None,
+    optimizer: str = "adamw",
+    idle_axes="auto",
+    identical_axes="auto",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    time_limit_s: float = 60.0,
+    solver: str | None = None,
+    plan=None,
     state_dict: dict | None = None,
     init_fn=None,
     device=None,
-    force: dict | None = None,
     groups=None,
-    plan_kwargs: dict | None = None,
     profile: bool = True,
     timeout=None,
-    bucket_bytes: int | None = None,
     max_programs: int = DEFAULT_MAX_PROGRAMS,
+    plan_kwargs: dict | None = None,
 ):
-    """This rank's ``ParallelModule`` of ``model`` on ``mesh``; call it on every rank.
+    """This rank's part of ``model`` parallelized on ``mesh``: an ``nn.Module`` called like the
+    original (the same inputs, whole on every rank; the same output structure), whose
+    ``parameters()`` are this rank's shards. Call it on every rank (torchrun, ``autopar.launch``).
 
-    example_inputs / example_kwargs: what the model is traced with; the module is then called with
-        inputs of the same structure and shapes, FULL on every rank (each keeps its slice).
-    memory_budget: bytes per device or a string like "40GB", for the planner.
+    example_inputs / example_kwargs: what the model is traced with (a full batch).
+    The planning options are ``autopar.plan``'s (``autopar.solver.api.PLANNING_OPTIONS``):
+        memory_budget ("auto": a GPU preset's device memory), cluster (the cluster to price with;
+        default: the mesh's, else a profile of the live groups when ``profile``, else cpu-gloo),
+        pipeline ("auto", False, or ``autopar.Pipeline(...)``), force (an ``autopar.Layout`` or
+        node -> family), optimizer, idle_axes, identical_axes, bucket_bytes (also the runtime's
+        gradient bucket size), time_limit_s, solver.
     plan: a Plan (or a path to a plan JSON) to run instead of planning; checked against the model.
-    cluster: cluster preset/spec to price the plan with (default: the mesh's, else a profile of
-        the live groups, see ``live_cluster``, else cpu-gloo).
-    pipeline: "auto" (default): the planner may cut pipeline stages where they are faster (or
-        needed to fit); an ``autopar.Pipeline(...)`` fixes what it gives; None/False: one stage.
-        A pipelined module trains with ``pmodel.train_step(*inputs)`` (``autopar.runtime.pipeline``),
-        which every module has; calling it (``pmodel(...)``) raises a ``ConfigError`` naming
-        ``train_step``. Pass ``pipeline=False`` to keep ``loss = pmodel(...); loss.backward()``.
     state_dict: full (unsharded) tensors to load, original keys; else the model's own values, or
         for a meta-device model its modules' ``reset_parameters()`` then ``init_fn(module)``.
     device: where the shards live (default: the model's device; for a meta model cuda:LOCAL_RANK
         under NCCL, else cpu).
-    force: node name -> strategy family, passed to the planner (hand-written plans, tests).
     groups: an existing ``MeshGroups`` for this mesh (to share it between modules).
-    plan_kwargs: more keywords for ``autopar.plan`` (e.g. ``time_limit_s``).
-    profile: when neither ``cluster`` nor ``mesh.cluster`` is given, profile the live groups'
-        collectives (True, cached) or price with the cpu-gloo preset (False).
+    profile: price with a profile of the live groups (cached) when no cluster is given.
     timeout: seconds (or a timedelta) after which a collective whose peer is dead or stuck raises
-        instead of hanging; default: the default process group's timeout. It applies to the groups
-        parallelize makes (not to a given ``groups=``), and to the default group when parallelize
-        has to create it (from torchrun's environment; then 600 s by default).
-    bucket_bytes: the gradient reducer's bucket size (default 25 MiB; the first bucket is 1 MiB).
+        instead of hanging; default: the default process group's timeout (600 s when parallelize
+        creates the default group from torchrun's, SLURM's or OpenMPI's environment).
     max_programs: how many programs calls in another mode or with other input shapes may build
         (each costs a trace and a plan on first use; see ``autopar.compose.programs``).
+    plan_kwargs: further keywords for ``autopar.plan`` (its callers' options, e.g. ``op_table``).
+
+    The module trains in the plain loop (``loss = pmodel(...).loss; loss.backward();
+    opt.step()``, clipping, ``no_sync()`` accumulation, ``eval()``); ``pmodel.train_step(...)``
+    runs forward and backward of a batch in one call.
     """
     from autopar import ir
     from autopar.codegen.lower import lower
+    from autopar.compose.programs import VariantBuilder, constants_of, meta_skeleton, plan_on_rank0
     from autopar.runtime.materialize import local_state
     from autopar.runtime.module import ParallelModule
     from autopar.runtime.process_groups import MeshGroups
@@ -124,8 +129,9 @@ def parallelize(
     _check_same_inputs(graph)
     groups = groups if groups is not None else MeshGroups(mesh, timeout=timeout)
     plan_kwargs = dict(plan_kwargs or {})
-    if bucket_bytes is not None:
-        plan_kwargs.setdefault("bucket_bytes", bucket_bytes)
+    for key, value in (("optimizer", optimizer), ("idle_axes", idle_axes), ("identical_axes", identical_axes),
+                       ("bucket_bytes", bucket_bytes), ("time_limit_s", time_limit_s), ("solver", solver)):
+        plan_kwargs.setdefault(key, value)
     if plan is None:
         plan_mesh = _pricing_mesh(mesh, cluster, groups, profile, device)
         if plan_mesh.cluster is not None and is_live(plan_mesh) and "op_table" not in plan_kwargs:

@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir.graph import Role
-from autopar.runtime.programs import DEFAULT_MAX_PROGRAMS, Program
+from autopar.runtime.programs import Program
 
 def meta_skeleton(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are on the meta device (nothing but the
@@ -99,7 +99,7 @@ class VariantBuilder:
     plan_kwargs: dict
     force: object
     device: object
-    max_programs: int = DEFAULT_MAX_PROGRAMS
+    max_programs: int  # built programs allowed beyond the main one (``parallelize(max_programs=)``)
 
     def build(self, mode: bool, args, kwargs, slot_of_fqn: dict, n_programs: int) -> Program | None:
         """The program for a call in ``mode`` with these inputs; None when its trace is the main

@@ -18,9 +18,6 @@ import torch.utils._pytree as pytree
 from autopar.codegen import ops
 from autopar.ir.losses import loss_position
 
-DEFAULT_MAX_PROGRAMS = 8
-
-
 @dataclasses.dataclass(eq=False)
 class Program:
     """A lowered program and how to feed it. ``state_slots[i]``: the module slot feeding its i-th

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter
 import logging
 import math
 import time
@@ -34,6 +35,26 @@ GATHER_SLACK = 1e-3
 # keywords serve its own callers).
 PLANNING_OPTIONS = ("memory_budget", "cluster", "pipeline", "force", "optimizer", "idle_axes", "identical_axes",
                     "bucket_bytes", "time_limit_s", "solver")
+
+
+def call_facts(model, example_inputs, example_kwargs, optimizer: str, notes=(), graph=None) -> dict:
+    """What the plan is for, as explain's header says it: the call's tensor inputs (name -> "dtype[shape]"),
+    the parameters (count, dtype), the optimizer and what tracing noted."""
+    import torch
+
+    inputs: dict[str, str] = {}
+    if graph is not None:
+        inputs = {name: str(graph.nodes[name].meta) for name in graph.inputs if graph.nodes[name].tensor_meta is not None}
+    else:
+        args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        named = [(f"input {i}", t) for i, t in enumerate(args)] + list((example_kwargs or {}).items())
+        inputs = {n: f"{str(t.dtype).removeprefix('torch.')}[{', '.join(map(str, t.shape))}]" for n, t in named
+                  if isinstance(t, torch.Tensor)}
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in params)
+    return {"inputs": inputs, "parameters": sum(p.numel() for p in params),
+            "param_dtype": dtypes.most_common(1)[0][0] if dtypes else None, "optimizer": optimizer,
+            "notes": list(notes)}
 
 
 def default_budget(memory_budget, mesh: Mesh) -> tuple[float | None, str | None]:
@@ -140,7 +161,8 @@ def plan(
             choice = None
         if choice is not None and (len(choice.stages) > 1 or choice.microbatches > 1 or choice.stages[0].recompute):
             pplan = choice.to_plan()
-            pplan.solver.update(memory_budget=budget, memory_budget_from=budget_from)
+            pplan.solver.update(memory_budget=budget, memory_budget_from=budget_from,
+                                call=call_facts(model, example_inputs, example_kwargs, optimizer, choice.graph.notes))
             return pplan
         # one stage, one microbatch: the plain intra-op plan of the whole batch (below), on the
         # whole-batch graph the search traced
@@ -183,7 +205,8 @@ def plan(
         raise first_error
     idle, solved = best
     stats = dict(trace_s=t_trace - t0, memory_budget=budget, memory_budget_from=budget_from,
-                 layout=layout.name if layout is not None else None)
+                 layout=layout.name if layout is not None else None,
+                 call=call_facts(model, example_inputs, example_kwargs, optimizer, graph.notes, graph))
     best_plan = _made(graph, mesh, solved, idle, identical_axes, bucket_bytes, total_s=time.perf_counter() - t0, **stats)
     log.info("planned %s on %s: objective %.3g s, %d ILP variables (%.1f s)", graph.model_name, mesh,
              best_plan.solver["objective_s"], best_plan.solver.get("ilp_variables", 0), best_plan.solver["total_s"])

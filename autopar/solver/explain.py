@@ -27,8 +27,39 @@ def _is_plumbing(target: str) -> bool:
 def _header(plan: Plan) -> str:
     mesh = plan.mesh
     cluster = (mesh.get("cluster") or {}).get("name", "cpu-gloo")
-    return (f"plan for {plan.model_name} on mesh {'x'.join(map(str, mesh['shape']))} "
-            f"(axes {', '.join(mesh['axis_names'])}; cluster {cluster})")
+    lines = [f"plan for {plan.model_name} on mesh {'x'.join(map(str, mesh['shape']))} "
+             f"(axes {', '.join(mesh['axis_names'])}; cluster {cluster})"]
+    call = plan.solver.get("call")
+    if call:
+        lines.append("call: " + call_words(call))
+        lines += [f"note: {n}" for n in call.get("notes", ())]
+    return "\n".join(lines)
+
+
+def call_words(call: dict) -> str:
+    """"input_ids int64[512, 8192], labels int64[512, 8192] (batch 512 x sequence 8192 = 4.2M tokens
+    a step); 8.03B parameters in bfloat16, AdamW states priced"."""
+    inputs = call.get("inputs") or {}
+    parts = [", ".join(f"{n} {m}" for n, m in inputs.items()) or "no tensor inputs"]
+    first = next(iter(inputs.values()), "")
+    dtype, _, dims = first.partition("[")
+    shape = [int(d) for d in dims.rstrip("]").split(",") if d.strip()] if dims else []
+    if len(shape) >= 2 and dtype.startswith(("int", "uint")):
+        tokens = shape[0] * shape[1]
+        parts[0] += f" (batch {shape[0]} x sequence {shape[1]} = {_count(tokens)} tokens a step)"
+    elif shape:
+        parts[0] += f" (batch {shape[0]})"
+    n = call.get("parameters") or 0
+    if n:
+        parts.append(f"{_count(n)} parameters in {call.get('param_dtype')}, {call.get('optimizer', 'adamw')} states priced")
+    return "; ".join(parts)
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(int(n))
 
 
 def collapsed_rows(plan: Plan, *, show_all: bool = False, collapse_repeats: bool = True,
@@ -89,7 +120,7 @@ def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repea
         _header(plan),
         "layout: " + layout_words(plan),
         _step_line(plan.predicted),
-        _memory_line(plan.predicted, plan.solver.get("memory_budget")),
+        _memory_line(plan.predicted, plan.solver.get("memory_budget"), plan.solver.get("memory_budget_from")),
         "costliest collectives per step:" + ("".join(f"\n  {line}" for line in costliest_collectives(plan)) or " none"),
         "",
     ]
@@ -140,14 +171,17 @@ def _step_line(p: dict) -> str:
 def _explain_pipeline(plan: Plan, **kw) -> str:
     """A pipelined plan: the pipeline first, then each stage's own table."""
     p = plan.pipeline
+    budget, source = plan.solver.get("memory_budget"), plan.solver.get("memory_budget_from")
+    whence = f", {source}" if source and source != "memory_budget" else ""
     out = [
-        f"{_header(plan)}: {len(p.stages)} pipeline stages"
-        + (f" ({p.virtual_stages} per rank)" if p.virtual_stages > 1 else "") + f", {p.schedule}, {p.microbatches} microbatches",
+        _header(plan),
+        f"pipeline: {len(p.stages)} stages" + (f" ({p.virtual_stages} per rank)" if p.virtual_stages > 1 else "")
+        + f", {p.schedule}, {p.microbatches} microbatches",
         "layout: " + layout_words(plan),
         f"predicted step time {fmt_s(plan.predicted['step_time_s'])}, of which bubble "
         f"{fmt_s(p.bubble_fraction * plan.predicted['step_time_s'])} ({p.bubble_fraction:.0%}); "
         f"memory per device up to {fmt_bytes(plan.predicted['memory_bytes_per_device'])}"
-        + (f" (budget {fmt_bytes(plan.solver['memory_budget'])})" if plan.solver.get("memory_budget") else ""),
+        + (f" (budget {fmt_bytes(budget)}{whence})" if budget else ", no budget given"),
         "",
     ]
     for i, s in enumerate(p.stages):
@@ -169,22 +203,33 @@ def plan_families(plan: Plan) -> str:
 
 
 # ---- the summary ------------------------------------------------------------------------------------
+_WEIGHT_OPS = ("linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "conv", "embedding")
+
+
 def axis_roles(plan: Plan) -> dict[int, str]:
-    """Mesh axis -> "data", "tensor", "sequence" or "idle", read from the blocks' linear layers:
-    an axis splitting their weights is tensor parallel, one splitting only the batch dim data
-    parallel, one splitting only the sequence dim sequence parallel."""
+    """Mesh axis -> "data", "tensor", "sequence", "idle" or "none", read from the ops that multiply
+    by a weight (linear, addmm as transformers' Conv1D writes it, matmul, conv, embedding): an axis
+    splitting a weight as the op reads it is tensor parallel; one splitting only the batch dim of
+    their activations data parallel, only the sequence dim sequence parallel. A ZeRO-3 / FSDP
+    weight is read whole (gathered): its storage axis is not tensor parallel."""
     shape = plan.mesh["shape"]
     votes = {a: Counter() for a in range(len(shape)) if shape[a] > 1}
-    for n in plan.nodes.values():
-        if n.layer is None or "linear" not in n.target or len(n.inputs) < 2:
+    weights = {p.node for p in plan.params.values() if not p.buffer and len(p.storage.shape) >= 2}
+    reads: dict[str, set[int]] = {}  # node -> positions of its inputs that are weights
+    for e in plan.edges:
+        if e.src in weights:
+            reads.setdefault(e.dst, set()).add(e.position)
+    for name, positions in reads.items():
+        n = plan.nodes.get(name)
+        if n is None or not any(k in _short_target(n.target).split(".")[0] for k in _WEIGHT_OPS):
             continue
-        x, w = n.inputs[0], n.inputs[1]
+        acts = [x for i, x in enumerate(n.inputs) if i not in positions and x is not None and len(x.shape) >= 2]
         for a in votes:
-            if w is not None and (a in w.used_axes or a in w.partial):
+            if any(a in n.inputs[i].used_axes or a in n.inputs[i].partial for i in positions if n.inputs[i] is not None):
                 votes[a]["tensor"] += 1
-            elif x is not None and x.dim_axes and a in x.dim_axes[0]:
+            elif any(x.dim_axes and a in x.dim_axes[0] for x in acts):
                 votes[a]["data"] += 1
-            elif x is not None and len(x.dim_axes) > 2 and a in x.dim_axes[1]:
+            elif any(len(x.dim_axes) > 2 and a in x.dim_axes[1] for x in acts):
                 votes[a]["sequence"] += 1
             else:
                 votes[a]["none"] += 1
@@ -194,7 +239,7 @@ def axis_roles(plan: Plan) -> dict[int, str]:
             roles[a] = "idle"
         elif v:
             roles[a] = v.most_common(1)[0][0]
-        else:  # no block linears: the batch split of any op decides
+        else:  # no weight ops: the batch split of any op decides
             roles[a] = "data" if any(n.output is not None and not isinstance(n.output, tuple) and n.output.dim_axes
                                      and a in n.output.dim_axes[0] for n in plan.nodes.values()) else "none"
     return roles
@@ -247,10 +292,11 @@ def layout_words(plan: Plan) -> str:
     return words + (", " + ", ".join(extras) if extras else "")
 
 
-def _memory_line(p: dict, budget=None) -> str:
+def _memory_line(p: dict, budget=None, source: str | None = None) -> str:
     total = p["memory_bytes_per_device"]
     parts = p.get("memory_parts")
-    against = f", budget {fmt_bytes(budget)} ({total / budget:.0%} used)" if budget else ", no budget given"
+    whence = f" ({source})" if source and source != "memory_budget" else ""
+    against = f", budget {fmt_bytes(budget)}{whence}, {total / budget:.0%} used" if budget else ", no budget given"
     if not parts:
         return f"memory per device {fmt_bytes(total)} (parameters, gradients, optimizer states, saved activations){against}"
     return (f"memory per device {fmt_bytes(total)} = parameters {fmt_bytes(parts['parameters'])} + gradients "

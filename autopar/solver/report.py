@@ -36,7 +36,7 @@ def html_report(plan: Plan, whatifs=None) -> str:
         "<h2>Summary</h2><ul>",
         f"<li><b>layout</b>: {_e(layout_words(plan))}</li>",
         f"<li>{_e(_step_line(plan.predicted) if plan.pipeline is None else _pipeline_step(plan))}</li>",
-        f"<li>{_e(_memory_line(plan.predicted, plan.solver.get('memory_budget')))}</li>",
+        f"<li>{_e(_memory_line(plan.predicted, plan.solver.get('memory_budget'), plan.solver.get('memory_budget_from')))}</li>",
         "<li>costliest collectives per step:<ul>" + "".join(f"<li><code>{_e(c)}</code></li>" for c in costliest_collectives(plan))
         + "</ul></li></ul>",
         "<h2>Memory per device</h2>", _memory_svg(plan),

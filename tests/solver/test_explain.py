@@ -3,6 +3,7 @@ costliest collectives, and views hidden unless asked for."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar
 from autopar import models
@@ -31,8 +32,50 @@ def test_layout_in_words_for_hand_checked_plans(gpt, layout, shape, words, absen
     for w in absent:
         assert w not in text, text
     head = plan.explain().splitlines()
-    assert head[1] == "layout: " + text  # summary first
-    assert head[2].startswith("predicted step time") and head[3].startswith("memory per device")
+    # what the plan is for first: the call in tokens, the parameters and the optimizer priced
+    assert head[1] == ("call: idx int64[4, 32], targets int64[4, 32] (batch 4 x sequence 32 = 128 tokens a step); "
+                       "119k parameters in float32, adamw states priced"), head[1]
+    assert head[2] == "layout: " + text  # then the summary
+    assert head[3].startswith("predicted step time") and head[4].startswith("memory per device")
+    degrees = plan.summary()
+    assert (degrees["dp"], degrees["tp"], degrees["pp"]) == (layout.dp, layout.tp, 1)
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2():
+    """transformers' GPT-2 from its default config's shape (Conv1D: its linears are addmm)."""
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    return transformers.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("layout, shape, words", [
+    (autopar.Layout(tp=4), (4,), "tensor parallel 4, Megatron column/row in the blocks"),
+    (autopar.Layout(dp=2, tp=2), (2, 2), "data parallel 2 x tensor parallel 2, Megatron column/row in the blocks"),
+    (autopar.Layout(dp=4), (4,), "data parallel 4"),
+])
+def test_layout_words_read_conv1d_weights(hf_gpt2, layout, shape, words):
+    model, kwargs = hf_gpt2
+    plan = autopar.plan(model, autopar.Mesh(shape), example_kwargs=kwargs, force=layout, pipeline=False)
+    assert layout_words(plan) == words
+    s = plan.summary()
+    assert (s["dp"], s["tp"], s["sp"], s["pp"]) == (layout.dp, layout.tp, 1, 1)
+    text = plan.explain()
+    assert "note: GPT2LMHeadModel traced with config.use_cache=False" in text  # its default config, said once
+    assert "batch 4 x sequence 16 = 64 tokens a step" in text
+
+
+def test_a_gpu_preset_brings_its_memory_as_the_budget():
+    model, inputs = models.build("llama3-8b", batch=8, seq=512)
+    plan = autopar.plan(model, autopar.Mesh((8,), cluster="h100-80g"), inputs, pipeline=False)
+    assert plan.solver["memory_budget"] == 80 * 2**30
+    assert plan.solver["memory_budget_from"] == "the h100-80g device memory"
+    assert plan.predicted["memory_bytes_per_device"] <= 80 * 2**30
+    assert "budget 80.0 GiB (the h100-80g device memory)" in plan.explain()
+    cpu = autopar.plan(model, autopar.Mesh((8,)), inputs, pipeline=False)  # a CPU host's memory bounds nothing
+    assert cpu.solver["memory_budget"] is None and "no budget given" in cpu.explain()
 
 
 def test_pipelined_plan_in_words():

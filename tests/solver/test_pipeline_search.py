@@ -204,8 +204,9 @@ def test_search_under_a_tight_budget():
         try:
             fixed[n] = search(model, mesh, inputs, memory_budget=budget,
                               pipeline=Pipeline(stages=n, microbatches=choice.microbatches, schedule=choice.schedule)).step_time_s
-        except PlanError:
+        except (PlanError, ConfigError):  # no plan fits, or stages that do not tile the rows (3 of 4)
             pass
+    assert 3 not in fixed
     assert choice.step_time_s == pytest.approx(min(fixed.values()), rel=0.02)  # the search skips t_max within 1%
     if 1 not in fixed:
         assert len(choice.stages) >= 2
@@ -282,7 +283,7 @@ def test_plan_with_pipeline_stages_round_trips_and_explains(tmp_path):
     assert autopar.Plan.load(path).to_json() == plan.to_json()  # sub-meshes' links included
     text = plan.explain()
     first, last = pipe["stages"][1]["layers"]
-    assert "2 pipeline stages" in text and f"stage 1: layers {first}-{last}" in text and "--- stage 0 ---" in text
+    assert "pipeline: 2 stages" in text and f"stage 1: layers {first}-{last}" in text and "--- stage 0 ---" in text
 
 
 def test_one_stage_plan_reports_one_stage_and_version_1_files_load(tmp_path):
