@@ -41,7 +41,8 @@ PROFILE_SUBDIR = "parallelize"
 # 2: rank_contention is the slowest rank's (was the median rank's)
 # 3: the ranks' mean, median over CONTENTION_ROUNDS rounds (one round's slowest rank moved 2.1-3.0)
 # 4: the host's memory bandwidth (``measure_overheads``), for gradient accumulation
-HOST_PROFILE_VERSION = 4
+# 5: measured_spread, the spread of the contention rounds
+HOST_PROFILE_VERSION = 5
 CONTENTION_ROUNDS = 5
 # A cached host profile is checked against a short measurement when it was last checked longer ago
 # than this (jobs started in a row reuse it as is) and measured again where the host has drifted:
@@ -136,16 +137,16 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
     device = torch.device(device)
 
     def host():
-        contention, pace = _contention(device, CONTENTION_ROUNDS) if device.type != "cuda" else (1.0, None)
+        contention, pace, spread = _contention(device, CONTENTION_ROUNDS) if device.type != "cuda" else (1.0, None, 0.0)
         # times stretch by the contention of ranks sharing the host, a bandwidth shrinks by it
         out = {k: v / contention if k == "memory_bandwidth" else v * contention
                for k, v in _on_rank0(lambda: measure_overheads(device)).items()}
-        return dict(out, rank_contention=contention, pace_s=pace, checked_at=time.time())
+        return dict(out, rank_contention=contention, measured_spread=spread, pace_s=pace, checked_at=time.time())
 
     what = f"host-v{HOST_PROFILE_VERSION}"
     out = dict(_cached(what, device, directory, host))
     if device.type != "cuda" and _on_rank0(lambda: time.time() - out.get("checked_at", 0.0) > HOST_CHECK_S):
-        contention, pace = _contention(device, HOST_CHECK_ROUNDS)
+        contention, pace, _ = _contention(device, HOST_CHECK_ROUNDS)
         drift = max(contention / out["rank_contention"], out["rank_contention"] / contention,
                     *((pace / out["pace_s"], out["pace_s"] / pace) if out.get("pace_s") else ()))
         if drift > HOST_DRIFT:
@@ -309,10 +310,11 @@ def _tensors(value) -> list:
     return []
 
 
-def _contention(device, rounds: int) -> tuple[float, float]:
-    """(rank contention, the workload's seconds on rank 0 alone): ``contention_workload`` on every
-    rank at once, the ranks' mean, the median over ``rounds`` rounds, over rank 0's median alone.
-    The same on every rank. A collective."""
+def _contention(device, rounds: int) -> tuple[float, float, float]:
+    """(rank contention, the workload's seconds on rank 0 alone, the rounds' spread):
+    ``contention_workload`` on every rank at once, the ranks' mean, the median over ``rounds``
+    rounds, over rank 0's median alone; the spread is (slowest - fastest round) / median, how far
+    one moment's measurement may be off. The same on every rank. A collective."""
     from autopar.cost_model.profile_runtime import contention_workload
 
     together = []
@@ -326,7 +328,8 @@ def _contention(device, rounds: int) -> tuple[float, float]:
         # measured steps. The median over rounds drops outliers.
         together.append(statistics.fmean(times))
     alone = _on_rank0(lambda: statistics.median(contention_workload(device) for _ in range(rounds)))
-    return max(1.0, statistics.median(together) / alone), alone
+    middle = statistics.median(together)
+    return max(1.0, middle / alone), alone, (max(together) - min(together)) / middle
 
 
 def _store(what: str, device, directory, value: dict) -> None:

@@ -78,6 +78,9 @@ class ClusterSpec:
       model it plans (``live_profile.in_situ_factor``) and scales the per-op overheads with it.
     memory_is_budget: whether ``memory_bytes`` bounds a plan when the caller gives no budget (a
       GPU's memory is a hard limit; a CPU host's is shared by its ranks and swaps).
+    measured_spread: how far apart repeated measurements of the live host were, relative (0 for a
+      preset): a plan with more parts must be predicted faster than the plain one by more than this
+      to be chosen (``solver.api.simpler_unless_faster``), so noise does not decide near a tie.
     Live profiles (``autopar.parallelize``) measure the overheads, the optimizer's costs, the
     overlap, the collective overhead, the contention and the in-situ factor; presets estimate them,
     and the two efficiencies (profiled op times replace the roofline where they exist).
@@ -105,6 +108,7 @@ class ClusterSpec:
     memory_efficiency: float = 1.0
     in_situ_factor: float = 1.0
     memory_is_budget: bool = True
+    measured_spread: float = 0.0
 
     def __post_init__(self):
         # Canonical order (by dtype name), as from_dict builds it, so a to_dict/from_dict round

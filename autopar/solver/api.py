@@ -21,7 +21,7 @@ from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
 from autopar.solver.problem import (build_problem, bucketed_collective_time, gather_latency_correction,
                                     node_choices, produced_spec)
 from autopar.solver.simplify import block_ties, eliminate, prune, recover
-from autopar.solver.units import parse_bytes
+from autopar.solver.units import fmt_s, parse_bytes
 
 log = logging.getLogger(__name__)
 # Relative difference in predicted step time below which two gradient conventions tie.
@@ -133,15 +133,15 @@ def plan(
     microbatches of a run), ``objective_cutoff_s`` (a plan whose ILP objective is above this is
     of no use: ``ilp.NoCheaperPlan`` instead, found quickly).
     """
-    from autopar import ir
-
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
     if cluster is not None:
         mesh = mesh.with_cluster(cluster)
     budget, budget_from = default_budget(memory_budget, mesh)
+    call = dict(model=model, example_inputs=example_inputs, example_kwargs=example_kwargs, optimizer=optimizer)
     if pipeline == "auto" and not can_pipeline(model, mesh, example_inputs, example_kwargs, force):
         pipeline = None
+    pipelined = None
     if pipeline not in (None, False):
         from autopar.solver.pipeline import Pipeline, search
 
@@ -160,21 +160,67 @@ def plan(
             log.info("no pipeline searched (%s); planning one stage", err)
             choice = None
         if choice is not None and (len(choice.stages) > 1 or choice.microbatches > 1 or choice.stages[0].recompute):
-            pplan = choice.to_plan()
-            pplan.solver.update(memory_budget=budget, memory_budget_from=budget_from,
-                                call=call_facts(model, example_inputs, example_kwargs, optimizer, choice.graph.notes))
-            return pplan
-        # one stage, one microbatch: the plain intra-op plan of the whole batch (below), on the
-        # whole-batch graph the search traced
-        if graph is None and choice is not None:
+            pipelined = choice.to_plan()
+            pipelined.solver.update(memory_budget=budget, memory_budget_from=budget_from,
+                                    call=call_facts(**call, notes=choice.graph.notes))
+            if pipeline != "auto":  # the caller asked for this pipeline
+                return pipelined
+        elif graph is None and choice is not None:
+            # one stage, one microbatch: the search traced the whole batch's graph
             graph = choice.graph
             log.info("traced %s: %d nodes, %d layers (in the pipeline search)", graph.model_name, len(graph.nodes),
                      len(graph.layers))
+    try:
+        one = _one_stage(graph, mesh, call, budget, budget_from, force, op_table, reuse_blocks, simplify, time_limit_s,
+                         solver, optimizer_sharding, idle_axes, identical_axes, bucket_bytes, microbatches,
+                         objective_cutoff_s)
+    except (PlanError, ConfigError) as err:
+        if pipelined is None:
+            raise
+        pipelined.solver["decided"] = f"a pipeline: one stage cannot be planned ({str(err).splitlines()[0].split('. ')[0]})"
+        return pipelined
+    return one if pipelined is None else simpler_unless_faster(one, pipelined, mesh)
+
+
+# A plan with more parts (stages, microbatches, recomputation) must be predicted faster than the
+# plain one-stage plan by more than the cluster's measured spread to be chosen: near a tie the moment's
+# noise in a live profile would otherwise decide, and the same job would get other plans run to run.
+def simpler_unless_faster(one: Plan, pipelined: Plan, mesh: Mesh) -> Plan:
+    """The one-stage plan, unless the pipelined one is predicted faster by more than the cluster's
+    ``measured_spread`` (0 for presets: strictly faster), or the one-stage plan does not fit.
+    The choice and its margin are written in ``solver["decided"]`` (``explain`` prints it)."""
+    from autopar.solver.explain import pipeline_words
+
+    spread = mesh.resolved_cluster().measured_spread
+    t1, tp = one.predicted["step_time_s"], pipelined.predicted["step_time_s"]
+    gain = 1.0 - tp / t1
+    what = pipeline_words(pipelined)
+    noise = f"the live profile's measured spread ({spread:.1%})"
+    if gain > spread:
+        pipelined.solver["decided"] = (f"{what}: predicted {gain:.1%} faster than one stage ({fmt_s(t1)})"
+                                       + (f", more than {noise}" if spread else ""))
+        return pipelined
+    if gain > 0:
+        one.solver["decided"] = f"one stage: {what} is predicted {gain:.1%} faster, within {noise}, which decides nothing"
+    else:
+        one.solver["decided"] = f"one stage: the best pipeline ({what}) is predicted {-gain:.1%} slower"
+    return one
+
+
+def _one_stage(graph, mesh, call: dict, budget, budget_from, force, op_table, reuse_blocks, simplify, time_limit_s,
+               solver, optimizer_sharding, idle_axes, identical_axes, bucket_bytes, microbatches,
+               objective_cutoff_s) -> Plan:
+    """The plan of the whole batch in one stage: the cheapest over the idle-axis candidates, kept
+    against data parallel's on a one-axis mesh (``_data_parallel_solved``)."""
+    from autopar import ir
+
+    optimizer = call["optimizer"]
     t0 = time.perf_counter()
     if graph is None:
+        example_inputs = call["example_inputs"]
         if not isinstance(example_inputs, (tuple, list)):
             example_inputs = (example_inputs,)
-        graph = ir.trace(model, tuple(example_inputs), example_kwargs)
+        graph = ir.trace(call["model"], tuple(example_inputs), call["example_kwargs"])
         log.info("traced %s: %d nodes, %d layers (%.1f s)", graph.model_name, len(graph.nodes), len(graph.layers),
                  time.perf_counter() - t0)
     t_trace = time.perf_counter()
@@ -205,8 +251,7 @@ def plan(
         raise first_error
     idle, solved = best
     stats = dict(trace_s=t_trace - t0, memory_budget=budget, memory_budget_from=budget_from,
-                 layout=layout.name if layout is not None else None,
-                 call=call_facts(model, example_inputs, example_kwargs, optimizer, graph.notes, graph))
+                 layout=layout.name if layout is not None else None, call=call_facts(**call, notes=graph.notes, graph=graph))
     best_plan = _made(graph, mesh, solved, idle, identical_axes, bucket_bytes, total_s=time.perf_counter() - t0, **stats)
     log.info("planned %s on %s: objective %.3g s, %d ILP variables (%.1f s)", graph.model_name, mesh,
              best_plan.solver["objective_s"], best_plan.solver.get("ilp_variables", 0), best_plan.solver["total_s"])

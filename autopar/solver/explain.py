@@ -119,6 +119,7 @@ def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repea
     out = [
         _header(plan),
         "layout: " + layout_words(plan),
+        *_decided(plan),
         _step_line(plan.predicted),
         _memory_line(plan.predicted, plan.solver.get("memory_budget"), plan.solver.get("memory_budget_from")),
         "costliest collectives per step:" + ("".join(f"\n  {line}" for line in costliest_collectives(plan)) or " none"),
@@ -176,8 +177,9 @@ def _explain_pipeline(plan: Plan, **kw) -> str:
     out = [
         _header(plan),
         f"pipeline: {len(p.stages)} stages" + (f" ({p.virtual_stages} per rank)" if p.virtual_stages > 1 else "")
-        + f", {p.schedule}, {p.microbatches} microbatches",
+        + f", {p.schedule}, {p.microbatches} microbatches" if len(p.stages) > 1 else f"one stage: {pipeline_words(plan)}",
         "layout: " + layout_words(plan),
+        *_decided(plan),
         f"predicted step time {fmt_s(plan.predicted['step_time_s'])}, of which bubble "
         f"{fmt_s(p.bubble_fraction * plan.predicted['step_time_s'])} ({p.bubble_fraction:.0%}); "
         f"memory per device up to {fmt_bytes(plan.predicted['memory_bytes_per_device'])}"
@@ -245,6 +247,19 @@ def axis_roles(plan: Plan) -> dict[int, str]:
     return roles
 
 
+def pipeline_words(plan: Plan) -> str:
+    """"a 2-stage pipeline", "gradient accumulation over 4 microbatches", "recomputation"."""
+    p = plan.pipeline
+    if p is None:
+        return "one stage"
+    blocks = len(p.stages) // p.virtual_stages
+    if blocks > 1:
+        return f"a {blocks}-stage pipeline"
+    if p.microbatches > 1:
+        return f"gradient accumulation over {p.microbatches} microbatches"
+    return "recomputation"
+
+
 def layout_words(plan: Plan) -> str:
     """The layout as people say it, e.g. "data parallel 2 x tensor parallel 2 (Megatron column/row
     in the blocks), ZeRO-2, vocabulary-parallel loss"."""
@@ -255,7 +270,7 @@ def layout_words(plan: Plan) -> str:
     names = {"data": "data parallel", "tensor": "tensor parallel", "sequence": "sequence parallel",
              "idle": "replicated (idle axis)", "none": "replicated compute"}
     parts = []
-    if plan.pipeline is not None:
+    if plan.pipeline is not None and len(plan.pipeline.stages) // plan.pipeline.virtual_stages > 1:
         v = plan.pipeline.virtual_stages
         parts.append(f"pipeline parallel {len(plan.pipeline.stages) // v}" + (f" ({v} stages per rank)" if v > 1 else ""))
     parts += [f"{names[r]} {shape[a]}" for a, r in sorted(roles.items())]
@@ -288,8 +303,19 @@ def layout_words(plan: Plan) -> str:
     if plan.pipeline is not None:
         p = plan.pipeline
         recomputed = sum(1 for s in p.stages if s.recompute)
-        extras.append(f"{p.schedule}, {p.microbatches} microbatches" + (f", recomputation in {recomputed} stage(s)" if recomputed else ""))
+        if len(p.stages) // p.virtual_stages > 1:
+            extras.append(f"{p.schedule}, {p.microbatches} microbatches")
+        elif p.microbatches > 1:
+            extras.append(f"gradient accumulation over {p.microbatches} microbatches")
+        if recomputed:
+            extras.append(f"recomputation in {recomputed} stage(s)" if len(p.stages) > 1 else "recomputation")
     return words + (", " + ", ".join(extras) if extras else "")
+
+
+def _decided(plan: Plan) -> list[str]:
+    """The line saying why this plan beat the simpler (or more complex) one, where one was weighed."""
+    why = plan.solver.get("decided")
+    return [f"chosen: {why}"] if why else []
 
 
 def _memory_line(p: dict, budget=None, source: str | None = None) -> str:

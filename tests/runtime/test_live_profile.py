@@ -102,7 +102,7 @@ def host_drift_case(live_profile, groups, directory):
     base = live_profile.live_overheads("cpu", groups=groups, directory=directory)["rank_contention"]
     box = [json.loads(path.read_text())["pace_s"] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    measured, live_profile._contention = live_profile._contention, lambda device, rounds: (base, box[0])
+    measured, live_profile._contention = live_profile._contention, lambda device, rounds: (base, box[0], 0.0)
     try:
         for tag, scale, checked_at in (("stale, long ago", 3.0, 0.0), ("stale, just checked", 3.0, time.time()),
                                        ("close, long ago", 1.05, 0.0)):
@@ -135,6 +135,7 @@ def test_host_figures_are_measured_and_cached(results):
             assert math.isfinite(f[key]) and 0 <= f[key] < 0.1, (key, f[key])
         # an add past the caches, over the contention: a CPU streams 1-100 GB/s
         assert 1e9 < f["memory_bandwidth"] < 1e11, f["memory_bandwidth"]
+        assert 0 <= f["measured_spread"] < 2, f["measured_spread"]  # (slowest - fastest round) / median
     assert results[0]["first"] == results[1]["first"]  # every rank prices with the same figures
 
 
