@@ -122,6 +122,10 @@ def parallelize(
     if plan is not None:
         check_plan(plan, graph, mesh)  # before any collective: a bad plan fails on every rank alike
 
+    if not dist.is_initialized():  # ranks started by torchrun, srun or mpirun: take the launcher's word
+        from autopar.runtime.launch import launch_env
+
+        os.environ.update(launch_env() or {})
     device = _device(model, device, on_meta)
     _ensure_process_group(device, timeout)
     mesh.check_world_size(dist.get_world_size())
@@ -192,14 +196,14 @@ def _device(model, device, on_meta) -> torch.device:
 
 
 def _ensure_process_group(device: torch.device, timeout=None) -> None:
-    """Initialise the default group from the environment (torchrun) when there is none: NCCL for
+    """Initialise the default group from the environment (``launch_env``) when there is none: NCCL for
     CUDA shards, gloo for CPU ones; ``timeout`` (default ``DEFAULT_TIMEOUT_S``) for its collectives."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ConfigError(
-            "autopar.parallelize runs inside each rank: start the ranks with torchrun or "
-            "autopar.runtime.launch.spawn, or call torch.distributed.init_process_group first"
+            "autopar.parallelize runs inside each rank: start the ranks with torchrun, srun (SLURM), mpirun "
+            "(OpenMPI) or autopar.runtime.launch.spawn, or call torch.distributed.init_process_group first"
         )
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
