@@ -104,11 +104,12 @@ def shared_params(graph, cuts: list[StageCut]) -> dict[str, frozenset]:
     return {k: frozenset(v) for k, v in out.items() if len(v) > 1}
 
 
-def lower_stage(graph, plan, cuts: list[StageCut], specs: dict, st: int, mesh, device=None):
+def lower_stage(graph, plan, cuts: list[StageCut], specs: dict, st: int, mesh, device=None, synced_as=None):
     """Stage ``st``'s program (a ``Lowered``) on ``mesh`` (its sub-mesh): its nodes lowered with
     its own plan, each value it receives arriving in the spec an earlier stage sends it in
-    (``sent_specs``)."""
+    (``sent_specs``); ``synced_as``: the plan whose gradient syncs the reducer runs (``lower``)."""
     from autopar.codegen.lower import lower
 
     received = {v: specs[v] for v in cuts[st].receives if graph.nodes[v].op != "placeholder"}
-    return lower(graph, plan.pipeline.stages[st].plan, mesh, nodes=cuts[st].nodes, device=device, received=received)
+    return lower(graph, plan.pipeline.stages[st].plan, mesh, nodes=cuts[st].nodes, device=device, received=received,
+                 synced_as=synced_as)

@@ -153,7 +153,8 @@ def parallelize(
 
         return build_stage(model, graph, plan, mesh, (trace_inputs, trace_kwargs), (inputs, example_kwargs or {}),
                            device=device, timeout=timeout, state_dict=state_dict, init_fn=init_fn,
-                           bucket_bytes=bucket_bytes, signature=_signature(model), requires_grad=_requires_grad)
+                           bucket_bytes=bucket_bytes, signature=_signature(model), requires_grad=_requires_grad,
+                           plan_kwargs=plan_kwargs)
 
     lowered = lower(graph, plan, mesh, device=device)
     shards = local_state(model, graph, plan, mesh, rank, state_dict=state_dict, init_fn=init_fn, device=device)

@@ -1,7 +1,9 @@
 """Build this rank's module of a pipelined plan: trace the microbatch graph, cut it into stages,
 make every block's groups, lower this rank's stages (several under interleaved 1F1B), shard their
 parameters, and hand the module a ``PipelineRunner`` (``autopar.runtime.pipeline``) for
-``train_step``."""
+``train_step`` and calls. A call in the other mode or with inputs of other shapes gets stages of
+its own on first use (``PipelineVariants``): traced again, each stage planned on its sub-mesh with
+every parameter it holds pinned where the plan stores it, cut on the plan's layers, lowered."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,12 +19,12 @@ from autopar.sharding_spec.mesh import Mesh
 
 
 def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, device, timeout, state_dict, init_fn,
-                bucket_bytes, signature, requires_grad):
+                bucket_bytes, signature, requires_grad, plan_kwargs=None):
     """This rank's ``ParallelModule`` of a pipelined ``plan``: its stages' programs and shards,
     with a ``PipelineRunner`` for ``train_step``. ``graph`` is the whole batch's trace (to tell
     which inputs the microbatches split); the stages run on the microbatch graph, traced here."""
     from autopar import ir
-    from autopar.compose.programs import constants_of
+    from autopar.compose.programs import constants_of, meta_skeleton
     from autopar.runtime.materialize import local_state
     from autopar.runtime.module import ParallelModule
     from autopar.solver.pipeline import microbatch_inputs
@@ -73,7 +75,114 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
     pm._ap.plan_full = plan
     pm._ap.all_state_keys = all_keys
     pm._ap.pipeline = PipelineRunner(pm, micro, plan, programs, cuts, sg, shared, device, loss_index, batch_dims)
+    pm._ap.pipeline.variants = PipelineVariants(meta_skeleton(model), plan, micro, pm, device, plan_kwargs or {})
     return pm
+
+
+@dataclasses.dataclass
+class PipelineVariants:
+    """Stages for calls the plan's do not fit (module docstring)."""
+
+    skeleton: object  # the model without weights (``compose.programs.meta_skeleton``)
+    plan: object  # the pipelined Plan
+    micro: object  # the plan's microbatch graph
+    pmodel: object
+    device: object
+    plan_kwargs: dict
+
+    def build(self, training: bool, flat: list, rows: int):
+        """A ``StageSet`` for a call in mode ``training`` on ``flat`` (the user inputs, flattened)
+        cut into microbatches of ``rows`` samples; None where the trace is the plan's own graph."""
+        import torch.utils._pytree as pytree
+
+        from autopar import ir
+        from autopar.compose.parallelize import _to_meta
+        from autopar.compose.programs import constants_of
+        from autopar.errors import TraceError
+        from autopar.runtime.pipeline_call import StageSet
+
+        runner = self.pmodel._ap.pipeline
+        batch_dims = runner.batch_dims
+        micro_flat = [x[:rows] if split else x for x, split in zip(flat, batch_dims)]
+        args, kwargs = pytree.tree_unflatten(_to_meta(micro_flat), self.pmodel._ap.in_spec)
+        was = self.skeleton.training
+        self.skeleton.train(training)
+        try:
+            graph = ir.trace(self.skeleton, tuple(args), dict(kwargs) or None)
+        except TraceError as err:
+            raise ConfigError(f"cannot trace {self.micro.model_name} in {'train' if training else 'eval'} mode for these "
+                              f"inputs: {err}") from None
+        finally:
+            self.skeleton.train(was)
+        if graph.fingerprint() == self.micro.fingerprint():
+            return None
+        plan = self._plan(graph)
+        cuts = cut_stages(graph, plan)
+        specs = sent_specs(graph, plan, cuts)
+        groups = runner.sg.groups
+        pm = self.pmodel
+        programs = {}
+        consts = constants_of(graph, self.device)
+        for st in runner.sg.stages:
+            low = lower_stage(graph, plan, cuts, specs, st, groups.mesh, self.device, synced_as=pm._ap.plan)
+            slots = self._slots(graph, low)
+            constants = {i: consts[ph] for i, ph in enumerate(low.state) if slots[i] is None}
+            programs[st] = Program(graph, plan.pipeline.stages[st].plan, low, slots, constants, pm._ap.in_spec,
+                                   pm._ap.out_spec)
+        out_node = next(n for n in graph.nodes.values() if n.op == "output")
+        from autopar.codegen.loss_weights import loss_denominators
+        from autopar.cost_model.ops import needs_grad
+
+        return StageSet(graph, plan, cuts, specs, programs, list(batch_dims), needs_grad(graph),
+                        loss_denominators(graph, out_node.inputs[loss_position(graph)]))
+
+    def _plan(self, graph):
+        """The plan's stages over ``graph``: each stage planned on its sub-mesh (rank 0, sent to
+        every rank) with the parameters it holds pinned, restricted to its layers' nodes."""
+        from autopar.compose.programs import _pin, on_rank0
+        from autopar.ir.blocks import unit_of_nodes
+        from autopar.ir.graph import Role
+        from autopar.solver import plan as make_plan
+        from autopar.solver.pipeline import restrict
+
+        def make():
+            unit = unit_of_nodes(graph)
+            stages = []
+            for k, st in enumerate(self.plan.pipeline.stages):
+                pins = {}
+                for fqn, pp in st.plan.params.items():
+                    node = (graph.buffers if pp.buffer else graph.params).get(fqn)
+                    if node is not None:
+                        pins[node] = _pin(pp.storage, pp.family)
+                kw = {k2: v for k2, v in self.plan_kwargs.items() if k2 not in ("force", "graph", "idle_axes", "identical_axes")}
+                whole = make_plan(self.skeleton, Mesh.from_dict(st.plan.mesh), graph=graph, force=pins, pipeline=False,
+                                  memory_budget=None, idle_axes=tuple(st.plan.idle_axes), identical_axes=(), **kw)
+                nodes = {n for n, u in unit.items() if st.layers[0] <= u <= st.layers[1]}
+                if k == 0:  # state nothing reads is held by the first stage (as cut_stages holds it)
+                    nodes |= {n for n, node in graph.nodes.items()
+                              if node.op == "placeholder" and node.role != Role.INPUT and not node.users}
+                stages.append(dataclasses.replace(st, plan=restrict(whole, graph, nodes, st.time_per_microbatch_s,
+                                                                     st.memory_bytes)))
+            return dataclasses.replace(self.plan, model_fingerprint=graph.fingerprint(),
+                                       pipeline=dataclasses.replace(self.plan.pipeline, stages=stages))
+
+        return on_rank0(make)
+
+    def _slots(self, graph, lowered) -> list:
+        """The module slot feeding each of a program's state inputs (by the parameter it is)."""
+        from autopar.ir.graph import Role
+
+        fqn_of = {ph: fqn for fqn, ph in {**graph.params, **graph.buffers}.items()}
+        slot_of = self.pmodel._ap.slot_of_fqn
+        out = []
+        for ph in lowered.state:
+            if graph.nodes[ph].role == Role.CONSTANT:
+                out.append(None)  # a lifted constant of this trace: the program's own
+                continue
+            if fqn_of.get(ph) not in slot_of:
+                raise ConfigError(f"{fqn_of.get(ph, ph)} is read by the new trace but held by no stage of this rank")
+            out.append(slot_of[fqn_of[ph]])
+        return out
 
 
 def _merged(plan, stages: list[int]):

@@ -52,13 +52,19 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
 def plan_on_rank0(model, mesh, graph, memory_budget, force, plan_kwargs, rank):
     """Rank 0 plans; every rank receives the same Plan (as JSON), or rank 0's error."""
     from autopar.solver import plan as make_plan
+
+    return on_rank0(lambda: make_plan(model, mesh, graph=graph, memory_budget=memory_budget, force=force, **plan_kwargs))
+
+
+def on_rank0(make):
+    """``make()`` (a Plan) run on rank 0; every rank receives the same Plan (as JSON), or rank 0's
+    error, of the same type where it is autopar's. A collective."""
     from autopar.solver.plan import Plan
 
     box = [None]
-    if rank == 0:
+    if dist.get_rank() == 0:
         try:
-            p = make_plan(model, mesh, graph=graph, memory_budget=memory_budget, force=force, **plan_kwargs)
-            box[0] = ("ok", p.to_json())
+            box[0] = ("ok", make().to_json())
         except Exception as err:  # every rank must hear of it, or they wait forever
             box[0] = ("error", (type(err).__name__, str(err)))
     dist.broadcast_object_list(box, src=0)

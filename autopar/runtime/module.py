@@ -19,7 +19,9 @@ that); the program reads the whole shard, which the reducer all-gathers when a c
 
 Like the original model it has a train and an eval mode and takes batches of any shape: a call
 in another mode or with other input shapes runs a program built for it on first use
-(``autopar.runtime.programs``, built by ``autopar.compose.programs``). Parameters are registered in the original model's order;
+(``autopar.runtime.programs``, built by ``autopar.compose.programs``). A pipelined plan is called
+the same way: the stages' forwards run in the call and their backwards when ``backward()`` reaches
+its outputs (``autopar.runtime.pipeline_call``). Parameters are registered in the original model's order;
 ``state_dict()`` holds DTensors (``autopar.runtime.state``); ``clip_grad_norm_`` clips by the
 global norm over every shard (``autopar.runtime.clip``).
 """
@@ -133,11 +135,11 @@ class ParallelModule(nn.Module):
     # ---- calling -------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         ap = self._ap
-        if ap.pipeline is not None:
-            raise ConfigError(f"{ap.graph.model_name} runs as a {len(ap.plan_full.pipeline.stages)}-stage pipeline "
-                              f"({ap.plan_full.pipeline.microbatches} microbatches): call pmodel.train_step(*inputs) "
-                              "(forward and backward of the whole batch, returns the loss), or parallelize with "
-                              "pipeline=False for a module you call")
+        if ap.pipeline is not None:  # the stages' forwards now, their backwards in backward()
+            args, kwargs = self._normalize(args, kwargs)
+            flat = fx_pytree.tree_flatten_spec((args, kwargs), ap.in_spec)
+            flat = [x.to(ap.device) if isinstance(x, torch.Tensor) and ap.device is not None else x for x in flat]
+            return pytree.tree_unflatten(ap.pipeline.call(self.training, flat), ap.out_spec)
         program, out = self._run(args, kwargs)
         return pytree.tree_unflatten(list(out), program.out_spec)
 
@@ -161,7 +163,12 @@ class ParallelModule(nn.Module):
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of the whole batch, gradients synchronised and ready for
         ``optimizer.step()``; returns the (detached) loss, on every rank. The model must compute
-        its loss (return it, or a tuple / ModelOutput holding it). For every plan, pipelined or not."""
+        its loss (return it, or a tuple / ModelOutput holding it). For every plan, pipelined or not.
+
+        The fast path: it runs the loss alone (no other output is made whole: a language model's
+        logits are never gathered), and a pipelined plan under torch's schedule (1F1B, interleaved,
+        zero bubble), which keeps fewer microbatches in flight than the GPipe order a call runs
+        when its backward is left to the caller (``autopar.runtime.pipeline_call``)."""
         ap = self._ap
         if ap.pipeline is None:
             _, (loss,) = self._run(args, kwargs, Program.loss_only)

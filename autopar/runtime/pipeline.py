@@ -103,7 +103,7 @@ class _StageProgram(nn.Module):
     no parameters (the ParallelModule does; gradients reach them through its reducer's taps)."""
 
     def __init__(self, pmodel, program, cut: StageCut, last: bool, recompute: bool, unit_of: dict | None = None,
-                 split_backward: bool = False):
+                 split_backward: bool = False, all_outputs: bool = False):
         super().__init__()
         object.__setattr__(self, "pmodel", pmodel)
         object.__setattr__(self, "feeds", program)  # the Program: its lowered graph and state slots
@@ -113,10 +113,10 @@ class _StageProgram(nn.Module):
         self.chunk = 0  # the microbatch the stage runs (set by ``_chunk_stage``)
         self.sync_chunk: int | None = None  # the microbatch whose backward synchronises (None: after the schedule)
         self.read_slots = sorted({slot for slot in program.state_slots if slot is not None})
-        # The last stage returns the loss alone: a pipelined step reads nothing else, and the other
-        # outputs' resharding to whole values (a language model's logits, gathered over the vocab or
-        # the batch, every microbatch) would only cost time.
-        gm = program.loss_only() if last else program.lowered.gm
+        # The last stage returns the loss alone for a step (``train_step`` reads nothing else, and
+        # the other outputs' resharding to whole values, a language model's logits gathered every
+        # microbatch, would only cost time); every output for a call (``all_outputs``).
+        gm = program.loss_only() if last and not all_outputs else program.lowered.gm
         # Recomputation per layer, as the plan priced it: one checkpointed piece per layer.
         self.program = checkpointed_by_layer(gm, unit_of, pmodel._ap.groups) if recompute else gm
 
@@ -333,6 +333,24 @@ def _disjoint(param_groups: list) -> list[tuple[list, list, list]]:
     return out
 
 
+@torch.no_grad()
+def loss_weights(denominators, batch_dims: list[bool], flat_inputs: list, m: int, device) -> torch.Tensor:
+    """What each of ``m`` microbatches' losses weighs in the step's (``autopar.codegen.loss_weights``):
+    1 / m, or for a mean over counted targets its share of the batch's count."""
+    if denominators is not None:
+        chunks = [list(x.tensor_split(m) if split else [x] * m) for x, split in zip(flat_inputs, batch_dims)]
+        counts = torch.stack([torch.stack(denominators([c[k] for c in chunks])) for k in range(m)])  # (m, means)
+        if denominators.direct:
+            return (counts[:, 0] / counts[:, 0].sum()).to(device)
+        if not bool((counts == counts[:1]).all()):
+            node = denominators.means[0]
+            raise ConfigError(
+                f"the loss adds a mean over counted targets ({node.name}, {node.target}) to other terms, and this "
+                f"step's microbatches count {counts[:, 0].tolist()} targets: weighing them alike would not give "
+                "the batch's loss. Use Pipeline(microbatches=1), or make the mean the whole loss")
+    return torch.full((m,), 1.0 / m, dtype=torch.float64, device=device)
+
+
 class PipelineRunner:
     """This rank's part of a pipelined plan (see the module docstring); ``ParallelModule.train_step``
     calls ``step``."""
@@ -360,9 +378,16 @@ class PipelineRunner:
         unit_of = unit_of_nodes(graph)
         mesh = sg.groups.mesh
         out_node = next(n for n in graph.nodes.values() if n.op == "output")
+        # what a call of the module (``pipeline_call``) builds its own stage modules from
+        self.unit_of = unit_of
         # how microbatch losses are weighed (a mean over counted targets: by their counts); every
         # rank computes the weights, so that a step that cannot be weighed fails on all of them
         self.denominators = loss_denominators(graph, out_node.inputs[loss_index])
+        from autopar.runtime.pipeline_call import StageSet
+
+        self.main_set = StageSet(graph, plan, cuts, specs, programs, list(batch_dims), self.grad_values, self.denominators)
+        self.calls: dict = {}  # (mode, microbatch shapes) -> its PipelineCall
+        self.variants = None  # builds the stages of calls the main ones do not fit (compose.pipeline sets it)
         if plan.pipeline.schedule == "zero-bubble" and any(st.recompute for st in plan.pipeline.stages):
             raise ConfigError("this plan recomputes stages under the zero-bubble schedule, whose split backward would "
                               "recompute once per group of weights; plan it again (autopar.Pipeline refuses the pair)")
@@ -453,6 +478,28 @@ class PipelineRunner:
         # masks, positions and integer tensors made from the inputs do not.
         return torch.empty(shape, dtype=dtype, device=self.device, requires_grad=v in self.grad_values)
 
+    def call(self, training: bool, flat_inputs: list) -> list:
+        """The module called on ``flat_inputs`` (the user inputs, flattened) in mode ``training``:
+        its flat outputs on every rank, differentiable (``autopar.runtime.pipeline_call``): on the
+        stages built for the plan, or on stages built for this mode and these shapes on first use."""
+        from autopar.runtime.pipeline_call import PipelineCall, StageSet, microbatch_rows
+
+        rows = microbatch_rows(flat_inputs, self.batch_dims, self.main_set.micro)
+        key = (bool(training), rows, tuple((tuple(x.shape[1:]) if split else tuple(x.shape), x.dtype)
+                                           if isinstance(x, torch.Tensor) else ("value", repr(x))
+                                           for x, split in zip(flat_inputs, self.batch_dims)))
+        if key not in self.calls:
+            if training == self.pmodel._ap.mode and rows == self.main_set.micro and self.main_set.takes(flat_inputs):
+                stage_set = self.main_set
+            elif self.variants is None:
+                raise ConfigError(f"{self.graph.model_name}'s pipelined module was built for {self.main_set.describe()}; "
+                                  "this call needs stages of its own, which a module built from a given plan cannot make")
+            else:
+                stage_set = self.variants.build(training, flat_inputs, rows) or self.main_set
+            same = next((d for d in self.calls.values() if d.stage_set is stage_set), None)
+            self.calls[key] = same or PipelineCall(self, stage_set)
+        return self.calls[key](flat_inputs)
+
     def step(self, flat_inputs: list) -> torch.Tensor:
         """Forward and backward of the whole batch ``flat_inputs`` (the user inputs, flattened);
         gradients synchronised; the loss on every rank."""
@@ -472,23 +519,10 @@ class PipelineRunner:
         dist.broadcast(loss, src=self.sg.pp_ranks[(self.stages - 1) % self.sg.blocks], group=self.sg.pp_group)
         return loss
 
-    @torch.no_grad()
-    def loss_weights(self, flat_inputs: list) -> torch.Tensor:
-        """What each microbatch's loss weighs in the step's (``autopar.codegen.loss_weights``):
-        1 / m, or for a mean over counted targets its share of the batch's count."""
-        m = self.microbatches
-        if self.denominators is not None:
-            chunks = [list(x.tensor_split(m) if split else [x] * m) for x, split in zip(flat_inputs, self.batch_dims)]
-            counts = torch.stack([torch.stack(self.denominators([c[k] for c in chunks])) for k in range(m)])  # (m, means)
-            if self.denominators.direct:
-                return (counts[:, 0] / counts[:, 0].sum()).to(self.device)
-            if not bool((counts == counts[:1]).all()):
-                node = self.denominators.means[0]
-                raise ConfigError(
-                    f"the loss adds a mean over counted targets ({node.name}, {node.target}) to other terms, and this "
-                    f"step's microbatches count {counts[:, 0].tolist()} targets: weighing them alike would not give "
-                    "the batch's loss. Use Pipeline(microbatches=1), or make the mean the whole loss")
-        return torch.full((m,), 1.0 / m, dtype=torch.float64, device=self.device)
+    def loss_weights(self, flat_inputs: list, microbatches: int | None = None) -> torch.Tensor:
+        """What each microbatch's loss weighs in the step's (``loss_weights``)."""
+        m = self.microbatches if microbatches is None else microbatches
+        return loss_weights(self.denominators, self.batch_dims, flat_inputs, m, self.device)
 
     @torch.no_grad()
     def _sum_shared_grads(self) -> None:
