@@ -10,7 +10,7 @@ import time
 
 from autopar.cost_model.gradients import identical_ok, output_whole_axes, param_sync_axes
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time
-from autopar.errors import ConfigError, PlanError
+from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir.graph import Role, edge_itemsize
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import plan_reshard
@@ -141,7 +141,7 @@ def plan(
     call = dict(model=model, example_inputs=example_inputs, example_kwargs=example_kwargs, optimizer=optimizer)
     if pipeline == "auto" and not can_pipeline(model, mesh, example_inputs, example_kwargs, force):
         pipeline = None
-    pipelined = None
+    pipelined, search_notes = None, []
     if pipeline not in (None, False):
         from autopar.solver.pipeline import Pipeline, search
 
@@ -153,12 +153,13 @@ def plan(
         try:
             choice = search(model, mesh, example_inputs, example_kwargs, pipeline=None if pipeline == "auto" else pipeline,
                             memory_budget=budget, plan_kwargs=kw)
-        except PlanError as err:
+        except (PlanError, TraceError) as err:
             if pipeline != "auto":
                 raise
             # e.g. a model without layers to cut; planning one stage says what else is wrong
             log.info("no pipeline searched (%s); planning one stage", err)
             choice = None
+        search_notes = choice.notes if choice is not None else []
         if choice is not None and (len(choice.stages) > 1 or choice.microbatches > 1 or choice.stages[0].recompute):
             pipelined = choice.to_plan()
             pipelined.solver.update(memory_budget=budget, memory_budget_from=budget_from,
@@ -178,8 +179,11 @@ def plan(
         if pipelined is None:
             raise
         pipelined.solver["decided"] = f"a pipeline: one stage cannot be planned ({str(err).splitlines()[0].split('. ')[0]})"
-        return pipelined
-    return one if pipelined is None else simpler_unless_faster(one, pipelined, mesh)
+        one = None
+    chosen = pipelined if one is None else one if pipelined is None else simpler_unless_faster(one, pipelined, mesh)
+    if pipeline not in (None, False) and search_notes:  # said once, in the plan explain prints
+        chosen.solver["call"]["notes"] = list(chosen.solver["call"].get("notes", [])) + list(search_notes)
+    return chosen
 
 
 # A plan with more parts (stages, microbatches, recomputation) must be predicted faster than the

@@ -39,7 +39,7 @@ import numpy as np
 
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
-from autopar.errors import ConfigError, PlanError
+from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.batch_scaling import scaled_graph
 from autopar.ir.graph import Role
@@ -138,6 +138,7 @@ class PipelineChoice:
     graph: object  # the microbatch graph the stages were planned on
     search_s: float
     timing: dict = dataclasses.field(default_factory=dict)
+    notes: list = dataclasses.field(default_factory=list)  # what the search had to give up, and why
 
     @property
     def stages(self) -> list[StagePlan]:
@@ -519,7 +520,12 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         if count in results:
             return results[count]
         t_trace = time.perf_counter()
-        graph = traced(count)
+        try:
+            graph = traced(count)
+        except TraceError as err:  # this microbatch size is not a call the model takes
+            log.info("%d microbatches: the microbatch does not trace (%s)", count, str(err).splitlines()[0])
+            results[count] = None
+            return None
         t_ilp = time.perf_counter()
         unit_of_nodes(graph)  # a graph without layers cannot be cut: PlanError
         unit_groups(len(graph.layers), None, pipeline.layers)  # fixed layers must cover the model: ConfigError
@@ -565,15 +571,20 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         return found
 
     counts = microbatch_candidates(batch, pipeline.microbatches)
+    notes: list[str] = []
     if counts != [1]:
         probe = _mixing_probe(counts, batch, inputs, example_kwargs)
-        why = batch_mixing(traced(probe), batch // probe)
+        try:
+            why = batch_mixing(traced(probe), batch // probe)
+        except TraceError as err:  # a microbatch of the inputs is not a call the model takes
+            why = f"a microbatch of the inputs does not trace ({str(err).splitlines()[0]})"
         if why is not None:
             if pipeline.microbatches is not None:
                 raise ConfigError(f"Pipeline(microbatches={pipeline.microbatches}) splits the inputs' dim 0 into "
                                   f"microbatches, but it is not a batch of independent samples here: {why}. Use "
                                   "microbatches=1, or pipeline=False")
             log.info("one microbatch only: %s", why)
+            notes.append(f"one microbatch: {why}")
             counts = [1]
     best = _search_counts(counts, evaluate)
     while best is not None and best[1] not in real:
@@ -617,7 +628,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                                 t, float(mem), sub, list(range(i, j + 1)) if prices.recompute else []))
         row += rows
     return PipelineChoice(PipelinePlan(schedule, count, stages, virtual), sol.step_time, graph, time.perf_counter() - t0,
-                          timing)
+                          timing, notes)
 
 
 def restrict(plan: Plan, graph, nodes: set[str], time_s: float, memory: float, budget: float | None = None) -> Plan:

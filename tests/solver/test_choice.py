@@ -7,6 +7,7 @@ import copy
 import dataclasses
 
 import pytest
+import torch
 
 import autopar
 from autopar import models
@@ -69,3 +70,58 @@ def test_the_default_keeps_one_stage_where_it_fits_and_is_not_slower(plans):
         assert "faster than one stage" in default.solver["decided"]
     else:
         assert default.predicted["step_time_s"] == pytest.approx(one.predicted["step_time_s"])
+
+
+class _InputShapedWeight(torch.nn.Module):
+    """A per-op harness's shape: a parameter the input's shape (dim 0 is not a batch of samples)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(20, 8, generator=torch.Generator().manual_seed(0)))
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        h = x * self.w
+        for block in self.blocks:
+            h = block(h)
+        return h.sum()
+
+
+def _models():
+    """Models users bring whose inputs may or may not split into microbatches: the per-op shape
+    above, the zoo, and the fuzz's fixed draw."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import models_zoo
+    from fuzz_models import build
+    from test_fuzz import draw
+
+    yield "input-shaped weight", _InputShapedWeight(), (torch.randn(20, 8),)
+    for name in ("mingpt", "vit", "moe", "in_place"):
+        model, inputs = getattr(models_zoo, name)()
+        yield name, model, inputs
+    for i, case in enumerate(draw(24)):
+        model, inputs = build(case)
+        yield f"fuzz {i}", model, inputs
+
+
+def test_every_model_that_plans_in_one_stage_plans_by_default():
+    """``pipeline="auto"`` never costs a model its plan: where a microbatch does not trace or the
+    samples cannot be proven independent it keeps one microbatch, and says so once."""
+    mesh = autopar.Mesh((4,), cluster="cpu-gloo")
+    planned = 0
+    for name, model, inputs in _models():
+        try:
+            autopar.plan(model, mesh, inputs, pipeline=False)
+        except autopar.AutoparError:
+            continue
+        plan = autopar.plan(model, mesh, inputs)  # must not raise
+        planned += 1
+        if name == "input-shaped weight":
+            notes = plan.solver["call"]["notes"]
+            assert len(notes) == 1 and notes[0].startswith("one microbatch: a microbatch of the inputs does not trace")
+            assert "note: one microbatch" in plan.explain()
+    assert planned >= 20
