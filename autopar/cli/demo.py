@@ -1,13 +1,15 @@
-"""`make demo`: the main job. A built-in model on a 2x2 CPU mesh of local gloo ranks:
+"""`make demo`: the main job. A built-in model on 4 local gloo ranks (a 2x2 mesh):
 
 1. a short graph summary and a few resharding plans (what the planner works with);
-2. ``autopar.parallelize`` inside 4 spawned ranks (rank 0 plans, priced with a short profile of the
-   live groups; every rank runs its program), then ``plan.explain()``;
-3. 5 AdamW steps, each loss beside the single-process model's (same init, same batches, computed
-   here in the parent), with step times;
-4. the same model as a 2-stage pipeline on the same 4 ranks viewed as a line (``Mesh((4,))``,
-   ``pipeline=Pipeline(stages=2, microbatches=2)``, each stage data parallel on 2 ranks; the cut
-   and the schedule chosen by the planner), trained with ``pmodel.train_step`` for the same 5 steps, also exact.
+2. ``autopar.parallelize`` with every option at its default (rank 0 plans, priced with a short
+   profile of the live groups): what it picked, why (what it weighed its pick against), and the
+   same cost model's price for hand-written layouts beside it;
+3. two layouts that split the work for certain: data parallel 2 x tensor parallel 2
+   (``force=Layout(dp=2, tp=2)``) and a 2-stage pipeline, each stage data parallel on 2 ranks
+   (``pipeline=Pipeline(stages=2, microbatches=2)`` on the ranks as a line);
+4. each trained for ``steps`` AdamW steps in the plain loop (``loss = pmodel(x, y);
+   loss.backward(); opt.step()``), every loss checked against the single-process model's (same
+   init, same batches, computed here), with the measured step beside the predicted one.
 
 ``run`` returns 0 when every loss matches within 1e-5 relative, else 1 (the command's exit code).
 """
@@ -76,11 +78,8 @@ def train(module, data, sync=lambda: None) -> tuple[list[float], list[float]]:
     sync()
     for batch in data:
         t0 = time.perf_counter()
-        if hasattr(module, "train_step"):  # forward + backward of the batch (a pipeline's whole schedule)
-            loss = module.train_step(*batch)
-        else:
-            loss = module(*batch)
-            loss.backward()
+        loss = module(*batch)  # the loop a user writes, whatever the plan (pipelines too)
+        loss.backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)  # (the caller takes the slowest rank's)
@@ -88,59 +87,53 @@ def train(module, data, sync=lambda: None) -> tuple[list[float], list[float]]:
     return losses, times
 
 
+def layouts(mesh_shape) -> list[tuple[str, str, dict, tuple]]:
+    """The layouts the demo trains next to the single-process model, as (name, how it is asked for,
+    parallelize's keywords, mesh shape): autopar's own pick, and two that split the work for
+    certain (on 4 CPU ranks the planner may well keep a model this small whole)."""
+    from autopar import Layout, Pipeline
+
+    line = (math.prod(mesh_shape),)
+    return [
+        ("autopar's pick", "every option at its default", {}, tuple(mesh_shape)),
+        ("data parallel 2 x tensor parallel 2", "force=Layout(dp=2, tp=2)", {"force": Layout(dp=2, tp=2)}, (2, 2)),
+        ("2-stage pipeline x data parallel 2", "pipeline=Pipeline(stages=2, microbatches=2), force=Layout(dp=2)",
+         {"pipeline": Pipeline(stages=2, microbatches=2), "force": Layout(dp=2)}, line),
+    ]
+
+
+WHAT_IFS = ["dp=4", "tp=4", "dp=2,tp=2", "pp=2,dp=2"]
+
+
 def rank_main(rank, world_size, model_name, mesh_shape, steps):
-    """Inside each rank: parallelize, train, report (rank 0 also returns the plan's explanation)."""
+    """Inside each rank: parallelize in each layout, train in the plain loop, report (rank 0 also
+    the plans' explanations and the what-ifs)."""
     import torch.distributed as dist
 
     import autopar
 
     warnings.simplefilter("ignore")
     model, inputs = models.build(model_name)
-    t0 = time.perf_counter()
-    # Every mesh axis in use: left free, the planner runs a model this small redundantly on every
-    # rank (all axes idle), which is right on 2 cores but shows nothing; rank 0 reports that plan too.
-    pmodel = autopar.parallelize(model, autopar.Mesh(mesh_shape), inputs, plan_kwargs={"idle_axes": ()})
-    setup_s = time.perf_counter() - t0
-    losses, times = train(pmodel, batches(inputs, steps), sync=dist.barrier)
-    out = {"losses": losses, "times": times, "setup_s": setup_s}
-    if rank == 0:
-        out["explain"] = pmodel.plan.explain()
-        out["predicted_s"] = pmodel.plan.summary()["step_time_s"]
-        from autopar.compose.live_profile import cached_live_op_table
+    out = []
+    for name, how, kw, shape in layouts(mesh_shape):
+        t0 = time.perf_counter()
+        pmodel = autopar.parallelize(model, autopar.Mesh(shape), inputs, **kw)
+        setup_s = time.perf_counter() - t0
+        losses, times = train(pmodel, batches(inputs, steps), sync=dist.barrier)
+        row = {"name": name, "how": how, "losses": losses, "times": times, "setup_s": setup_s}
+        if rank == 0:
+            plan = pmodel.plan
+            text = plan.explain().split("\n--- stage 0 ---")[0]  # the summary (a pipeline's stage tables are long)
+            row["summary"] = "\n".join(line for line in text.splitlines()
+                                        if line.startswith(("layout", "chosen", "pipeline", "predicted", "memory")))
+            row["predicted_s"] = plan.summary()["step_time_s"]
+            row["families"] = plan.summary()["families"]
+            if not kw:  # what autopar weighed its pick against, priced by the same cost model
+                from autopar.solver.compare import table
 
-        cluster = pmodel.plan.mesh_obj.cluster  # priced as parallelize priced its plan
-        free = autopar.plan(model, autopar.Mesh(mesh_shape, cluster=cluster), inputs, pipeline=False,
-                            op_table=cached_live_op_table("cpu", cluster.rank_contention))
-        out["free_choice"] = (
-            f"left free to leave mesh axes idle, autopar would leave axes {free.idle_axes} idle "
-            f"(predicted {free.predicted['step_time_s'] * 1e3:.2f} ms vs {out['predicted_s'] * 1e3:.2f} ms using every axis)"
-            if free.idle_axes else "left free, autopar would still use every mesh axis")
-    # Part 2: the same model cut into 2 pipeline stages over the ranks in a line.
-    t0 = time.perf_counter()
-    piped = autopar.parallelize(model, autopar.Mesh((world_size,)), inputs, pipeline=autopar.Pipeline(stages=2, microbatches=2),
-                                force=autopar.Layout(dp=2))
-    out["pipe_setup_s"] = time.perf_counter() - t0
-    out["pipe_losses"], out["pipe_times"] = train(piped, batches(inputs, steps), sync=dist.barrier)
-    if rank == 0:
-        out["pipe_explain"] = piped.plan.explain().split("\n--- stage 0 ---")[0]  # the summary; the stages' tables are long
+                row["what_ifs"] = table(plan.compare(model, inputs, *WHAT_IFS))
+        out.append(row)
     return out
-
-
-def loss_table(results, losses_key: str, times_key: str, ref_losses, ref_times) -> bool:
-    """Print each step's loss beside the single-process one, with the slowest rank's step time;
-    whether every loss is within TOL and the same on every rank."""
-    losses = results[0][losses_key]
-    print(f"{'step':>4}  {'autopar loss':>14}  {'single-process':>14}  {'rel. diff':>9}  {'step ms':>8}  {'1-proc ms':>9}")
-    print(f"{'':>4}  {'':>14}  {'':>14}  {'':>9}  {'(slowest)':>8}  {'(1 thread)':>9}")
-    ok = True
-    for i, (loss, want) in enumerate(zip(losses, ref_losses)):
-        diff = abs(loss - want) / max(abs(want), 1e-30)
-        same_on_ranks = all(r[losses_key][i] == loss for r in results)
-        ok &= diff <= TOL and same_on_ranks
-        step_s = max(r[times_key][i] for r in results)
-        print(f"{i:>4}  {loss:>14.8f}  {want:>14.8f}  {diff:>9.1e}  {step_s * 1e3:>8.1f}  {ref_times[i] * 1e3:>9.1f}"
-              + ("" if same_on_ranks else "  (ranks disagree)"))
-    return ok
 
 
 def run(mesh_shape=(2, 2), model: str = "gpt", steps: int = 20) -> int:
@@ -150,14 +143,13 @@ def run(mesh_shape=(2, 2), model: str = "gpt", steps: int = 20) -> int:
     module, inputs = models.build(model)
     print(graph_report(ir.trace(module, inputs)))
     print(reshard_report(Mesh(mesh_shape, cluster="cpu-gloo")))
-
     world = math.prod(mesh_shape)
-    print(f"\n== parallelize {model} on a {'x'.join(map(str, mesh_shape))} mesh of {world} local gloo ranks", flush=True)
+    shape = "x".join(map(str, mesh_shape))
+    print(f"\n== {model} on {world} local gloo ranks (mesh {shape}; the pipeline views them as a line of {world}),"
+          f" priced with a profile of these ranks", flush=True)
     t0 = time.perf_counter()
-    results = spawn(rank_main, world, args=(model, tuple(mesh_shape), steps), timeout_s=600)
+    results = spawn(rank_main, world, args=(model, tuple(mesh_shape), steps), timeout_s=900)
     wall = time.perf_counter() - t0
-    print(results[0]["explain"])
-    print(results[0]["free_choice"])
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like each rank: one core
@@ -165,19 +157,37 @@ def run(mesh_shape=(2, 2), model: str = "gpt", steps: int = 20) -> int:
         ref_losses, ref_times = train(module, batches(inputs, steps))  # the same init (seeded build), here
     finally:
         torch.set_num_threads(threads)
-    # the slowest rank's median step after the first: the pace training runs at
-    step_s = max(statistics.median(r["times"][1:] or r["times"]) for r in results)
-    print(f"\n== {steps} AdamW steps (lr {LR}): autopar on {world} ranks vs the single-process model")
-    ok = loss_table(results, "losses", "times", ref_losses, ref_times)
-    print(f"\nmedian step after the first (slowest rank): {step_s * 1e3:.1f} ms measured "
-          f"(plan predicted {results[0]['predicted_s'] * 1e3:.1f} ms); parallelize took "
-          f"{max(r['setup_s'] for r in results):.1f} s per rank; {wall:.0f} s for the ranks in all")
-    print("(a model this small is communication-bound on CPU gloo; benchmarks/hybrid.py times a 10M one against hand-written layouts)")
-    print(f"losses {'match' if ok else 'DO NOT match'} the single-process model within {TOL:g} relative")
+    ok = True
+    for k, (name, *_) in enumerate(layouts(mesh_shape)):
+        rows = [r[k] for r in results]
+        first = rows[0]
+        print(f"\n-- {k + 1}. {name} ({first['how']})")
+        print(first["summary"])
+        if "what_ifs" in first:
+            print("hand-written layouts on the same mesh, priced by the same cost model:")
+            print(first["what_ifs"])
+        this_ok, worst = compare_losses(rows, ref_losses)
+        ok &= this_ok
+        # the slowest rank's median step after the first: the pace training runs at
+        step_s = max(statistics.median(r["times"][1:] or r["times"]) for r in rows)
+        print(f"{steps} AdamW steps in the plain loop (loss = pmodel(x, y); loss.backward(); opt.step()): every loss "
+              f"{'within' if this_ok else 'NOT within'} {TOL:g} of the single-process model's (worst {worst:.1e}, "
+              f"the same on every rank); step {step_s * 1e3:.1f} ms measured (slowest rank's median), "
+              f"{first['predicted_s'] * 1e3:.1f} ms predicted; parallelize took {max(r['setup_s'] for r in rows):.1f} s")
+    print(f"\nsingle process, one thread: {statistics.median(ref_times[1:] or ref_times) * 1e3:.1f} ms a step; "
+          f"{wall:.0f} s for the ranks in all")
+    print("(a model this small is communication-bound on CPU gloo: benchmarks/hybrid.py times a 10M one against hand-written layouts)")
+    print(f"every layout's losses {'match' if ok else 'DO NOT match'} the single-process model within {TOL:g} relative")
+    return 0 if ok else 1
 
-    print(f"\n== the same model as a 2-stage pipeline on {world} ranks in a line (Pipeline(stages=2, microbatches=2), Layout(dp=2) per stage)")
-    print(results[0]["pipe_explain"])
-    pipe_ok = loss_table(results, "pipe_losses", "pipe_times", ref_losses, ref_times)
-    print(f"pipelined losses {'match' if pipe_ok else 'DO NOT match'} the single-process model within {TOL:g} relative "
-          f"(parallelize took {max(r['pipe_setup_s'] for r in results):.1f} s per rank)")
-    return 0 if ok and pipe_ok else 1
+
+def compare_losses(rows, ref_losses) -> tuple[bool, float]:
+    """(every rank's every loss within TOL of the single-process one and the same on every rank,
+    the worst relative difference)."""
+    worst, ok = 0.0, True
+    for i, want in enumerate(ref_losses):
+        loss = rows[0]["losses"][i]
+        diff = abs(loss - want) / max(abs(want), 1e-30)
+        worst = max(worst, diff)
+        ok &= diff <= TOL and all(r["losses"][i] == loss for r in rows)
+    return ok, worst

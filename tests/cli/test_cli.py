@@ -185,13 +185,16 @@ def test_explain_with_a_dtype_option(capsys):
 
 
 def test_demo_runs_to_a_successful_exit(capsys, monkeypatch, tmp_path):
-    # `make demo` in short: 4 gloo ranks, a 2x2 plan and a 2-stage pipeline, both exact
+    # `make demo` in short: 4 gloo ranks; autopar's pick with the hand layouts priced beside it, then
+    # a 2x2 data x tensor parallel plan and a 2-stage pipeline, each exact in the plain loop
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))  # the spawned ranks inherit it
     code, out, err = run(capsys, "demo", "--steps", "3")
     assert code == 0, out[-2000:] + err[-2000:]
-    assert "losses match the single-process model" in out
-    assert "pipelined losses match the single-process model" in out
-    assert "median step after the first (slowest rank)" in out and "plan predicted" in out
+    assert "every layout's losses match the single-process model" in out
+    assert "layout: data parallel 2 x tensor parallel 2" in out
+    assert "layout: pipeline parallel 2 x data parallel 2" in out
+    assert "hand-written layouts on the same mesh, priced by the same cost model" in out and "dp=2,tp=2" in out
+    assert out.count("measured (slowest rank's median)") == 3 and out.count("ms predicted") == 3
 
 
 def test_profile_then_explain_profiled_a_cluster_file_and_a_kwargs_factory(capsys, monkeypatch, tmp_path):
