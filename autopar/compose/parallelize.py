@@ -91,7 +91,7 @@ def parallelize(
     """
     from autopar import ir
     from autopar.codegen.lower import lower
-    from autopar.compose.programs import VariantBuilder, constants_of, meta_skeleton, plan_on_rank0
+    from autopar.compose.programs import VariantBuilder, constants_of, plan_on_rank0, weightless
     from autopar.runtime.materialize import local_state
     from autopar.runtime.module import ParallelModule
     from autopar.runtime.process_groups import MeshGroups
@@ -133,6 +133,8 @@ def parallelize(
     _check_same_inputs(graph)
     groups = groups if groups is not None else MeshGroups(mesh, timeout=timeout)
     plan_kwargs = dict(plan_kwargs or {})
+    if bucket_bytes is None:  # (None: the default, as before it was spelled out)
+        bucket_bytes = DEFAULT_BUCKET_BYTES
     for key, value in (("optimizer", optimizer), ("idle_axes", idle_axes), ("identical_axes", identical_axes),
                        ("bucket_bytes", bucket_bytes), ("time_limit_s", time_limit_s), ("solver", solver)):
         plan_kwargs.setdefault(key, value)
@@ -160,7 +162,7 @@ def parallelize(
     shards = local_state(model, graph, plan, mesh, rank, state_dict=state_dict, init_fn=init_fn, device=device)
     requires_grad = {ph: _requires_grad(model, fqn, graph) for fqn, ph in graph.params.items()}
     constants = constants_of(graph, device)
-    builder = VariantBuilder(meta_skeleton(model), plan, mesh, plan_mesh, plan_kwargs, force, device, max_programs)
+    builder = VariantBuilder(weightless(model), plan, mesh, plan_mesh, plan_kwargs, force, device, max_programs)
     order = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     return ParallelModule(
         graph=graph, plan=plan, lowered=lowered, groups=groups, shards=shards,

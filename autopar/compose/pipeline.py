@@ -24,7 +24,7 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
     with a ``PipelineRunner`` for ``train_step``. ``graph`` is the whole batch's trace (to tell
     which inputs the microbatches split); the stages run on the microbatch graph, traced here."""
     from autopar import ir
-    from autopar.compose.programs import constants_of, meta_skeleton
+    from autopar.compose.programs import constants_of, weightless
     from autopar.runtime.materialize import local_state
     from autopar.runtime.module import ParallelModule
     from autopar.solver.pipeline import microbatch_inputs
@@ -75,7 +75,7 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
     pm._ap.plan_full = plan
     pm._ap.all_state_keys = all_keys
     pm._ap.pipeline = PipelineRunner(pm, micro, plan, programs, cuts, sg, shared, device, loss_index, batch_dims)
-    pm._ap.pipeline.variants = PipelineVariants(meta_skeleton(model), plan, micro, pm, device, plan_kwargs or {})
+    pm._ap.pipeline.variants = PipelineVariants(weightless(model), plan, micro, pm, device, plan_kwargs or {})
     return pm
 
 
@@ -83,7 +83,7 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
 class PipelineVariants:
     """Stages for calls the plan's do not fit (module docstring)."""
 
-    skeleton: object  # the model without weights (``compose.programs.meta_skeleton``)
+    skeleton: object  # the model without weights (``compose.programs.weightless``)
     plan: object  # the pipelined Plan
     micro: object  # the plan's microbatch graph
     pmodel: object
@@ -96,15 +96,14 @@ class PipelineVariants:
         import torch.utils._pytree as pytree
 
         from autopar import ir
-        from autopar.compose.parallelize import _to_meta
-        from autopar.compose.programs import constants_of
+        from autopar.compose.programs import constants_of, fake_inputs
         from autopar.errors import TraceError
         from autopar.runtime.pipeline_call import StageSet
 
         runner = self.pmodel._ap.pipeline
         batch_dims = runner.batch_dims
         micro_flat = [x[:rows] if split else x for x, split in zip(flat, batch_dims)]
-        args, kwargs = pytree.tree_unflatten(_to_meta(micro_flat), self.pmodel._ap.in_spec)
+        args, kwargs = pytree.tree_unflatten(fake_inputs(self.skeleton, micro_flat), self.pmodel._ap.in_spec)
         was = self.skeleton.training
         self.skeleton.train(training)
         try:

@@ -6,8 +6,8 @@ statistics, whatever the model's code does when ``self.training`` is False) or w
 other shapes (a last partial batch, an evaluation batch) needs a program of its own, built on
 first use and cached, like ``torch.compile``'s recompilation:
 
-    trace       a meta-device skeleton of the model (same modules, no weights) in that mode, on
-                meta copies of the call's inputs;
+    trace       a weightless skeleton of the model (same modules, fake tensors: no memory) in that
+                mode, on fake copies of the call's inputs;
     plan        rank 0 solves the layout with every parameter and buffer pinned to the storage the
                 main plan gave it (so the shards stay where they are and the gradient reducer is
                 unchanged), the main plan's idle axes, pricing mesh and op table; every rank
@@ -32,21 +32,35 @@ from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir.graph import Role
 from autopar.runtime.programs import Program
 
-def meta_skeleton(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are on the meta device (nothing but the
-    module tree is copied); tied parameters stay tied."""
+def weightless(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors (shapes, dtypes and
+    devices, no memory; tied parameters stay tied), for tracing it again in another mode or at other
+    shapes. Fake rather than meta: a model whose code branches on its device (transformers' Mixtral
+    counts tokens per expert in float32 on CPU, in int32 elsewhere) traces the branch it runs.
+    ``fake_inputs(skeleton, tree)`` makes the call's inputs alike."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     memo: dict = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
+        memo[id(b)] = mode.from_tensor(b)
     try:
-        return copy.deepcopy(model, memo)
+        skeleton = copy.deepcopy(model, memo)
     except Exception as err:  # a module holding something deepcopy refuses (a lock, a file)
         raise ConfigError(
             f"cannot keep a weightless copy of {type(model).__name__} for re-tracing ({type(err).__name__}: {err}); "
             "call the parallelized model only in the mode and with the input shapes it was parallelized for"
         ) from None
+    object.__setattr__(skeleton, "_autopar_fake_mode", mode)
+    return skeleton
+
+
+def fake_inputs(skeleton: nn.Module, tree):
+    """``tree`` with every tensor a fake of it in ``skeleton``'s fake mode (``weightless``)."""
+    mode = skeleton._autopar_fake_mode
+    return pytree.tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, tree)
 
 
 def plan_on_rank0(model, mesh, graph, memory_budget, force, plan_kwargs, rank):
@@ -121,10 +135,9 @@ class VariantBuilder:
                 "shapes (drop_last=True, padding to a few bucket lengths) or pass a larger max_programs to parallelize"
             )
         self.skeleton.train(mode)
-        meta_args, meta_kwargs = pytree.tree_map(
-            lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (tuple(args), dict(kwargs)))
+        fake_args, fake_kwargs = fake_inputs(self.skeleton, (tuple(args), dict(kwargs)))
         try:
-            graph = ir.trace(self.skeleton, meta_args, meta_kwargs or None)
+            graph = ir.trace(self.skeleton, fake_args, fake_kwargs or None)
         except TraceError as err:
             raise ConfigError(f"cannot trace the model in {'train' if mode else 'eval'} mode for these inputs: {err}") from None
         if graph.fingerprint() == self.main_plan.model_fingerprint:

@@ -22,8 +22,11 @@ def check_lookups(graph, model, example_inputs, example_kwargs) -> None:
         return
     exported = graph.exported
     leaves = fx_pytree.tree_flatten_spec((tuple(example_inputs), dict(example_kwargs or {})), exported.call_spec.in_spec)
-    if any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves):
-        return  # a meta-device call has no values to read
+    if any(isinstance(x, torch.Tensor) and (x.is_meta or isinstance(x, torch._subclasses.fake_tensor.FakeTensor))
+           for x in leaves):
+        return  # a meta-device or fake call has no values to read
+    if any(b.is_meta or isinstance(b, torch._subclasses.fake_tensor.FakeTensor) for b in model.buffers()):
+        return
     known = _known_values(graph, model, exported, leaves)
     written = set(written_bases(graph).values())  # evaluated alone, their writes would be missed
     values: dict = {}

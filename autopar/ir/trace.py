@@ -77,21 +77,25 @@ def trace(
 
 @contextlib.contextmanager
 def _without_cache(model, kwargs: dict):
-    """A transformers model whose config asks for a generation cache, with it off for the trace
-    (unless the call passes ``use_cache`` itself); yields the notes to keep."""
-    config = getattr(model, "config", None)
+    """A transformers model whose configs ask for a generation cache (the model's, and its
+    submodules' own copies: T5's decoder keeps one), with it off for the trace (unless the call
+    passes ``use_cache`` itself); yields the notes to keep."""
     notes: list[str] = []
-    if getattr(config, "use_cache", False) is not True or "use_cache" in kwargs:
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+               if getattr(c, "use_cache", False) is True}
+    if not configs or "use_cache" in kwargs:
         yield notes
         return
-    config.use_cache = False
+    for c in configs.values():
+        c.use_cache = False
     notes.append(f"{type(model).__name__} traced with config.use_cache=False: its key/value cache is for "
                  "generation, and training reads none")
     log.info(notes[-1])
     try:
         yield notes
     finally:
-        config.use_cache = True
+        for c in configs.values():
+            c.use_cache = True
 
 
 @contextlib.contextmanager
@@ -135,7 +139,8 @@ def unalias(tree):
     def fresh(x):
         if not isinstance(x, torch.Tensor):
             return x
-        key = id(x) if x.is_meta or x.untyped_storage().data_ptr() == 0 else x.untyped_storage().data_ptr()
+        fake = isinstance(x, torch._subclasses.fake_tensor.FakeTensor)
+        key = id(x) if fake or x.is_meta or x.untyped_storage().data_ptr() == 0 else x.untyped_storage().data_ptr()
         if key in seen or id(x) in seen:
             return x.clone()
         seen.update((key, id(x)))

@@ -7,7 +7,8 @@ fraction of the op's FLOPs each device does, and a family label (see DESIGN.md: 
 spec (``| P1``); whoever reads the output decides how to resolve it.
 
 Rules register with ``@register("aten.mm.default", ...)`` and live in ``rules/`` by op family. An op
-without a rule runs replicated, with one warning naming the op: never a crash. An in-place op
+without a rule runs replicated (said once, as an INFO record of the ``autopar`` logger; ``explain``
+counts it under the family "replicate"): never a crash. An in-place op
 (``aten.add_.Tensor``, ``aten.copy_.default``) without a rule of its own takes its functional twin's
 strategies that leave the written tensor in the spec it is read in (the output *is* that tensor).
 
@@ -36,11 +37,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import math
-import warnings
 from typing import Callable, Iterable, Sequence
 
 from autopar.sharding_spec.spec import ShardingSpec
+
+log = logging.getLogger("autopar")
 
 # Families a codegen cannot run as the plain local op; see their rules for the lowering.
 LOWERED_FAMILIES = frozenset(
@@ -177,7 +180,7 @@ def strategies_for(ctx: OpContext) -> list[Strategy]:
     if rule is None:
         if target not in _WARNED:
             _WARNED.add(target)
-            warnings.warn(f"autopar: no sharding rule for {target}; it runs replicated on every device", stacklevel=2)
+            log.info("no sharding rule for %s; it runs replicated on every device", target)
         return [replicate_strategy(ctx)]
     out = [s for s in rule(ctx) if _even(s, ctx.mesh.shape)]
     # Always keep the replicated strategy: it is valid for every op and a safe fallback.

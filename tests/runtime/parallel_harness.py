@@ -115,12 +115,15 @@ def _state_err(pm, ref, exact=None) -> tuple[float, bool]:
     return max(errs.values(), default=0.0), set(full) == set(want)
 
 
-def exact_training(initial, batches, loss_fn, lr: float) -> dict:
-    """The state ``initial`` reaches in float64 after an AdamW step on each batch (as ``compare``)."""
+def exact_training(initial, batches, loss_fn, lr: float, clip: float | None = None) -> dict:
+    """The state ``initial`` reaches in float64 after an AdamW step on each batch (as ``compare``;
+    ``clip``: the gradients clipped to that norm first, as a loop that clips does)."""
     m64 = copy.deepcopy(initial).double()
     opt = torch.optim.AdamW(m64.parameters(), lr=lr, eps=ADAM_EPS)
     for x in batches:
         loss_fn(m64, to_double(x)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(m64.parameters(), clip)
         opt.step()
         opt.zero_grad()
     return m64.state_dict()

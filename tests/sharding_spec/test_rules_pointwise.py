@@ -172,8 +172,18 @@ def test_zeros_like_passes_pending_sum_ones_like_does_not():
 
 @pytest.mark.parametrize("target,args", [("aten.arange.default", (8,)), ("aten.arange.start", (2, 10)),
                                          ("aten.scalar_tensor.default", (1.5,))])
-def test_replicate_only_factories(target, args, recwarn):
+def test_replicate_only_factories(target, args, caplog):
     node, _ = make_node(target, args, {}, V)
-    strategies = strategies_for(context(node, V, Mesh((2,))))
+    with caplog.at_level("INFO", logger="autopar"):
+        strategies = strategies_for(context(node, V, Mesh((2,))))
     assert [s.family for s in strategies] == ["replicate"]
-    assert not [w for w in recwarn if "no sharding rule" in str(w.message)]
+    assert "no sharding rule" not in caplog.text  # they have a rule: replicated is its only answer
+
+
+def test_an_op_without_a_rule_runs_replicated_and_says_so_once(caplog):
+    node, _ = make_node("aten.bernoulli.p", (R("r"), 0.5), {}, V)
+    with caplog.at_level("INFO", logger="autopar"):
+        for _ in range(2):
+            strategies = strategies_for(context(node, V, Mesh((2,))))
+    assert [s.family for s in strategies] == ["replicate"]
+    assert caplog.text.count("no sharding rule for aten.bernoulli.p") <= 1
