@@ -54,10 +54,10 @@ def seq2seq_batch():
     return ids, torch.roll(ids, 1, 1)
 
 
-def seq2seq_case(tag, arch, mesh, groups, force):
+def seq2seq_case(tag, arch, mesh, groups, force, pipeline=False):
     def go():
         model = ENCODER_DECODERS[arch]()
-        res = compare(model, seq2seq_batch(), mesh, groups, force=force,
+        res = compare(model, seq2seq_batch(), mesh, None if pipeline else groups, force=force, pipeline=pipeline,
                       kwargs_fn=lambda x: {"input_ids": x[0], "labels": x[1]})
         out = summary(tag, res)
         out["n_params"] = len(list(model.parameters()))
@@ -112,6 +112,9 @@ def rank_4(rank, world_size):
         out.append(seq2seq_case(f"{arch} dp4", arch, mesh, groups, autopar.Layout(dp=4)))
         out.append(seq2seq_case(f"{arch} planned (4,)", arch, mesh, groups, None))
     out.append(seq2seq_case("t5 zero3", "t5", mesh, groups, autopar.Layout(dp=4, zero=3)))
+    # the decoder-input shift is per sample (a copy into a fresh tensor): T5 splits into microbatches
+    out.append(seq2seq_case("t5 pipeline", "t5", mesh, groups, None,
+                            pipeline=autopar.Pipeline(stages=2, microbatches=2, schedule="1f1b")))
     for name, force in (("dp4", autopar.Layout(dp=4)), ("tp4", autopar.Layout(tp=4)),
                         ("zero2", autopar.Layout(dp=4, zero=2)), ("planned", None)):
         out.append(zoo_in_place_case(f"in_place {name} (4,)", mesh, groups, force))
@@ -158,6 +161,10 @@ def test_encoder_decoders_are_exact(four_ranks, arch, layout):
 def test_t5_under_zero3_and_planned_on_2x2(four_ranks):
     _assert_exact(four_ranks["t5 zero3"])
     _assert_exact(four_ranks["t5 planned (2, 2)"])
+
+
+def test_t5_pipelines_exactly_in_the_plain_loop(four_ranks):
+    _assert_exact(four_ranks["t5 pipeline"])
 
 
 @pytest.mark.parametrize("layout", ["dp4 (4,)", "tp4 (4,)", "zero2 (4,)", "planned (4,)", "dp2 x tp2", "planned (2, 2)"])
