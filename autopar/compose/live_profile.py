@@ -41,8 +41,10 @@ PROFILE_SUBDIR = "parallelize"
 # 2: rank_contention is the slowest rank's (was the median rank's)
 # 3: the ranks' mean, median over CONTENTION_ROUNDS rounds (one round's slowest rank moved 2.1-3.0)
 # 4: the host's memory bandwidth (``measure_overheads``), for gradient accumulation
-# 5: measured_spread, the spread of the contention rounds
-HOST_PROFILE_VERSION = 5
+# 5, 6: measured_spread, the contention rounds' spread (6: the median's standard error)
+HOST_PROFILE_VERSION = 6
+# the expected range of n normal draws in standard deviations (d2 of control charts)
+_RANGE_TO_SIGMA = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704}
 CONTENTION_ROUNDS = 5
 # A cached host profile is checked against a short measurement when it was last checked longer ago
 # than this (jobs started in a row reuse it as is) and measured again where the host has drifted:
@@ -311,10 +313,12 @@ def _tensors(value) -> list:
 
 
 def _contention(device, rounds: int) -> tuple[float, float, float]:
-    """(rank contention, the workload's seconds on rank 0 alone, the rounds' spread):
+    """(rank contention, the workload's seconds on rank 0 alone, its spread):
     ``contention_workload`` on every rank at once, the ranks' mean, the median over ``rounds``
-    rounds, over rank 0's median alone; the spread is (slowest - fastest round) / median, how far
-    one moment's measurement may be off. The same on every rank. A collective."""
+    rounds, over rank 0's median alone. The spread is the median's standard error relative to it,
+    estimated from the rounds' range (sigma ~ range / 2.33 for five rounds, the median's error
+    ~ 1.25 sigma / sqrt(rounds)): how far this moment's figure may be off. The same on every rank.
+    A collective."""
     from autopar.cost_model.profile_runtime import contention_workload
 
     together = []
@@ -329,7 +333,8 @@ def _contention(device, rounds: int) -> tuple[float, float, float]:
         together.append(statistics.fmean(times))
     alone = _on_rank0(lambda: statistics.median(contention_workload(device) for _ in range(rounds)))
     middle = statistics.median(together)
-    return max(1.0, middle / alone), alone, (max(together) - min(together)) / middle
+    sigma = (max(together) - min(together)) / _RANGE_TO_SIGMA.get(rounds, 2.33)
+    return max(1.0, middle / alone), alone, 1.2533 * sigma / math.sqrt(rounds) / middle
 
 
 def _store(what: str, device, directory, value: dict) -> None:

@@ -78,9 +78,10 @@ class ClusterSpec:
       model it plans (``live_profile.in_situ_factor``) and scales the per-op overheads with it.
     memory_is_budget: whether ``memory_bytes`` bounds a plan when the caller gives no budget (a
       GPU's memory is a hard limit; a CPU host's is shared by its ranks and swaps).
-    measured_spread: how far apart repeated measurements of the live host were, relative (0 for a
-      preset): a plan with more parts must be predicted faster than the plain one by more than this
-      to be chosen (``solver.api.simpler_unless_faster``), so noise does not decide near a tie.
+    measured_spread: how far the live host's measurement may be off, relative (the rank
+      contention's standard error; 0 for a preset): a plan with more parts must be predicted faster
+      than the plain one by more than this to be chosen (``solver.api.simpler_unless_faster``), so
+      the moment's noise does not decide near a tie.
     Live profiles (``autopar.parallelize``) measure the overheads, the optimizer's costs, the
     overlap, the collective overhead, the contention and the in-situ factor; presets estimate them,
     and the two efficiencies (profiled op times replace the roofline where they exist).
