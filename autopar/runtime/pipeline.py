@@ -482,7 +482,7 @@ class PipelineRunner:
         """The module called on ``flat_inputs`` (the user inputs, flattened) in mode ``training``:
         its flat outputs on every rank, differentiable (``autopar.runtime.pipeline_call``): on the
         stages built for the plan, or on stages built for this mode and these shapes on first use."""
-        from autopar.runtime.pipeline_call import PipelineCall, StageSet, microbatch_rows
+        from autopar.runtime.pipeline_call import PipelineCall, microbatch_rows
 
         rows = microbatch_rows(flat_inputs, self.batch_dims, self.main_set.micro)
         key = (bool(training), rows, tuple((tuple(x.shape[1:]) if split else tuple(x.shape), x.dtype)

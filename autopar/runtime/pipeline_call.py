@@ -169,7 +169,6 @@ class PipelineCall:
 
     def _receive(self, s: int, names: list[str], grad: bool) -> list:
         r = self.runner
-        mesh = r.sg.groups.mesh
         bufs = [self._buffer(v) for v in names]
         works = [dist.irecv(b, src=self._peer(s - 1), group=r.sg.pp_group) for b in bufs]
         for w in works:

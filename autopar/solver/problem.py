@@ -332,11 +332,14 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
             edge_list.append((src, node.name, pos))
             key = (src, node.name)
             edges[key] = edges[key] + mat if key in edges else mat
+    # A budget no assignment can exceed (the most memory of every node together fits) constrains
+    # nothing, and would only keep the simplifier from folding nodes whose memory varies.
+    most = sum(float(np.max(c.memory)) for c in choices.values() if len(c.memory))
     problem = Problem(
         costs={v: c.compute_s + c.comm_s for v, c in choices.items()},
         memory={v: c.memory for v, c in choices.items()},
         edges=edges,
-        budget=memory_budget,
+        budget=None if memory_budget is not None and most <= memory_budget else memory_budget,
     )
     return Built(problem, choices, edge_list, grad, shares)
 

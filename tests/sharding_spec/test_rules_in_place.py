@@ -3,7 +3,7 @@ its functional twin), run per rank on local shards against one device. An in-pla
 write into the very shard it reads (the output *is* the destination), or the write is lost."""
 import pytest
 import torch
-from rules_harness import MESH_3D, MESHES_2D, assert_shards, check_op, context, ints, make_node, rand, run
+from rules_harness import MESH_3D, MESHES_2D, assert_shards, check_op, context, ints, make_node, run
 
 from autopar.ir import NodeRef as R
 from autopar.sharding_spec import simulator
