@@ -184,6 +184,9 @@ def _explain_pipeline(plan: Plan, **kw) -> str:
         f"{fmt_s(p.bubble_fraction * plan.predicted['step_time_s'])} ({p.bubble_fraction:.0%}); "
         f"memory per device up to {fmt_bytes(plan.predicted['memory_bytes_per_device'])}"
         + (f" (budget {fmt_bytes(budget)}{whence})" if budget else ", no budget given"),
+        *([f"that is train_step's {p.schedule}; a call (pmodel(...) then backward()) runs GPipe's order, every "
+           f"microbatch in flight: predicted {fmt_s(plan.predicted['call_step_time_s'])}"]
+          if len(p.stages) > 1 and "call_step_time_s" in plan.predicted else []),
         "",
     ]
     for i, s in enumerate(p.stages):

@@ -50,7 +50,7 @@ from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import needs_lowering
 from autopar.solver.plan import PipelinePlan, Plan, StagePlan
 from autopar.solver.schedule_time import interleaved_time, simulate_shared
-from autopar.solver.stage_dp import solve_stages
+from autopar.solver.stage_dp import solve_stages, step_time
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,24 @@ class PipelineChoice:
         out["step_time_s"] = self.step_time_s
         return out
 
+    def call_step_time_s(self) -> float:
+        """The step of a call (``pmodel(...)`` then ``backward()``: ``runtime.pipeline_call``),
+        which runs GPipe's order over every stage, each rank its stages in turn: this step with the
+        schedule's core of stage times (``stage_dp.step_time``, ``interleaved_time``, the simulated
+        zero bubble) swapped for GPipe's."""
+        p = self.pipeline
+        times = [s.time_per_microbatch_s for s in p.stages]
+        blocks = max(1, len(times) // p.virtual_stages)
+        m = p.microbatches
+        gpipe = sum(times) + (m - 1) * max(sum(times[b::blocks]) for b in range(blocks))
+        if p.virtual_stages > 1:
+            core = interleaved_time(times, blocks, p.virtual_stages, m)
+        elif p.schedule == "zero-bubble":
+            core = m * max(times) / max(1e-12, 1.0 - p.bubble_fraction)
+        else:
+            core = step_time(times, m)
+        return float(self.step_time_s - core + gpipe)
+
     def to_plan(self) -> Plan:
         """A Plan holding these stages (see ``Plan.pipeline``)."""
         mesh_dict = self.stages[0].plan.mesh
@@ -169,6 +187,7 @@ class PipelineChoice:
             "comm_s": 0.0,
             "memory_bytes_per_device": self.pipeline.memory_per_device(),
             "bubble_fraction": self.pipeline.bubble_fraction,
+            "call_step_time_s": self.call_step_time_s(),
         }
         solver = {"status": "pipeline", "objective_s": self.step_time_s, "search_s": self.search_s, **self.timing}
         return Plan(self.graph.model_name, self.graph.fingerprint(), mesh, {}, [], {}, predicted, solver,

@@ -41,8 +41,20 @@ LR = 1e-2
 COLLECTIVE_TIMEOUT_S = 60.0
 
 
+# Cases a fresh seed once flagged as wrong: loss and gradients exact, a layer-norm bias whose exact
+# gradient is zero moved by AdamW's amplified rounding as far as one process alone moves it. Exact
+# by the noise-floor check; kept in every fixed draw.
+KNOWN = [
+    {"batch": 3, "seq": 2, "width": 4, "heads": 2, "vocab": 16, "loss": "mse", "blocks": [["layernorm", 0], ["seq_mean", 2],
+     ["attention", 3], ["layernorm", 0], ["conv", 0]], "mesh": [2], "force": "tp", "seed": 9664},
+    {"batch": 8, "seq": 3, "width": 16, "heads": 1, "vocab": 16, "loss": "ce", "blocks": [["layernorm", 2], ["linear", 3],
+     ["seq_mean", 2], ["seq_mean", 2], ["conv", 2]], "mesh": [4], "force": "zero3", "seed": 857},
+]
+
+
 def draw(n: int, fuzz_seed: int | None = None) -> list[dict]:
-    """``n`` cases: always the same ones without ``fuzz_seed``, others for each seed."""
+    """``n`` cases: always the same ones without ``fuzz_seed`` (``KNOWN`` among them), others for
+    each seed."""
     out: list[dict] = []
 
     @settings(max_examples=n, derandomize=fuzz_seed is None, database=None, phases=[Phase.generate], deadline=None,
@@ -54,7 +66,7 @@ def draw(n: int, fuzz_seed: int | None = None) -> list[dict]:
     if fuzz_seed is not None:
         collect = seed(fuzz_seed)(collect)
     collect()
-    return out[:n]
+    return out[:n] if fuzz_seed is not None else [dict(c) for c in KNOWN] + out[: max(0, n - len(KNOWN))]
 
 
 def pipeline_of(case: dict):

@@ -284,6 +284,19 @@ def test_plan_with_pipeline_stages_round_trips_and_explains(tmp_path):
     text = plan.explain()
     first, last = pipe["stages"][1]["layers"]
     assert "pipeline: 2 stages" in text and f"stage 1: layers {first}-{last}" in text and "--- stage 0 ---" in text
+    assert "a call (pmodel(...) then backward()) runs GPipe's order" in text
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "interleaved-1f1b"])
+def test_a_calls_step_is_gpipes_order_over_the_same_stages(schedule):
+    model, inputs = models.build("gpt", device="meta", layers=8, width=256, heads=8, seq=64, vocab=1024, batch=16)
+    mesh = autopar.Mesh((4,), cluster="a100-80g")
+    plan = autopar.plan(model, mesh, inputs, pipeline=autopar.Pipeline(stages=2, schedule=schedule, microbatches=4))
+    step, call = plan.predicted["step_time_s"], plan.predicted["call_step_time_s"]
+    if schedule in ("gpipe", "1f1b"):  # the same stage times in the same step formula
+        assert call == pytest.approx(step, rel=1e-9)
+    else:  # the schedules that hide part of GPipe's bubble
+        assert call >= step * (1 - 1e-9)
 
 
 def test_one_stage_plan_reports_one_stage_and_version_1_files_load(tmp_path):
