@@ -8,6 +8,7 @@ model is parallelized.
 """
 import importlib as _importlib
 
+from autopar.cluster import ClusterSpec, Link
 from autopar.errors import (
     AutoparError,
     CheckpointError,
@@ -76,8 +77,10 @@ __version__ = "0.1.0"
 __all__ = [
     "AutoparError",
     "CheckpointError",
+    "ClusterSpec",
     "ConfigError",
     "Layout",
+    "Link",
     "Mesh",
     "MeshError",
     "Partial",

@@ -1,9 +1,11 @@
-"""Device and cluster specs, the alpha-beta communication model, compute and memory models.
+"""The alpha-beta communication model, compute and memory models: prices in seconds and bytes.
 
-Profiling lives in ``profile_ops`` (op timings -> OpTable) and ``profile_comm`` (live collectives
--> fitted ClusterSpec); import those modules directly.
+The hardware they price (``ClusterSpec``, ``Link``, the presets) is described in
+``autopar.cluster``, below every layer; its names are re-exported here. Profiling lives in
+``profile_ops`` (op timings -> OpTable) and ``profile_comm`` (live collectives -> fitted
+ClusterSpec); import those modules directly.
 """
-from autopar.cost_model.cluster import PRESETS, ClusterSpec, Link, resolve_cluster
+from autopar.cluster import PRESETS, ClusterSpec, Link, resolve_cluster
 from autopar.cost_model.comm import collective_time, mesh_collective_time
 from autopar.cost_model.compute import BACKWARD_FLOP_FACTOR, forward_time, node_time
 from autopar.cost_model.memory import (

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from autopar.cost_model.cluster import Link
+from autopar.cluster import Link
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 SCALAR_BYTES = 8  # one value of any dtype: what ``scalar_all_reduce_alphas`` prices

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.cost_model.cluster import resolve_cluster
+from autopar.cluster import resolve_cluster
 from autopar.cost_model.ops import is_floating, is_view, itemsize, local_nbytes, needs_grad, tensor_inputs
 
 # A matmul's backward computes two products of the forward's size (dL/dX = dL/dY W^T and

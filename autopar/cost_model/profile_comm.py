@@ -50,7 +50,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from autopar.cost_model.cache import cache_dir, read_json, write_json
-from autopar.cost_model.cluster import ClusterSpec, Link, resolve_cluster
+from autopar.cluster import ClusterSpec, Link, resolve_cluster
 from autopar.cost_model.comm import COLLECTIVES, SCALAR_BYTES, latency_hops, volume_factor
 from autopar.errors import AutoparError
 

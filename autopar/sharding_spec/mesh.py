@@ -12,7 +12,7 @@ import itertools
 import math
 from typing import Iterable, Sequence
 
-from autopar.cost_model.cluster import ClusterSpec, Link, resolve_cluster
+from autopar.cluster import ClusterSpec, Link, resolve_cluster
 from autopar.errors import MeshError
 
 MAX_AXES = 4

@@ -201,7 +201,7 @@ def test_profile_then_explain_profiled_a_cluster_file_and_a_kwargs_factory(capsy
     """The happy paths: `profile --mesh` (local gloo ranks) and `profile --ops` write the cache that
     `explain --profiled` prices with; `--cluster FILE` reads a ClusterSpec; a factory may return
     keyword inputs."""
-    from autopar.cost_model.cluster import PRESETS
+    from autopar.cluster import PRESETS
 
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
     code, out, err = run(capsys, "profile", "--mesh", "2")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from autopar.codegen import collectives
 from autopar.codegen.collectives import run_reshard
-from autopar.cost_model.cluster import PRESETS
+from autopar.cluster import PRESETS
 from autopar.errors import MeshError
 from autopar.runtime.launch import spawn
 from autopar.runtime.process_groups import MeshGroups

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.cost_model import PRESETS, ClusterSpec, Link, collective_time, mesh_collective_time, resolve_cluster
+from autopar.cluster import PRESETS, ClusterSpec, Link, resolve_cluster
+from autopar.cost_model import collective_time, mesh_collective_time
 from autopar.cost_model.comm import COLLECTIVES, group_link, latency_hops, volume_factor
 from autopar.errors import ConfigError
 from autopar.sharding_spec import Mesh

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar.cost_model import BACKWARD_FLOP_FACTOR, PRESETS, forward_time, node_time
+from autopar.cluster import PRESETS, ClusterSpec
+from autopar.cost_model import BACKWARD_FLOP_FACTOR, forward_time, node_time
 from autopar.cost_model import profile_ops as po
-from autopar.cost_model.cluster import ClusterSpec
 from autopar.cost_model.cache import slug
 from autopar.cost_model.compute import local_bytes_moved, local_input_shapes
 from autopar.errors import ConfigError

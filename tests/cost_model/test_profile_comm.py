@@ -7,7 +7,8 @@ import statistics
 import numpy as np
 import pytest
 
-from autopar.cost_model import PRESETS, ClusterSpec, Link, mesh_collective_time
+from autopar.cluster import PRESETS, ClusterSpec, Link
+from autopar.cost_model import mesh_collective_time
 from autopar.cost_model.comm import COLLECTIVES, latency_hops, volume_factor
 from autopar.cost_model.profile_comm import (
     CommMeasurement,

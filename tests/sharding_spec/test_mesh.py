@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.cost_model.cluster import PRESETS, Link
+from autopar.cluster import PRESETS, Link
 from autopar.errors import ConfigError, MeshError
 from autopar.sharding_spec import Mesh
 

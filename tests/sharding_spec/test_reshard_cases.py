@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from autopar.cost_model.cluster import PRESETS, Link
+from autopar.cluster import PRESETS, Link
 from autopar.cost_model.comm import collective_time
 from autopar.errors import ReshardError, ShardingError
 from autopar.sharding_spec import Mesh, ShardingSpec, naive_plan, plan_reshard

@@ -13,7 +13,7 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from autopar.cost_model.cluster import PRESETS, Link
+from autopar.cluster import PRESETS, Link
 from autopar.sharding_spec import Mesh, ShardingSpec, naive_plan, plan_reshard
 from autopar.sharding_spec import simulator
 from autopar.sharding_spec.reshard import STEP_KINDS, neighbours

@@ -11,7 +11,7 @@ import torch
 
 import autopar
 from autopar import models
-from autopar.cost_model.cluster import PRESETS
+from autopar.cluster import PRESETS
 from autopar.solver.api import simpler_unless_faster
 from autopar.solver.explain import layout_words
 

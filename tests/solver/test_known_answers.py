@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import autopar
-from autopar.cost_model.cluster import PRESETS, Link
+from autopar.cluster import PRESETS, Link
 from autopar.cost_model.comm import mesh_collective_time
 
 warnings.simplefilter("ignore")

@@ -7,6 +7,9 @@ one hop costs ``alpha + b * beta`` seconds (alpha: latency in s, beta: s per byt
 Which link a mesh axis uses: the last mesh axis is the fastest. An axis whose group, together
 with all axes after it, fits inside one node (``devices_per_node``) talks over the intra-node
 link; any other axis crosses nodes. ``axis_links`` overrides that per axis.
+
+This is a description of the hardware (data), not a price: it sits below every layer, so a
+``Mesh`` (``autopar.sharding_spec``) can hold one, and ``autopar.cost_model`` prices with it.
 """
 from __future__ import annotations
 
