@@ -72,7 +72,18 @@ def trace(
     graph = from_exported(model, exported, name=name)
     graph.notes = tuple(notes)
     check_lookups(graph, model, example_inputs, example_kwargs)
+    _release_weights(exported)
     return graph
+
+
+def _release_weights(exported) -> None:
+    """Swap the exported program's copies of the model's weights for meta tensors: the Graph reads
+    their shapes, never their values, and a parallelized module that kept them would hold a whole
+    unsharded model on every rank for as long as it lives."""
+    state = exported.state_dict
+    for key, value in list(state.items()):
+        meta = torch.empty_like(value, device="meta")
+        state[key] = torch.nn.Parameter(meta, requires_grad=value.requires_grad) if isinstance(value, torch.nn.Parameter) else meta
 
 
 @contextlib.contextmanager

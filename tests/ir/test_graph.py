@@ -4,19 +4,21 @@ from __future__ import annotations
 import torch
 from torch.export.graph_signature import InputKind
 
-from autopar.ir import Graph, Node, NodeRef, Role, TensorMeta
+from autopar import models
+from autopar.ir import Graph, Node, NodeRef, Role, TensorMeta, trace
 
 
-def run_recording(graph: Graph, user_args: tuple) -> dict[str, object]:
-    """Run the exported graph on real tensors; return every node's value by name."""
+def run_recording(graph: Graph, model, user_args: tuple) -> dict[str, object]:
+    """Run the exported graph on the model's tensors; return every node's value by name."""
     ep = graph.exported
+    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     user = iter(user_args)
     flat = []
     for spec in ep.graph_signature.input_specs:
         if spec.kind == InputKind.USER_INPUT:
             flat.append(next(user))
-        elif spec.target in ep.state_dict:
-            flat.append(ep.state_dict[spec.target])
+        elif spec.target in state:
+            flat.append(state[spec.target])
         else:
             flat.append(ep.constants[spec.target])
     values: dict[str, object] = {}
@@ -49,7 +51,7 @@ def test_tensor_meta_fields():
 
 def test_metadata_matches_real_execution(gpt, llama, mlp):
     for model, inputs, graph in (gpt, llama, mlp):
-        values = run_recording(graph, inputs)
+        values = run_recording(graph, model, inputs)
         for node in graph:
             if node.op == "output":
                 continue
@@ -160,3 +162,14 @@ def test_summary_and_str(gpt):
     text = str(graph)
     assert "transformer.h.2" in text and "(outside)" in text and "x3" in text
     assert "GPT" in repr(graph)
+
+
+def test_the_graph_keeps_no_weight_of_the_model():
+    """A parallelized module keeps its Graph for its life: a value held there would be a whole
+    unsharded copy of the model on every rank (the exported program's state dict)."""
+    model, inputs = models.build("gpt", layers=2)
+    graph = trace(model, inputs)
+    assert graph.exported.state_dict and all(v.is_meta for v in graph.exported.state_dict.values())
+    params = {id(p) for p in model.parameters()}
+    assert not any(id(v) in params for v in graph.exported.state_dict.values())
+    assert all(not p.is_meta for p in model.parameters())  # the model itself is untouched

@@ -49,17 +49,18 @@ def traced(request):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = trace(model, (), kwargs)
-    return name, graph, _values(graph, kwargs)
+    return name, graph, _values(graph, model, kwargs)
 
 
-def _values(graph, kwargs) -> dict:
+def _values(graph, model, kwargs) -> dict:
     ep = graph.exported
+    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     feed = []
     for spec in ep.graph_signature.input_specs:
         if spec.kind.name == "USER_INPUT":
             feed.append(kwargs[spec.arg.name])
-        elif spec.target in ep.state_dict:
-            feed.append(ep.state_dict[spec.target])
+        elif spec.target in state:
+            feed.append(state[spec.target])
         else:
             feed.append(ep.constants[spec.target])
     interp = torch.fx.Interpreter(graph.gm, garbage_collect_values=False)
