@@ -21,8 +21,8 @@ from autopar.errors import (
     TraceError,
 )
 from autopar.compose.parallelize import parallelize
-from autopar.sharding_spec import Mesh, Partial, Replicate, Shard, ShardingSpec, plan_reshard
-from autopar.solver import Layout, Pipeline, Plan, plan
+from autopar.sharding_spec import Mesh, Partial, Replicate, Shard, ShardingSpec
+from autopar.solver import Layout, Pipeline, Plan, plan, plan_reshard
 
 
 def save(path, pmodel, optimizer=None, extra=None, **kwargs):

@@ -24,7 +24,8 @@ import torch
 
 from autopar import ir, models
 from autopar.errors import ShardingError
-from autopar.sharding_spec import Mesh, ShardingSpec, plan_reshard
+from autopar.sharding_spec import Mesh, ShardingSpec
+from autopar.solver.reshard_search import plan_reshard
 
 TOL = 1e-5
 LR = 1e-2

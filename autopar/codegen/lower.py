@@ -41,10 +41,11 @@ from autopar.errors import ConfigError, PlanError
 from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role
 from autopar.ir.losses import counted_from_inputs
-from autopar.sharding_spec.reshard import plan_reshard, spec_after
+from autopar.sharding_spec.reshard import spec_after
 from autopar.sharding_spec.rules._common import localize_args, norm_dim
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import needs_lowering
+from autopar.solver.reshard_search import plan_reshard
 
 STATE_ROLES = (Role.PARAMETER, Role.BUFFER, Role.CONSTANT)
 # A view traced on a tensor whose strides happened to allow it (CPU SDPA returns its output laid out

@@ -173,7 +173,7 @@ def autopar_backward_seed(x, idle_axes=()):
 @torch.no_grad()
 def gather_full(x: torch.Tensor, spec, groups) -> torch.Tensor:
     """The full tensor from this rank's shard under ``spec`` (pending sums summed), on every rank."""
-    from autopar.sharding_spec.reshard import plan_reshard
+    from autopar.solver.reshard_search import plan_reshard
     from autopar.sharding_spec.spec import ShardingSpec
 
     target = ShardingSpec.replicate(spec.shape, spec.mesh_ndim)

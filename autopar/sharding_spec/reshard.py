@@ -1,4 +1,4 @@
-"""The resharding planner: the cheapest sequence of collective steps from one spec to another.
+"""Resharding steps: what each collective (or local) step does to a spec.
 
 States are specs of one tensor on one mesh. A step changes the spec over one group of mesh axes:
 
@@ -11,27 +11,19 @@ States are specs of one tensor on one mesh. A step changes the spec over one gro
                              value, the others hold zeros; local, no communication)
 
 Only the trailing splitters of a dim can be gathered or moved: gathering a more significant axis
-would leave each rank a strided, not a contiguous, piece. Dijkstra over these states, each step
-priced by cost_model.comm (local steps cost a tie-break constant so shorter plans win ties), finds
-the cheapest plan. One search from a source prices every target; searches and plans are cached
-per (source, target, mesh, itemsize).
+would leave each rank a strided, not a contiguous, piece. ``neighbours`` lists every step from a
+spec; ``spec_after`` replays one; ``naive_plan`` is the baseline route (resolve, gather all, slice).
+Nothing here is priced: the cheapest route is the solver's search
+(``autopar.solver.reshard_search.plan_reshard``), which prices each step with ``cost_model.comm``.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import heapq
 import itertools
 import math
 
-import numpy as np
-
-from autopar.cost_model.comm import mesh_collective_time
 from autopar.errors import ReshardError
 from autopar.sharding_spec.spec import ShardingSpec
-
-# A local step (slice, to_partial) costs this much, so among equal-cost plans the shorter wins.
-LOCAL_STEP_TIEBREAK_S = 1e-12
 
 STEP_KINDS = ("all_gather", "slice", "all_reduce", "reduce_scatter", "all_to_all", "to_partial")
 COMM_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
@@ -39,15 +31,15 @@ COMM_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One step of a resharding plan. ``axes``: the mesh axes of the group (in shard order).
-    ``src_dim``: the dim gathered or sent by all_to_all. ``dst_dim``: the dim sliced, scattered or
-    received. ``nbytes``: the bytes the cost formula used. ``before``/``after``: the specs."""
+    """One resharding step. ``axes``: the mesh axes of the group (in shard order). ``src_dim``:
+    the dim gathered or sent by all_to_all. ``dst_dim``: the dim sliced, scattered or received.
+    ``nbytes``: the local bytes a collective moves (as the alpha-beta formulas count them; 0 for a
+    local step). ``before``/``after``: the specs."""
 
     kind: str
     axes: tuple[int, ...]
     before: ShardingSpec
     after: ShardingSpec
-    cost: float
     nbytes: int
     src_dim: int | None = None
     dst_dim: int | None = None
@@ -73,13 +65,12 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class ReshardPlan:
+    """A route of steps from ``src`` to ``dst`` (``solver.reshard_search.PricedReshard`` adds
+    each step's price)."""
+
     src: ShardingSpec
     dst: ShardingSpec
     steps: tuple[Step, ...]
-
-    @property
-    def cost(self) -> float:
-        return sum(s.cost for s in self.steps)
 
     @property
     def comm_bytes(self) -> int:
@@ -113,12 +104,8 @@ def neighbours(spec: ShardingSpec, mesh, itemsize: int):
         after = ShardingSpec(spec.shape, tuple(after_dims), tuple(after_partial), spec.mesh_ndim)
         if not after.is_even(shape):
             return None
-        nbytes = local_bytes(nbytes_spec(after), shape, itemsize)
-        if kind in COMM_KINDS:
-            cost = mesh_collective_time(kind, nbytes, mesh, axes)
-        else:
-            cost = LOCAL_STEP_TIEBREAK_S
-        return Step(kind, tuple(axes), spec, after, cost, nbytes if kind in COMM_KINDS else 0, src_dim, dst_dim)
+        nbytes = local_bytes(nbytes_spec(after), shape, itemsize) if kind in COMM_KINDS else 0
+        return Step(kind, tuple(axes), spec, after, nbytes, src_dim, dst_dim)
 
     out = []
     for d, ax in enumerate(dims):
@@ -151,115 +138,10 @@ def neighbours(spec: ShardingSpec, mesh, itemsize: int):
     return [s for s in out if s is not None]
 
 
-def plan_reshard(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) -> ReshardPlan:
-    """The cheapest plan from ``src`` to ``dst`` on ``mesh`` for elements of ``itemsize`` bytes."""
-    for name, spec in (("source", src), ("target", dst)):
-        spec.check_even(mesh)
-    if src.shape != dst.shape:
-        raise ReshardError(f"cannot reshard between shapes {src.shape} and {dst.shape}; resharding keeps the global shape")
-    return _plan_cached(src, dst, mesh, int(itemsize))
-
-
-@functools.lru_cache(maxsize=65536)
-def _plan_cached(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int) -> ReshardPlan:
-    if src == dst:
-        return ReshardPlan(src, dst, ())
-    dist, prev = _search_from(src, mesh, itemsize)
-    if dst not in dist:
-        raise ReshardError(f"no sequence of collectives turns {src} into {dst} on {mesh}")
-    steps = []
-    spec = dst
-    while spec != src:
-        step = prev[spec]
-        steps.append(step)
-        spec = step.before
-    return ReshardPlan(src, dst, tuple(reversed(steps)))
-
-
-def reshard_cost(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) -> float:
-    """The cost of the cheapest plan (inf when the target is uneven, of another shape, or
-    unreachable): the same table ``reshard_costs_from`` reads, so every price agrees."""
-    if src == dst:
-        return 0.0
-    return reshard_costs_from(src, [dst], mesh, itemsize)[0]
-
-
-def reshard_costs_from(src: ShardingSpec, dsts, mesh, itemsize: int = 4) -> list[float]:
-    """``reshard_cost`` from one source to many targets (one search, no per-target overhead)."""
-    if not src.is_even(mesh.shape):
-        return [math.inf] * len(dsts)
-    table = _all_pairs(ShardingSpec.replicate(src.shape, src.mesh_ndim), mesh, int(itemsize))
-    if table is not None:
-        index, dist = table
-        row = dist[index[src]]
-        return [float(row[index[d]]) if d in index else math.inf for d in dsts]
-    dist = _search_from(src, mesh, int(itemsize))[0]
-    return [dist.get(d, math.inf) for d in dsts]
-
-
-# Above this many states per tensor shape, Floyd-Warshall (n^3) loses to one Dijkstra per source.
-ALL_PAIRS_MAX_STATES = 600
-
-
-@functools.lru_cache(maxsize=1024)
-def _all_pairs(replicated: ShardingSpec, mesh, itemsize: int):
-    """Every even spec of one shape (all reachable from replicated) and the cost between every
-    pair, by Floyd-Warshall in numpy; None when there are too many states."""
-    index = {replicated: 0}
-    frontier = [replicated]
-    while frontier:
-        nxt = []
-        for spec in frontier:
-            for step in _neighbours_cached(spec, mesh, itemsize):
-                if step.after not in index:
-                    if len(index) >= ALL_PAIRS_MAX_STATES:
-                        return None
-                    index[step.after] = len(index)
-                    nxt.append(step.after)
-        frontier = nxt
-    n = len(index)
-    dist = np.full((n, n), math.inf)
-    np.fill_diagonal(dist, 0.0)
-    for spec, i in index.items():
-        for step in _neighbours_cached(spec, mesh, itemsize):
-            j = index[step.after]
-            dist[i, j] = min(dist[i, j], step.cost)
-    for k in range(n):
-        np.minimum(dist, dist[:, k, None] + dist[None, k, :], out=dist)
-    return index, dist
-
-
-@functools.lru_cache(maxsize=8192)
-def _search_from(src: ShardingSpec, mesh, itemsize: int):
-    """Dijkstra from ``src`` over every reachable spec: (cost per spec, last step per spec)."""
-    best = {src: 0.0}
-    prev: dict[ShardingSpec, Step] = {}
-    done = set()
-    counter = itertools.count()
-    heap = [(0.0, next(counter), src)]
-    while heap:
-        cost, _, spec = heapq.heappop(heap)
-        if spec in done:
-            continue
-        done.add(spec)
-        for step in _neighbours_cached(spec, mesh, itemsize):
-            c = cost + step.cost
-            if c < best.get(step.after, math.inf):
-                best[step.after] = c
-                prev[step.after] = step
-                heapq.heappush(heap, (c, next(counter), step.after))
-    return best, prev
-
-
-@functools.lru_cache(maxsize=1 << 18)
-def _neighbours_cached(spec: ShardingSpec, mesh, itemsize: int) -> tuple[Step, ...]:
-    # Searches from different sources expand the same states: build each state's steps once.
-    return tuple(neighbours(spec, mesh, itemsize))
-
-
 def naive_plan(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) -> ReshardPlan:
     """Resolve every pending sum, gather everything, then slice (and mark pending sums): the
-    baseline any real plan must not exceed."""
+    baseline any priced route must not exceed, and a route that needs no search (``codegen.ops
+    .gather_full`` gathers a shard whole along it)."""
     steps = []
     spec = src
 

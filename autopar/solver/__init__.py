@@ -6,5 +6,6 @@ from autopar.solver.api import plan
 from autopar.solver.layout import Layout
 from autopar.solver.pipeline import Pipeline
 from autopar.solver.plan import Plan
+from autopar.solver.reshard_search import plan_reshard
 
-__all__ = ["Layout", "Pipeline", "Plan", "plan"]
+__all__ = ["Layout", "Pipeline", "Plan", "plan", "plan_reshard"]

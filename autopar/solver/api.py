@@ -13,13 +13,13 @@ from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir.graph import Role, edge_itemsize
 from autopar.sharding_spec.mesh import Mesh
-from autopar.sharding_spec.reshard import plan_reshard
 from autopar.sharding_spec.strategy import active_axes
 from autopar.solver import ilp
 from autopar.solver.layout import Layout, layout_force
 from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
 from autopar.solver.problem import (build_problem, bucketed_collective_time, gather_latency_correction,
                                     node_choices, produced_spec)
+from autopar.solver.reshard_search import plan_reshard
 from autopar.solver.simplify import block_ties, eliminate, prune, recover
 from autopar.solver.units import fmt_s, parse_bytes
 
@@ -511,7 +511,8 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
         if s_spec is None or d_spec is None:
             continue
         rp = plan_reshard(s_spec, d_spec, mesh, edge_itemsize(graph.nodes[src].meta, graph.nodes[dst]))
-        steps = [StepPlan(st.kind, tuple(st.axes), int(st.nbytes), float(st.cost), st.src_dim, st.dst_dim) for st in rp.steps]
+        steps = [StepPlan(st.kind, tuple(st.axes), int(st.nbytes), float(cost), st.src_dim, st.dst_dim)
+                 for st, cost in zip(rp.steps, rp.costs)]
         # an output's gathers and all-reduces run no backward collective (codegen seeds it whole)
         output_only = graph.nodes[dst].op == "output" and bool(output_whole_axes(rp.steps))
         backward = src in built.requires_grad and not output_only

@@ -20,8 +20,9 @@ from autopar.cluster import PRESETS
 from autopar.errors import MeshError
 from autopar.runtime.launch import spawn
 from autopar.runtime.process_groups import MeshGroups
-from autopar.sharding_spec import Mesh, ShardingSpec, plan_reshard
+from autopar.sharding_spec import Mesh, ShardingSpec
 from autopar.sharding_spec.simulator import apply_plan
+from autopar.solver.reshard_search import plan_reshard
 from dual_layouts import from_locals, to_locals
 
 pytestmark = pytest.mark.multirank

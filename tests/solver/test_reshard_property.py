@@ -1,4 +1,4 @@
-"""Property tests of the resharding planner, checked step by step in the single-process simulator.
+"""Property tests of the resharding search, checked step by step in the single-process simulator.
 
 For random integer tensors and random source/target specs (partial sums, multi-axis splits in
 either order) on small meshes: the plan's steps turn the source shards into exactly the target
@@ -14,9 +14,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from autopar.cluster import PRESETS, Link
-from autopar.sharding_spec import Mesh, ShardingSpec, naive_plan, plan_reshard
+from autopar.sharding_spec import Mesh, ShardingSpec, naive_plan
 from autopar.sharding_spec import simulator
 from autopar.sharding_spec.reshard import STEP_KINDS, neighbours
+from autopar.solver.reshard_search import plan_reshard, priced, step_cost
 
 MESH_SHAPES = [(2,), (4,), (2, 2), (2, 4), (2, 2, 2)]
 # Links of different speed per axis, so that plans must pick which axes to talk over.
@@ -97,10 +98,10 @@ def check_holds(locals_, tensor, spec, mesh):
 def check_plan_chain(plan, src, dst):
     assert plan.src == src and plan.dst == dst
     prev = src
-    for step in plan.steps:
+    for step, cost in zip(plan.steps, plan.costs, strict=True):
         assert step.kind in STEP_KINDS
         assert step.before == prev
-        assert step.cost >= 0
+        assert cost >= 0
         prev = step.after
     assert prev == dst
 
@@ -139,7 +140,7 @@ def test_plan_reshards_exactly(case):
         assert step in neighbours(step.before, mesh, itemsize)
 
     # never worse than resolving, gathering and re-slicing everything
-    naive = naive_plan(src, dst, mesh, itemsize)
+    naive = priced(naive_plan(src, dst, mesh, itemsize), mesh)
     check_plan_chain(naive, src, dst)
     assert plan.cost <= naive.cost + 1e-15, (str(plan), plan.cost, str(naive), naive.cost)
     assert plan.comm_bytes >= 0
@@ -190,7 +191,7 @@ def _best_within(src, mesh, itemsize, depth):
         nxt = {}
         for spec, cost in frontier.items():
             for step in neighbours(spec, mesh, itemsize):
-                c = cost + step.cost
+                c = cost + step_cost(step, mesh)
                 if c < nxt.get(step.after, math.inf):
                     nxt[step.after] = c
         for spec, c in nxt.items():
@@ -246,7 +247,7 @@ def test_every_pair_reshards_exactly(mesh_shape, shape, n_specs):
             kinds.update((s.kind, len(s.axes)) for s in plan.steps)
             after = simulator.apply_plan(before, plan, mesh)
             check_holds(after, tensor, dst, mesh)
-            assert plan.cost <= naive_plan(src, dst, mesh, 4).cost + 1e-15
+            assert plan.cost <= priced(naive_plan(src, dst, mesh, 4), mesh).cost + 1e-15
     # every kind of step is exercised (a 1-d tensor has no second dim to all_to_all into)
     assert {k for k, _ in kinds} == set(STEP_KINDS) - ({"all_to_all"} if len(shape) == 1 else set())
 

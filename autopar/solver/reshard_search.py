@@ -1,0 +1,155 @@
+"""The resharding search: the cheapest route of steps from one spec to another, priced.
+
+The steps and what they do are ``autopar.sharding_spec.reshard``'s; here each is priced by
+``cost_model.comm`` (a local step costs a tie-break constant, so among equal-cost routes the shorter
+wins) and Dijkstra over the specs finds the cheapest route. One search from a source prices every
+target; small state spaces get every pair at once (Floyd-Warshall). Searches and routes are cached
+per (source, target, mesh, itemsize).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import itertools
+import math
+
+import numpy as np
+
+from autopar.cost_model.comm import mesh_collective_time
+from autopar.errors import ReshardError
+from autopar.sharding_spec.reshard import ReshardPlan, Step, neighbours
+from autopar.sharding_spec.spec import ShardingSpec
+
+# A local step (slice, to_partial) costs this much, so among equal-cost plans the shorter wins.
+LOCAL_STEP_TIEBREAK_S = 1e-12
+
+
+@dataclasses.dataclass(frozen=True)
+class PricedReshard(ReshardPlan):
+    """A route with each step's price in seconds (``costs[i]`` is ``steps[i]``'s)."""
+
+    costs: tuple[float, ...]
+
+    @property
+    def cost(self) -> float:
+        return sum(self.costs)
+
+
+def step_cost(step: Step, mesh) -> float:
+    """Seconds ``step`` takes on ``mesh``: its collective's alpha-beta time, or the tie-break."""
+    if step.is_comm:
+        return mesh_collective_time(step.kind, step.nbytes, mesh, step.axes)
+    return LOCAL_STEP_TIEBREAK_S
+
+
+def priced(route: ReshardPlan, mesh) -> PricedReshard:
+    """``route`` (``naive_plan``'s, say) with each step priced on ``mesh``."""
+    return PricedReshard(route.src, route.dst, route.steps, tuple(step_cost(s, mesh) for s in route.steps))
+
+
+def plan_reshard(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) -> PricedReshard:
+    """The cheapest plan from ``src`` to ``dst`` on ``mesh`` for elements of ``itemsize`` bytes."""
+    for name, spec in (("source", src), ("target", dst)):
+        spec.check_even(mesh)
+    if src.shape != dst.shape:
+        raise ReshardError(f"cannot reshard between shapes {src.shape} and {dst.shape}; resharding keeps the global shape")
+    return _plan_cached(src, dst, mesh, int(itemsize))
+
+
+@functools.lru_cache(maxsize=65536)
+def _plan_cached(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int) -> PricedReshard:
+    if src == dst:
+        return PricedReshard(src, dst, (), ())
+    dist, prev = _search_from(src, mesh, itemsize)
+    if dst not in dist:
+        raise ReshardError(f"no sequence of collectives turns {src} into {dst} on {mesh}")
+    steps, costs = [], []
+    spec = dst
+    while spec != src:
+        step, cost = prev[spec]
+        steps.append(step)
+        costs.append(cost)
+        spec = step.before
+    return PricedReshard(src, dst, tuple(reversed(steps)), tuple(reversed(costs)))
+
+
+def reshard_cost(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) -> float:
+    """The cost of the cheapest plan (inf when the target is uneven, of another shape, or
+    unreachable): the same table ``reshard_costs_from`` reads, so every price agrees."""
+    if src == dst:
+        return 0.0
+    return reshard_costs_from(src, [dst], mesh, itemsize)[0]
+
+
+def reshard_costs_from(src: ShardingSpec, dsts, mesh, itemsize: int = 4) -> list[float]:
+    """``reshard_cost`` from one source to many targets (one search, no per-target overhead)."""
+    if not src.is_even(mesh.shape):
+        return [math.inf] * len(dsts)
+    table = _all_pairs(ShardingSpec.replicate(src.shape, src.mesh_ndim), mesh, int(itemsize))
+    if table is not None:
+        index, dist = table
+        row = dist[index[src]]
+        return [float(row[index[d]]) if d in index else math.inf for d in dsts]
+    dist = _search_from(src, mesh, int(itemsize))[0]
+    return [dist.get(d, math.inf) for d in dsts]
+
+
+# Above this many states per tensor shape, Floyd-Warshall (n^3) loses to one Dijkstra per source.
+ALL_PAIRS_MAX_STATES = 600
+
+
+@functools.lru_cache(maxsize=1024)
+def _all_pairs(replicated: ShardingSpec, mesh, itemsize: int):
+    """Every even spec of one shape (all reachable from replicated) and the cost between every
+    pair, by Floyd-Warshall in numpy; None when there are too many states."""
+    index = {replicated: 0}
+    frontier = [replicated]
+    while frontier:
+        nxt = []
+        for spec in frontier:
+            for step, _ in _priced_neighbours(spec, mesh, itemsize):
+                if step.after not in index:
+                    if len(index) >= ALL_PAIRS_MAX_STATES:
+                        return None
+                    index[step.after] = len(index)
+                    nxt.append(step.after)
+        frontier = nxt
+    n = len(index)
+    dist = np.full((n, n), math.inf)
+    np.fill_diagonal(dist, 0.0)
+    for spec, i in index.items():
+        for step, cost in _priced_neighbours(spec, mesh, itemsize):
+            j = index[step.after]
+            dist[i, j] = min(dist[i, j], cost)
+    for k in range(n):
+        np.minimum(dist, dist[:, k, None] + dist[None, k, :], out=dist)
+    return index, dist
+
+
+@functools.lru_cache(maxsize=8192)
+def _search_from(src: ShardingSpec, mesh, itemsize: int):
+    """Dijkstra from ``src`` over every reachable spec: (cost per spec, (last step, its cost) per spec)."""
+    best = {src: 0.0}
+    prev: dict[ShardingSpec, tuple[Step, float]] = {}
+    done = set()
+    counter = itertools.count()
+    heap = [(0.0, next(counter), src)]
+    while heap:
+        cost, _, spec = heapq.heappop(heap)
+        if spec in done:
+            continue
+        done.add(spec)
+        for step, step_s in _priced_neighbours(spec, mesh, itemsize):
+            c = cost + step_s
+            if c < best.get(step.after, math.inf):
+                best[step.after] = c
+                prev[step.after] = (step, step_s)
+                heapq.heappush(heap, (c, next(counter), step.after))
+    return best, prev
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _priced_neighbours(spec: ShardingSpec, mesh, itemsize: int) -> tuple[tuple[Step, float], ...]:
+    # Searches from different sources expand the same states: build and price each state's steps once.
+    return tuple((step, step_cost(step, mesh)) for step in neighbours(spec, mesh, itemsize))
