@@ -32,6 +32,8 @@ from autopar.sharding_spec.strategy import needs_lowering
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 FIRST_BUCKET_BYTES = 1 << 20
+# ZeRO-2 reduce-scatters in flight at once (``runtime.reducer``): each holds a whole bucket.
+SCATTERS_IN_FLIGHT = 2
 
 
 def bucket_sizes(total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[int]:

@@ -16,8 +16,9 @@ and FSDP2 do, with few, large, overlapped collectives:
     finish      the summed (all_reduce) or summed-and-split (reduce_scatter, ZeRO-2) bucket is
                 added into each parameter's ``.grad`` (or becomes it, as views of the bucket).
 
-A bucket keeps its flat buffer from step to step, as DDP does; while a ``.grad`` still views it (an
-optimizer that does not set gradients to None), the next backward takes a new one.
+An all-reduce bucket keeps its flat buffer from step to step, as DDP does (the ``.grad`` of its
+parameters are views of it); while a ``.grad`` still views it (an optimizer that does not set
+gradients to None), the next backward takes a new one.
 
 Buckets hold parameters of one (collective, mesh axes, dtype, device), in the reverse of the order
 the forward first reads them (the order backward finishes their gradients): a small first bucket
@@ -34,8 +35,11 @@ the same ``no_sync()`` usage (as with DDP): the collectives are matched by order
 ZeRO-2 (``kind == "reduce_scatter"``): the optimizer's parameter is this rank's chunk of the
 storage shard along dim 0 (``ceil(d0 / n)`` rows, the last chunks shorter or empty); the program
 reads the whole storage shard, a working copy the reducer all-gathers (bucketed) before a forward
-whenever a chunk changed since the last gather (the optimizer stepped, a state dict was loaded).
-Its gradient is reduce-scattered into the chunk's ``.grad``.
+whenever a chunk changed since the last gather (the optimizer stepped, a state dict was loaded),
+through buffers made for that gather. Its gradient is reduce-scattered into the chunk's ``.grad``;
+the whole bucket of gradients lives from its first part until its scatter is done, and at most
+``SCATTERS_IN_FLIGHT`` scatters are (the oldest is finished before another starts). What stays
+from step to step: the chunk, its gradient and states, and the working copy.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ import torch.distributed as dist
 # One source for the bucket sizes: the cost model prices these buckets.
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
 from autopar.cost_model.step import FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES
+from autopar.cost_model.step import SCATTERS_IN_FLIGHT
 from autopar.errors import ConfigError
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -115,7 +120,6 @@ class _Bucket:
         self.fired = 0  # entries reported in the current backward
         self.slots = {e.slot for e in entries}
         self._versions: tuple | None = None  # ZeRO-2: chunk versions at the last gather
-        self._gather_buffers: tuple | None = None  # ZeRO-2: (this rank's chunks, every rank's)
 
     # ---- gradients in --------------------------------------------------------------------------
     def add(self, grads) -> None:
@@ -138,7 +142,9 @@ class _Bucket:
                 buf = None
         if buf is None:
             size = self.numel * (self.n if self.kind == "reduce_scatter" else 1)
-            buf = self._storage = torch.empty(size, dtype=self.dtype, device=self.device)
+            buf = torch.empty(size, dtype=self.dtype, device=self.device)
+            if self.kind == "all_reduce":  # ZeRO-2 keeps only its chunk: the whole buffer goes after the scatter
+                self._storage = buf
         return buf.zero_()
 
     def _view(self, buf: torch.Tensor, e: SyncEntry) -> torch.Tensor:
@@ -201,11 +207,11 @@ class _Bucket:
         versions = tuple(e.param._version for e in self.entries)
         if versions == self._versions:
             return
-        if self._gather_buffers is None:  # kept from step to step (nothing views them)
-            self._gather_buffers = (torch.empty(self.numel, dtype=self.dtype, device=self.device),
-                                    torch.empty(self.n * self.numel, dtype=self.dtype, device=self.device))
-        shard, out = self._gather_buffers
-        shard.zero_()
+        # Made for this gather and dropped after it: kept, they were a second whole copy of the
+        # parameters (ZeRO-2 measured no saving over data parallel). A forward starts with few
+        # activations alive, so they do not raise the step's peak.
+        shard = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        out = torch.empty(self.n * self.numel, dtype=self.dtype, device=self.device)
         for e in self.entries:
             shard[e.offset: e.offset + e.param.numel()].copy_(e.param.detach().reshape(-1))
         _all_gather_flat(out, shard, group=self.handle.pg)
@@ -379,6 +385,18 @@ class GradReducer:
     def _launch(self, bucket: _Bucket) -> None:
         self._inflight.append((bucket, *bucket.launch()))
         self.launched += 1
+        if bucket.kind == "reduce_scatter":
+            self._bound_scatters()
+
+    def _bound_scatters(self) -> None:
+        """Finish the oldest reduce-scatters while more than ``SCATTERS_IN_FLIGHT`` are in flight:
+        each holds a whole bucket of gradients until it is done, and ZeRO-2 is there to not hold
+        every gradient at once (FSDP bounds its reduce-scatters the same way)."""
+        scatters = [i for i, (b, *_) in enumerate(self._inflight) if b.kind == "reduce_scatter"]
+        for i in reversed(scatters[: max(0, len(scatters) - SCATTERS_IN_FLIGHT)]):
+            b, buf, work, received = self._inflight.pop(i)
+            work.wait()
+            b.finish(buf, received)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
