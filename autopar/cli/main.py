@@ -341,9 +341,11 @@ def _stage_programs(plan, model, inputs, kwargs):
     from autopar import ir
     from autopar.codegen.stages import cut_stages, lower_stage, sent_specs
     from autopar.solver.pipeline import microbatch_inputs
+    from autopar.solver.receives import with_received
 
     mb_args, mb_kwargs = microbatch_inputs(inputs, kwargs, plan.pipeline.microbatches)
     micro = ir.trace(model, mb_args, mb_kwargs or None)
+    plan = with_received(plan, micro)  # a plan file of schema version 3 or older has no receiving steps
     cuts = cut_stages(micro, plan)
     specs = sent_specs(micro, plan, cuts)
     for st, stage in enumerate(plan.pipeline.stages):

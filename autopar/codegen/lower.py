@@ -23,7 +23,8 @@ producer's layout) and values read outside it extra outputs (``Lowered.boundary_
 the user outputs when the subset holds the output node. The whole graph is the special case.
 A pipeline stage's plan has no strategy for the values it receives: ``received=`` names the spec
 each arrives in (its producer's, in the sending stage's plan), and every read of it reshards from
-there to the spec its reader wants (the planner's cheapest steps on the stage's mesh).
+there to the spec its reader wants along the steps the plan gives that read (``received_edges=``,
+the stage's ``StagePlan.received``: ``autopar.solver.receives``).
 """
 from __future__ import annotations
 
@@ -38,14 +39,13 @@ from autopar.codegen.lowerings import lowering
 from autopar.cost_model.gradients import grad_sum_reads, output_whole_axes, whole_on
 from autopar.cost_model.step import param_gather_groups
 from autopar.errors import ConfigError, PlanError
-from autopar.ir.aliasing import in_place_reads
+from autopar.ir.aliasing import in_place_reads, written_values
 from autopar.ir.graph import NodeRef, Role
 from autopar.ir.losses import counted_from_inputs
 from autopar.sharding_spec.reshard import spec_after
 from autopar.sharding_spec.rules._common import localize_args, norm_dim
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import needs_lowering
-from autopar.solver.reshard_search import plan_reshard
 
 STATE_ROLES = (Role.PARAMETER, Role.BUFFER, Role.CONSTANT)
 # A view traced on a tensor whose strides happened to allow it (CPU SDPA returns its output laid out
@@ -75,10 +75,12 @@ class Lowered:
 
 
 def lower(graph, plan, mesh, *, nodes=None, device: torch.device | None = None, received: dict | None = None,
-          synced_as=None) -> Lowered:
+          received_edges=(), synced_as=None) -> Lowered:
     """The program of ``plan`` for ``graph`` on ``mesh``, over ``nodes`` (names; default all).
     ``device``: where factory ops put new tensors (the traced device otherwise). ``received``:
     boundary value -> the spec it arrives in (default: the plan's spec of its producer).
+    ``received_edges``: the plan's ``EdgePlan`` per read of a received value held in another spec
+    than its reader wants.
     ``synced_as``: the plan whose gradient syncs the reducer runs (a program built for other
     inputs shares the main program's reducer); each parameter's gradient is handed over pending on
     exactly those axes (``autopar_grad_share`` / ``autopar_grad_sum`` where this plan's gradient
@@ -86,15 +88,16 @@ def lower(graph, plan, mesh, *, nodes=None, device: torch.device | None = None, 
     if tuple(plan.mesh["shape"]) != tuple(mesh.shape):
         raise PlanError(f"the plan is for a mesh of shape {tuple(plan.mesh['shape'])}, not {mesh}")
     subset = list(graph.nodes) if nodes is None else [n for n in graph.nodes if n in set(nodes)]
-    return _Emitter(graph, plan, mesh, subset, device, dict(received or {}), synced_as).run()
+    return _Emitter(graph, plan, mesh, subset, device, dict(received or {}), received_edges, synced_as).run()
 
 
 class _Emitter:
-    def __init__(self, graph, plan, mesh, subset, device, received, synced_as=None):
+    def __init__(self, graph, plan, mesh, subset, device, received, received_edges=(), synced_as=None):
         self.graph, self.plan, self.mesh, self.device = graph, plan, mesh, device
         self.synced_as = synced_as
         self.param_of_node = {p.node: p for p in plan.params.values()}
         self.received = received
+        self.received_edges = {(e.dst, e.position): e for e in received_edges}
         self.rereads: dict = {}  # (boundary value, wanted spec) -> its resharded node
         self.subset = subset
         self.inside = set(subset)
@@ -116,7 +119,7 @@ class _Emitter:
         self.whole: dict[str, fx.Node | None] = {}  # traced value -> a node holding it whole (``_whole``)
         # reads that must see their producer's memory itself: an in-place write and the views on its way
         self.in_place = {(r, p) for r, p in in_place_reads(graph) if r in self.inside}
-        self.written = {graph.nodes[r].inputs[p]: (r, p) for r, p in sorted(self.in_place)}
+        self.written = written_values(graph, self.inside)
 
     # ---- driver ------------------------------------------------------------------------------
     def run(self) -> Lowered:
@@ -223,7 +226,7 @@ class _Emitter:
         want = self._plan_of(reader).inputs[pos]
         have = self.specs.get(value.name)
         if isinstance(want, ShardingSpec) and isinstance(have, ShardingSpec) and have != want:
-            value = self._steps_to(value, name, have, want, getattr(self.graph.nodes[name].meta, "itemsize", 4))
+            value = self._received_steps(value, name, reader, pos, have, want)
         return self._emit(torch.ops.aten.clone.default, (value,), name=f"{name}_owned", spec=want if want is not None else have)
 
     # ---- edges -------------------------------------------------------------------------------
@@ -232,7 +235,7 @@ class _Emitter:
         ``whole``: axes on which the steps' output gradients are whole besides the plan's."""
         edge = self.edges.get((dst, pos))
         if edge is None and src in self.received:
-            return self._reread(value, src, want)
+            return self._reread(value, src, dst, pos, want)
         if edge is None:
             have = self.specs.get(value.name)
             if isinstance(want, ShardingSpec) and isinstance(have, ShardingSpec) and have != want:
@@ -257,24 +260,33 @@ class _Emitter:
             raise PlanError(f"edge {src} -> {dst}: the plan's steps end at {spec}, not at {edge.dst_spec}")
         return value
 
-    def _reread(self, value: fx.Node, src: str, want) -> fx.Node:
+    def _reread(self, value: fx.Node, src: str, dst: str, pos: int, want) -> fx.Node:
         """A received value resharded to ``want`` (once per wanted spec, unless the stage writes
         into it: a copy made before the write must not serve a read after it)."""
         have = self.specs.get(value.name)
         if not isinstance(want, ShardingSpec) or not isinstance(have, ShardingSpec) or have == want:
             return value
         if (src, want) not in self.rereads or src in self.written:
-            itemsize = getattr(self.graph.nodes[src].meta, "itemsize", 4)
-            self.rereads[(src, want)] = self._steps_to(value, src, have, want, itemsize)
+            self.rereads[(src, want)] = self._received_steps(value, src, dst, pos, have, want)
         return self.rereads[(src, want)]
 
-    def _steps_to(self, value: fx.Node, src: str, have, want, itemsize: int) -> fx.Node:
-        """``value`` (``src`` held in ``have``) after the planner's cheapest steps to ``want``."""
+    def _received_steps(self, value: fx.Node, src: str, dst: str, pos: int, have, want) -> fx.Node:
+        """``value`` (``src``, received, held in ``have``) after the plan's steps for ``dst``'s
+        read at ``pos``, which end at ``want``."""
+        edge = self.received_edges.get((dst, pos))
+        if edge is None:
+            raise PlanError(f"{dst} reads {src} (received in {have}) as {want}, but the stage's plan has no steps "
+                            "for that read; plan again (autopar.solver.receives.with_received fills older plans)")
+        if edge.src != src or edge.src_spec != have or edge.dst_spec != want:
+            raise PlanError(f"the stage plan's steps into {dst} input {pos} go from {edge.src} in {edge.src_spec} to "
+                            f"{edge.dst_spec}, but the graph reads {src} held in {have} as {want}")
         spec = have
-        for step in plan_reshard(have, want, self.mesh, itemsize).steps:
+        for step in edge.steps:
             spec = spec_after(spec, step)
             value = self._emit(ops.STEP_FUNCTIONS[step.kind], (value,), ops.step_kwargs(step, self.identical),
                                name=f"{src}_{step.kind}", spec=spec)
+        if spec != want:
+            raise PlanError(f"the stage plan's steps from {src} into {dst} end at {spec}, not at {want}")
         return value
 
     def _gathered_param(self, key, param: str) -> fx.Node:

@@ -172,13 +172,15 @@ def autopar_backward_seed(x, idle_axes=()):
 # ---- no-autograd helpers for the runtime (gradient sync, unsharding) -------------------------------
 @torch.no_grad()
 def gather_full(x: torch.Tensor, spec, groups) -> torch.Tensor:
-    """The full tensor from this rank's shard under ``spec`` (pending sums summed), on every rank."""
-    from autopar.solver.reshard_search import plan_reshard
+    """The full tensor from this rank's shard under ``spec`` (pending sums summed), on every rank:
+    the pending sums resolved, then every split gathered (``naive_plan``: a fixed route, since this
+    is no planned edge; every route gives the same tensor, a pending sum up to the order of its terms)."""
+    from autopar.sharding_spec.reshard import naive_plan
     from autopar.sharding_spec.spec import ShardingSpec
 
     target = ShardingSpec.replicate(spec.shape, spec.mesh_ndim)
     with bind(groups):
-        for step in plan_reshard(spec, target, groups.mesh, x.element_size()).steps:
+        for step in naive_plan(spec, target, groups.mesh, x.element_size()).steps:
             x = STEP_FUNCTIONS[step.kind](x, **step_kwargs(step))
     return x
 

@@ -10,8 +10,9 @@ that cross its edges:
     the last stage       returns the model's outputs
 
 A value travels in its producer's spec in the sending stage's plan (``sent_specs``); the receiving
-stage's program reshards it to what its readers want (``lower(received=...)``). A parameter read by
-several stages (a tied embedding and head) is held by each (``shared_params``).
+stage's program reshards it to what its readers want along the steps its ``StagePlan.received``
+gives (``lower(received=..., received_edges=...)``). A parameter read by several stages (a tied
+embedding and head) is held by each (``shared_params``).
 """
 from __future__ import annotations
 
@@ -110,6 +111,10 @@ def lower_stage(graph, plan, cuts: list[StageCut], specs: dict, st: int, mesh, d
     (``sent_specs``); ``synced_as``: the plan whose gradient syncs the reducer runs (``lower``)."""
     from autopar.codegen.lower import lower
 
+    stage = plan.pipeline.stages[st]
+    if stage.received is None:
+        raise PlanError(f"stage {st} of the plan has no steps for the values it receives (a plan file of schema "
+                        "version 3 or older): fill them with autopar.solver.receives.with_received(plan, graph)")
     received = {v: specs[v] for v in cuts[st].receives if graph.nodes[v].op != "placeholder"}
-    return lower(graph, plan.pipeline.stages[st].plan, mesh, nodes=cuts[st].nodes, device=device, received=received,
-                 synced_as=synced_as)
+    return lower(graph, stage.plan, mesh, nodes=cuts[st].nodes, device=device, received=received,
+                 received_edges=stage.received, synced_as=synced_as)

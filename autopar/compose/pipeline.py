@@ -28,11 +28,13 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
     from autopar.runtime.materialize import local_state
     from autopar.runtime.module import ParallelModule
     from autopar.solver.pipeline import microbatch_inputs
+    from autopar.solver.receives import with_received
 
     count = plan.pipeline.microbatches
     mb_args, mb_kwargs = microbatch_inputs(*trace_call, count)
     micro = ir.trace(model, mb_args, mb_kwargs or None)
     plan.check_model(micro.fingerprint(), micro.model_name)
+    plan = with_received(plan, micro)  # a plan file of schema version 3 or older has no receiving steps
     batch_dims = [tuple(graph.nodes[a].meta.shape[:1]) != tuple(micro.nodes[b].meta.shape[:1])
                   for a, b in zip(graph.inputs, micro.inputs)]
     cuts = cut_stages(micro, plan)
@@ -143,6 +145,7 @@ class PipelineVariants:
         from autopar.ir.graph import Role
         from autopar.solver import plan as make_plan
         from autopar.solver.pipeline import restrict
+        from autopar.solver.receives import with_received
 
         def make():
             unit = unit_of_nodes(graph)
@@ -161,9 +164,10 @@ class PipelineVariants:
                     nodes |= {n for n, node in graph.nodes.items()
                               if node.op == "placeholder" and node.role != Role.INPUT and not node.users}
                 stages.append(dataclasses.replace(st, plan=restrict(whole, graph, nodes, st.time_per_microbatch_s,
-                                                                     st.memory_bytes)))
-            return dataclasses.replace(self.plan, model_fingerprint=graph.fingerprint(),
-                                       pipeline=dataclasses.replace(self.plan.pipeline, stages=stages))
+                                                                     st.memory_bytes), received=None))
+            return with_received(dataclasses.replace(self.plan, model_fingerprint=graph.fingerprint(),
+                                                     pipeline=dataclasses.replace(self.plan.pipeline, stages=stages)),
+                                 graph)
 
         return on_rank0(make)
 

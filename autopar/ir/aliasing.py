@@ -132,3 +132,12 @@ def written_bases(graph) -> dict[str, str]:
         reader, pos = path[-1]
         out[writer] = graph.nodes[reader].inputs[pos]
     return out
+
+
+def written_values(graph, nodes) -> dict[str, tuple[str, int]]:
+    """Value -> the in-place read (reader, position) among ``nodes``' reads that a pipeline stage
+    running ``nodes`` makes its own copy of the value for, when the value comes from another
+    stage: one read per value, the last in sorted order. Codegen makes the copy and the solver
+    plans the stage's reads from it, so both ask here."""
+    inside = set(nodes)
+    return {graph.nodes[r].inputs[p]: (r, p) for r, p in sorted(in_place_reads(graph)) if r in inside}

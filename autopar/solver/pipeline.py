@@ -49,6 +49,7 @@ from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import needs_lowering
 from autopar.solver.plan import PipelinePlan, Plan, StagePlan
+from autopar.solver.receives import received_edges
 from autopar.solver.schedule_time import interleaved_time, simulate_shared
 from autopar.solver.stage_dp import solve_stages, step_time
 
@@ -646,6 +647,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                                 list(range(row * per_row, (row + rows) * per_row)), (rows, *mesh.shape[1:]),
                                 t, float(mem), sub, list(range(i, j + 1)) if prices.recompute else []))
         row += rows
+    stages = [dataclasses.replace(s, received=edges) for s, edges in zip(stages, received_edges(graph, stages))]
     return PipelineChoice(PipelinePlan(schedule, count, stages, virtual), sol.step_time, graph, time.perf_counter() - t0,
                           timing, notes)
 

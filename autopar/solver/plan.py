@@ -16,9 +16,11 @@ from autopar.sharding_spec.spec import ShardingSpec
 from autopar.solver.schedule_time import bubble_fraction
 
 # 2: pipeline stages (version-1 files load as one-stage plans); 3: identical-gradient axes (an
-# older reader would run such a plan with the wrong gradient convention, so it must refuse it)
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# older reader would run such a plan with the wrong gradient convention, so it must refuse it);
+# 4: each stage's reshards of the values it receives (``StagePlan.received``; older files load
+# without them, and ``solver.receives.with_received`` computes them from the graph)
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 # The backward of each resharding step under the dual-layout gradient convention.
 BACKWARD_OF = {
@@ -104,6 +106,17 @@ class EdgePlan:
     def cost_s(self) -> float:
         return self.forward_s * (2 if self.backward else 1)
 
+    def to_json(self) -> dict:
+        return {"src": self.src, "dst": self.dst, "position": self.position, "backward": self.backward,
+                "src_spec": spec_to_json(self.src_spec), "dst_spec": spec_to_json(self.dst_spec),
+                "steps": [dataclasses.asdict(s) for s in self.steps]}
+
+    @staticmethod
+    def from_json(e: dict) -> "EdgePlan":
+        steps = [StepPlan(**{**s, "axes": tuple(s["axes"])}) for s in e["steps"]]
+        return EdgePlan(e["src"], e["dst"], e["position"], spec_from_json(e["src_spec"]), spec_from_json(e["dst_spec"]),
+                        steps, e["backward"])
+
 
 @dataclasses.dataclass
 class ParamPlan:
@@ -132,18 +145,24 @@ class StagePlan:
     memory_bytes: float
     plan: "Plan"
     recompute: list = dataclasses.field(default_factory=list)
+    # The reshards of the values it receives from earlier stages, per read (``autopar.solver.receives``);
+    # None where a plan file predates them.
+    received: list[EdgePlan] | None = None
 
     def to_json(self) -> dict:
         return {"layers": list(self.layers), "layer_names": list(self.layer_names), "rows": list(self.rows),
                 "ranks": list(self.ranks), "mesh_shape": list(self.mesh_shape), "recompute": list(self.recompute),
                 "time_per_microbatch_s": self.time_per_microbatch_s, "memory_bytes": self.memory_bytes,
-                "plan": self.plan.to_json()}
+                "plan": self.plan.to_json(),
+                "received": None if self.received is None else [e.to_json() for e in self.received]}
 
     @staticmethod
     def from_json(d: dict) -> "StagePlan":
+        received = d.get("received")
         return StagePlan(tuple(d["layers"]), tuple(d["layer_names"]), tuple(d["rows"]), list(d["ranks"]),
                          tuple(d["mesh_shape"]), d["time_per_microbatch_s"], d["memory_bytes"],
-                         Plan.from_json(d["plan"]), list(d.get("recompute", [])))
+                         Plan.from_json(d["plan"]), list(d.get("recompute", [])),
+                         None if received is None else [EdgePlan.from_json(e) for e in received])
 
 
 @dataclasses.dataclass
@@ -329,14 +348,7 @@ class Plan:
                 {**dataclasses.asdict(n), "inputs": [spec_to_json(s) for s in n.inputs], "output": spec_to_json(n.output)}
                 for n in self.nodes.values()
             ],
-            "edges": [
-                {
-                    "src": e.src, "dst": e.dst, "position": e.position, "backward": e.backward,
-                    "src_spec": spec_to_json(e.src_spec), "dst_spec": spec_to_json(e.dst_spec),
-                    "steps": [dataclasses.asdict(s) for s in e.steps],
-                }
-                for e in self.edges
-            ],
+            "edges": [e.to_json() for e in self.edges],
             "params": [
                 {**dataclasses.asdict(p), "storage": spec_to_json(p.storage)} for p in self.params.values()
             ],
@@ -355,10 +367,7 @@ class Plan:
             n["inputs"] = [spec_from_json(s) for s in n["inputs"]]
             n["output"] = spec_from_json(n["output"])
             nodes[n["name"]] = NodePlan(**n)
-        edges = []
-        for e in d["edges"]:
-            steps = [StepPlan(**{**s, "axes": tuple(s["axes"])}) for s in e["steps"]]
-            edges.append(EdgePlan(e["src"], e["dst"], e["position"], spec_from_json(e["src_spec"]), spec_from_json(e["dst_spec"]), steps, e["backward"]))
+        edges = [EdgePlan.from_json(e) for e in d["edges"]]
         params = {}
         for p in d["params"]:
             p = dict(p)

@@ -78,24 +78,38 @@ def test_values_computed_before_the_layers_pass_through_every_stage():
 
 
 def test_received_values_are_resharded_to_what_their_readers_want():
-    """A value arriving split where the stage's plan reads it whole is gathered on arrival."""
+    """A value arriving split where the stage's plan reads it whole is gathered on arrival, along
+    the steps the plan gives that read (``StagePlan.received``, made by the solver); codegen
+    refuses a read the plan gives no steps for."""
+    import dataclasses
+
+    from autopar.errors import PlanError
     from autopar.sharding_spec.spec import ShardingSpec
+    from autopar.solver.receives import received_edges
 
     model, inputs = models.build("gpt", layers=2)
     plan, micro = _pipelined(model, inputs, autopar.Mesh((4,)), autopar.Pipeline(stages=2, microbatches=2),
                              force=autopar.Layout(tp=2))
     cuts = cut_stages(micro, plan)
-    stage = plan.pipeline.stages[1]
-    mesh = autopar.Mesh(tuple(stage.mesh_shape))
-    specs = sent_specs(micro, plan, cuts)
     hidden = next(v for v in cuts[1].receives if micro.nodes[v].op != "placeholder")
     meta = micro.nodes[hidden].meta
     split = ShardingSpec(tuple(meta.shape), ((),) * (len(meta.shape) - 1) + ((0,),), (), 1)
-    assert specs[hidden] != split
-    lowered = lower(micro, stage.plan, mesh, nodes=cuts[1].nodes, received={**{v: specs[v] for v in cuts[1].receives
-                                                                          if micro.nodes[v].op != "placeholder"},
-                                                                       hidden: split})
+    assert sent_specs(micro, plan, cuts)[hidden] != split
+    # the first stage's plan makes the value split: the second stage's reads of it gather it
+    first = plan.pipeline.stages[0]
+    nodes = dict(first.plan.nodes, **{hidden: dataclasses.replace(first.plan.nodes[hidden], output=split)})
+    stages = [dataclasses.replace(first, plan=dataclasses.replace(first.plan, nodes=nodes)), plan.pipeline.stages[1]]
+    edges = received_edges(micro, stages)[1]
+    reads = [e for e in edges if e.src == hidden]
+    assert reads and all(e.src_spec == split and [s.kind for s in e.steps] == ["all_gather"] for e in reads)
+    stage = plan.pipeline.stages[1]
+    mesh = autopar.Mesh(tuple(stage.mesh_shape))
+    received = {**sent_specs(micro, plan, cuts), hidden: split}
+    received = {v: received[v] for v in cuts[1].receives if micro.nodes[v].op != "placeholder"}
+    lowered = lower(micro, stage.plan, mesh, nodes=cuts[1].nodes, received=received, received_edges=edges)
     assert f"{hidden}_all_gather" in lowered.code
+    with pytest.raises(PlanError, match=f"reads {hidden} .* has no steps"):
+        lower(micro, stage.plan, mesh, nodes=cuts[1].nodes, received=received)
 
 
 def test_fixed_layer_cuts_are_checked():

@@ -281,6 +281,20 @@ def test_plan_with_pipeline_stages_round_trips_and_explains(tmp_path):
     plan.save(path)
     assert autopar.Plan.load(path) == plan
     assert autopar.Plan.load(path).to_json() == plan.to_json()  # sub-meshes' links included
+    # each stage carries its reshards of what it receives; a version-3 file, without them, gets the same
+    # from the graph (``with_received``)
+    from autopar.solver.receives import received_edges, with_received
+
+    assert [s.received for s in plan.pipeline.stages] == received_edges(graph, plan.pipeline.stages)
+    assert plan.pipeline.stages[0].received == []  # the first stage receives the user inputs alone
+    old = plan.to_json()
+    old["schema_version"] = 3
+    for st in old["pipeline"]["stages"]:
+        del st["received"]
+    path.write_text(__import__("json").dumps(old))
+    loaded = autopar.Plan.load(path)
+    assert [s.received for s in loaded.pipeline.stages] == [None, None]
+    assert with_received(loaded, graph) == plan
     text = plan.explain()
     first, last = pipe["stages"][1]["layers"]
     assert "pipeline: 2 stages" in text and f"stage 1: layers {first}-{last}" in text and "--- stage 0 ---" in text
