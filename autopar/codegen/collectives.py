@@ -60,13 +60,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from typing import TYPE_CHECKING
-
+from autopar.codegen.groups import GroupHandle, Groups
 from autopar.errors import ShardingError
 from autopar.sharding_spec.reshard import STEP_KINDS, ReshardPlan, Step
-
-if TYPE_CHECKING:  # the runtime makes the groups and binds them (``ops.bind``); codegen only names them
-    from autopar.runtime.process_groups import GroupHandle, MeshGroups
 
 # Kinds ("all_gather", "reduce_scatter", "all_to_all") to run through the emulation even where the
 # backend has the native collective. Backends found lacking one are added here at run time.
@@ -390,7 +386,7 @@ class GradSum(torch.autograd.Function):
 
 
 # ---- steps and plans --------------------------------------------------------------------------
-def run_step(x: torch.Tensor, step: Step, groups: MeshGroups) -> torch.Tensor:
+def run_step(x: torch.Tensor, step: Step, groups: Groups) -> torch.Tensor:
     """This rank's shard after ``step``, given its shard ``x`` before it. Differentiable."""
     mesh = groups.mesh
     step.before.check_mesh(mesh)
@@ -418,7 +414,7 @@ def run_step(x: torch.Tensor, step: Step, groups: MeshGroups) -> torch.Tensor:
     return ToPartial.apply(x, g.index == 0)
 
 
-def run_reshard(x: torch.Tensor, plan: ReshardPlan, groups: MeshGroups) -> torch.Tensor:
+def run_reshard(x: torch.Tensor, plan: ReshardPlan, groups: Groups) -> torch.Tensor:
     """This rank's shard under ``plan.dst``, given its shard under ``plan.src``. Differentiable."""
     for step in plan.steps:
         x = run_step(x, step, groups)

@@ -30,7 +30,8 @@ _GROUPS: contextvars.ContextVar = contextvars.ContextVar("autopar_mesh_groups", 
 
 @contextlib.contextmanager
 def bind(groups):
-    """Run emitted graphs inside this block on ``groups`` (an ``autopar.runtime.MeshGroups``)."""
+    """Run emitted graphs inside this block on ``groups`` (``autopar.codegen.groups.Groups``, which
+    the runtime's ``MeshGroups`` implements)."""
     token = _GROUPS.set(groups)
     try:
         yield groups

@@ -12,6 +12,7 @@ Shard order depends on the order of ``axes`` ((0, 1) and (1, 0) list the same ra
 orders); the torch group does not. Torch numbers a group's members by its own "group rank" (sorted
 global ranks), so code that gathers or scatters must map between the two orders explicitly:
 ``groups.handle(axes)`` carries both (``ranks`` in shard order, ``pg_ranks`` in group-rank order).
+``MeshGroups`` implements ``autopar.codegen.groups.Groups``, what emitted programs run on.
 
 Groups are made eagerly, because ``dist.new_group`` is collective over the whole world: every rank
 calls it for every group, in the same order. A size-1 mesh axis changes no group's members, so it
@@ -26,48 +27,14 @@ the sub-mesh; group handles list global ranks. Every rank of the world makes eve
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import functools
 import itertools
 from typing import Sequence
 
 import torch.distributed as dist
 
+from autopar.codegen.groups import GroupHandle
 from autopar.errors import MeshError
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupHandle:
-    """One rank's view of its group over ``axes``.
-
-    ranks: global ranks in shard order (first axis most significant); index: this rank's position
-    in ``ranks``; pg: the torch ProcessGroup; pg_ranks: the same ranks in the group's own rank order
-    (``pg_ranks[k]`` is group rank ``k``); shard_of_pg[k]: shard index of group rank ``k``;
-    pg_of_shard[i]: group rank of shard index ``i``."""
-
-    axes: tuple[int, ...]
-    ranks: tuple[int, ...]
-    index: int
-    pg: object
-    pg_ranks: tuple[int, ...]
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @functools.cached_property
-    def shard_of_pg(self) -> tuple[int, ...]:
-        return tuple(self.ranks.index(r) for r in self.pg_ranks)
-
-    @functools.cached_property
-    def pg_of_shard(self) -> tuple[int, ...]:
-        return tuple(self.pg_ranks.index(r) for r in self.ranks)
-
-    @property
-    def same_order(self) -> bool:
-        """Whether shard order equals the torch group's rank order (no reordering needed)."""
-        return self.ranks == self.pg_ranks
 
 
 def default_group_timeout() -> datetime.timedelta | None:

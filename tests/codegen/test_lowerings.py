@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from autopar.codegen.groups import GroupHandle
 from autopar.codegen.lowerings import VocabParallelCrossEntropy
-from autopar.runtime.process_groups import GroupHandle
 
 
 def one_rank() -> GroupHandle:
