@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from autopar.codegen import ops
 from autopar.errors import ConfigError
+from autopar.runtime.stage_program import StageProgram, loss_weights
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,12 +94,10 @@ class PipelineCall:
     """A pipelined module's calls on one ``StageSet`` (module docstring)."""
 
     def __init__(self, runner, stage_set: StageSet):
-        from autopar.runtime.pipeline import _StageProgram
-
         self.runner, self.stage_set = runner, stage_set
         r = runner
         self.modules = [
-            _StageProgram(r.pmodel, stage_set.programs[s], stage_set.cuts[s], s == r.stages - 1,
+            StageProgram(r.pmodel, stage_set.programs[s], stage_set.cuts[s], s == r.stages - 1,
                           bool(stage_set.plan.pipeline.stages[s].recompute), r.unit_of, all_outputs=True)
             for s in r.sg.stages
         ]
@@ -157,8 +156,6 @@ class PipelineCall:
         return next(x.shape[0] for x, split in zip(flat, self.stage_set.batch_dims) if split) // self.micro
 
     def _weights(self, flat: list, m: int) -> torch.Tensor:
-        from autopar.runtime.pipeline import loss_weights
-
         ss = self.stage_set
         return loss_weights(ss.denominators, ss.batch_dims, flat, m, self.runner.device)
 

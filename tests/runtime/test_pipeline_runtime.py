@@ -20,7 +20,7 @@ import autopar
 from autopar import models
 from autopar.errors import ConfigError
 from autopar.runtime.launch import spawn
-from autopar.runtime.pipeline import _Checkpointed
+from autopar.runtime.stage_program import _Checkpointed
 from parallel_harness import ADAM_EPS, TOL, fresh_inputs, rel, run_case
 from test_parallelize import HF_VOCAB
 
