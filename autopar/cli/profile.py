@@ -47,7 +47,7 @@ def profile_comm(shape, refresh: bool = True) -> str:
 
 def profile_model_ops(model_spec: str, shape, repeats: int = 3) -> str:
     from autopar import ir
-    from autopar.cli.main import load_model
+    from autopar.cli.model_spec import load_model
     from autopar.cost_model.profile_ops import default_table_path, profile_ops
     from autopar.sharding_spec.mesh import Mesh
     from autopar.solver.problem import node_choices
