@@ -6,11 +6,13 @@ fraction of the op's FLOPs each device does, and a family label (see DESIGN.md: 
 2d, 2.5d, 3d, ...). A pending sum the op leaves behind (a split contraction) is part of its output
 spec (``| P1``); whoever reads the output decides how to resolve it.
 
-Rules register with ``@register("aten.mm.default", ...)`` and live in ``rules/`` by op family. An op
-without a rule runs replicated (said once, as an INFO record of the ``autopar`` logger; ``explain``
-counts it under the family "replicate"): never a crash. An in-place op
-(``aten.add_.Tensor``, ``aten.copy_.default``) without a rule of its own takes its functional twin's
-strategies that leave the written tensor in the spec it is read in (the output *is* that tensor).
+Rules register with ``@register("aten.mm.default", ...)`` and live in ``rules/`` by op family, which
+imports this module for these types; the lookup is ``rules.strategies_for`` (importing ``rules``
+registers every rule). An op without a rule runs replicated (said once, as an INFO record of the
+``autopar`` logger; ``explain`` counts it under the family "replicate"): never a crash. An in-place
+op (``aten.add_.Tensor``, ``aten.copy_.default``) without a rule of its own takes its functional
+twin's strategies that leave the written tensor in the spec it is read in (the output *is* that
+tensor).
 
 A strategy is exact when every rank runs the same ATen op on its local shards, with the size
 arguments of view-like ops and factories rewritten to local sizes (``rules._common.localize_args``);
@@ -37,13 +39,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import logging
 import math
 from typing import Callable, Iterable, Sequence
 
 from autopar.sharding_spec.spec import ShardingSpec
 
-log = logging.getLogger("autopar")
 
 # Families a codegen cannot run as the plain local op; see their rules for the lowering.
 LOWERED_FAMILIES = frozenset(
@@ -119,7 +119,6 @@ class OpContext:
 
 Rule = Callable[[OpContext], list[Strategy]]
 _RULES: dict[str, Rule] = {}
-_WARNED: set[str] = set()
 
 
 def register(*targets: str):
@@ -135,11 +134,6 @@ def register(*targets: str):
     return deco
 
 
-def has_rule(target: str) -> bool:
-    _load_rules()
-    return _rule_of(target) is not None
-
-
 def functional_twin(target: str) -> str | None:
     """``aten.add.Tensor`` for ``aten.add_.Tensor``; None for targets that are not in-place."""
     parts = target.split(".")
@@ -148,7 +142,9 @@ def functional_twin(target: str) -> str | None:
     return f"aten.{parts[1][:-1]}.{parts[2]}"
 
 
-def _rule_of(target: str) -> Rule | None:
+def rule_of(target: str) -> Rule | None:
+    """The rule registered for ``target``, or for an in-place target without one its functional
+    twin's, restricted to the strategies that write where they read; None when neither has one."""
     rule = _RULES.get(target)
     twin = functional_twin(target) if rule is None else None
     if twin is not None and twin in _RULES:
@@ -168,46 +164,8 @@ def _in_place_rule(functional: Rule, twin: str, ctx: OpContext) -> list[Strategy
 
 
 def registered_targets() -> list[str]:
-    _load_rules()
+    """The targets rules are registered for (every rule, once ``autopar.sharding_spec.rules`` is imported)."""
     return sorted(_RULES)
-
-
-def strategies_for(ctx: OpContext) -> list[Strategy]:
-    """The candidate strategies of one node; the replicated fallback for ops without a rule."""
-    _load_rules()
-    target = ctx.node.target
-    rule = _rule_of(target)
-    if rule is None:
-        if target not in _WARNED:
-            _WARNED.add(target)
-            log.info("no sharding rule for %s; it runs replicated on every device", target)
-        return [replicate_strategy(ctx)]
-    out = [s for s in rule(ctx) if _even(s, ctx.mesh.shape)]
-    # Always keep the replicated strategy: it is valid for every op and a safe fallback.
-    rep = replicate_strategy(ctx)
-    if rep not in out:
-        out.append(rep)
-    return _dedupe(out)
-
-
-def _even(s: Strategy, mesh_shape) -> bool:
-    specs = [x for x in s.inputs if x is not None]
-    out = s.output
-    if isinstance(out, ShardingSpec):
-        specs.append(out)
-    elif isinstance(out, tuple):
-        specs += [o for o in out if o is not None]
-    return all(x.is_even(mesh_shape) for x in specs)
-
-
-def _dedupe(strategies: Iterable[Strategy]) -> list[Strategy]:
-    seen, out = set(), []
-    for s in strategies:
-        key = (s.inputs, s.output)
-        if key not in seen:
-            seen.add(key)
-            out.append(s)
-    return out
 
 
 # ---- helpers for rules ----------------------------------------------------------------------
@@ -268,8 +226,3 @@ def enumerate_specs(shape: Sequence[int], mesh, *, partial: bool = False) -> lis
 def compute_fraction(spec: ShardingSpec, mesh) -> float:
     """Fraction of an elementwise op's work one device does when its output has ``spec``."""
     return 1.0 / math.prod(mesh.shape[a] for ax in spec.dim_axes for a in ax)
-
-
-def _load_rules() -> None:
-    # Importing the package registers every rule once.
-    from autopar.sharding_spec import rules  # noqa: F401

@@ -28,7 +28,8 @@ import dataclasses
 from autopar.errors import ConfigError
 from autopar.ir.aliasing import write_paths
 from autopar.ir.graph import Role
-from autopar.sharding_spec.strategy import OpContext, active_axes, has_rule, strategies_for
+from autopar.sharding_spec.rules import has_rule, strategies_for
+from autopar.sharding_spec.strategy import OpContext, active_axes
 
 # ops whose weight a tensor-parallel layout splits
 _WEIGHT_OPS = ("linear", "mm", "addmm", "matmul", "bmm", "embedding", "conv")

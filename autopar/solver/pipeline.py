@@ -339,7 +339,8 @@ def batch_mixing(graph, batch: int) -> str | None:
     model state (``codegen.loss_weights`` weighs microbatches by their counts from the inputs).
     The sharding rules decide it: dim 0 split over a virtual axis must reach the outputs split, or
     as a pending mean, with no op needing the samples together."""
-    from autopar.sharding_spec.strategy import OpContext, strategies_for
+    from autopar.sharding_spec.rules import strategies_for
+    from autopar.sharding_spec.strategy import OpContext
 
     out = next(n for n in graph.nodes.values() if n.op == "output")
     for mean in (m for name in out.inputs if name in graph.nodes for m in class_means(graph, name)[0]):

@@ -29,8 +29,8 @@ from autopar.ir.graph import NodeRef, Role, edge_itemsize
 from autopar.ir.losses import counted_from_inputs
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
-from autopar.sharding_spec.strategy import (OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep,
-                                            strategies_for)
+from autopar.sharding_spec.rules import strategies_for
+from autopar.sharding_spec.strategy import OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep
 from autopar.solver.ilp import Problem
 from autopar.solver.reshard_search import plan_reshard, reshard_costs_from
 

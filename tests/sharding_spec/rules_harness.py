@@ -13,8 +13,9 @@ import torch
 
 from autopar.ir import Node, NodeRef, Role, TensorMeta
 from autopar.sharding_spec import Mesh, ShardingSpec, simulator
+from autopar.sharding_spec.rules import strategies_for
 from autopar.sharding_spec.rules._common import localize_args
-from autopar.sharding_spec.strategy import OpContext, Strategy, needs_lowering, strategies_for
+from autopar.sharding_spec.strategy import OpContext, Strategy, needs_lowering
 
 MESHES_2D = [Mesh((2,)), Mesh((2, 2))]
 MESH_3D = Mesh((2, 2, 2))

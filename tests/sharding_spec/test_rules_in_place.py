@@ -7,7 +7,8 @@ from rules_harness import MESH_3D, MESHES_2D, assert_shards, check_op, context, 
 
 from autopar.ir import NodeRef as R
 from autopar.sharding_spec import simulator
-from autopar.sharding_spec.strategy import functional_twin, has_rule, strategies_for
+from autopar.sharding_spec.rules import has_rule, strategies_for
+from autopar.sharding_spec.strategy import functional_twin
 
 V = {
     "a": ints(4, 6),

@@ -12,7 +12,8 @@ from rules_harness import Mesh, check_strategy
 
 from autopar import models
 from autopar.ir import Node, NodeRef, Role, TensorMeta, trace
-from autopar.sharding_spec.strategy import OpContext, has_rule, needs_lowering, strategies_for
+from autopar.sharding_spec.rules import has_rule, strategies_for
+from autopar.sharding_spec.strategy import OpContext, needs_lowering
 
 # Replicated by design (see rules/constant.py): a local arange starts at 0; a 0-d tensor has no dims.
 REPLICATE_ONLY = {"aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten.scalar_tensor.default"}

@@ -8,7 +8,8 @@ from rules_harness import MESH_3D, Mesh, check_op, context, ints, make_node, ran
 
 from autopar.ir import NodeRef as R
 from autopar.sharding_spec import simulator
-from autopar.sharding_spec.strategy import needs_lowering, strategies_for
+from autopar.sharding_spec.rules import strategies_for
+from autopar.sharding_spec.strategy import needs_lowering
 
 V = {
     "emb": rand(16, 8),

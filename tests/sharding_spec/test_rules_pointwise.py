@@ -5,7 +5,7 @@ import torch
 from rules_harness import MESH_3D, MESHES_2D, Mesh, check_op, context, ints, make_node, rand
 
 from autopar.ir import NodeRef as R
-from autopar.sharding_spec.strategy import strategies_for
+from autopar.sharding_spec.rules import strategies_for
 
 V = {
     "a": ints(4, 6),

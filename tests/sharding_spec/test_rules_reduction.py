@@ -4,7 +4,7 @@ import torch
 from rules_harness import MESH_3D, Mesh, check_op, context, ints, make_node, rand
 
 from autopar.ir import NodeRef as R
-from autopar.sharding_spec.strategy import strategies_for
+from autopar.sharding_spec.rules import strategies_for
 
 V = {"a": ints(4, 6, 8), "r": rand(4, 6, 8), "m": ints(4, 6, 8, lo=0, hi=2, dtype=torch.bool),
      "w": rand(8), "b": rand(8), "w2": rand(6, 8)}

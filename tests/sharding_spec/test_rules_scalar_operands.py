@@ -19,7 +19,7 @@ import autopar  # noqa: E402
 from autopar.ir import NodeRef as R  # noqa: E402
 from autopar.ir import trace  # noqa: E402
 from autopar.sharding_spec.rules.pointwise import BINARY  # noqa: E402
-from autopar.sharding_spec.strategy import has_rule, strategies_for  # noqa: E402
+from autopar.sharding_spec.rules import has_rule, strategies_for  # noqa: E402
 
 CASES = [e for exprs in {**SCALAR_OPS, **SCALAR_OPS_EXTRA}.values() for e in exprs]
 

@@ -9,7 +9,7 @@ from rules_harness import MESH_3D, Mesh, check_op, context, ints, make_node
 from autopar.ir import NodeRef as R
 from autopar.sharding_spec import ShardingSpec
 from autopar.sharding_spec.rules.view import reshape_spec, view_groups
-from autopar.sharding_spec.strategy import strategies_for
+from autopar.sharding_spec.rules import strategies_for
 
 V = {
     "a": ints(4, 6),
