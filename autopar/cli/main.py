@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from autopar.cli.model_spec import load_model
+from autopar.cli.model_spec import load_model, parse_options
 from autopar.errors import AutoparError, ConfigError
 from autopar.solver.units import fmt_bytes, fmt_s, parse_bytes
 
@@ -71,7 +71,7 @@ def planning_options(args) -> dict:
 
     force = None
     if args.layout:
-        degrees = _options(args.layout)
+        degrees = parse_options(args.layout)
         unknown = sorted(set(degrees) - {"dp", "tp", "zero"})
         if unknown:
             raise ConfigError(f"--layout takes dp=, tp= and zero=, e.g. dp=2,tp=4,zero=2; got {', '.join(unknown)}")
@@ -96,7 +96,7 @@ def _pipeline_option(text: str):
 
     if text in ("auto", "off"):
         return "auto" if text == "auto" else None
-    fields = _options(text)
+    fields = parse_options(text)
     try:
         return Pipeline(**fields)
     except TypeError as err:

@@ -18,7 +18,7 @@ def load_model(spec: str):
         path, sep, opts = spec[3:].rpartition(":")
         if not sep or "=" not in opts:  # no options: the whole rest is the path (it may hold ':')
             path, opts = spec[3:], ""
-        options = _options(opts)
+        options = parse_options(opts)
         unknown = sorted(set(options) - {"batch", "seq", "dtype"})
         if unknown:
             raise ConfigError(f"hf:... options are batch, seq and dtype; got {', '.join(unknown)}")
@@ -35,7 +35,7 @@ def load_model(spec: str):
             raise ConfigError(f"{spec} must return (model, example_inputs) or (model, example_inputs, example_kwargs)")
         model, inputs, *rest = result
         return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), rest[0] if rest else None
-    options = _options(opts)
+    options = parse_options(opts)
     if "dtype" in options:
         options["dtype"] = _dtype(options["dtype"])
     try:
@@ -54,7 +54,9 @@ def _dtype(name):
     return value
 
 
-def _options(opts: str) -> dict:
+def parse_options(opts: str) -> dict:
+    """``key=value,...`` -> {key: value}, numbers and true/false read as such (a model's overrides,
+    ``--layout``, ``--pipeline``)."""
     overrides = {}
     for item in filter(None, opts.split(",")):
         key, eq, value = item.partition("=")
