@@ -8,10 +8,11 @@ Parameters (``param_memory``), per device::
     master copy           MASTER_COPY_BYTES per element for 16-bit params (mixed precision keeps
                           an fp32 copy that the optimizer updates)
 
-Optimizer states and the master copy are divided over ``opt_state_sharded_axes`` (ZeRO-1/2) on top
-of the storage sharding; an axis that already splits the storage divides them only once. Gradients
-are sharded like the storage (ZeRO-2's gradient sharding of a replicated param is not modelled
-separately). Example: 1M fp32 params, AdamW, replicated: 4 + 4 + 8 = 16 MB; bf16: 2 + 2 + 8 + 4.
+Optimizer states and the master copy are divided over ``opt_state_sharded_axes`` (ZeRO-2) on top
+of the storage sharding; an axis that already splits the storage divides them only once. ZeRO-2
+holds the working copy the program reads, the chunk the optimizer updates and the chunk's gradient
+(``param_memory_parts``); elsewhere gradients are sharded like the storage. Example: 1M fp32
+params, AdamW, replicated: 4 + 4 + 8 = 16 MB; bf16: 2 + 2 + 8 + 4; ZeRO-2 over 4: 4 + 1 + 1 + 2.
 
 Activations: ``saved_for_backward`` lists the values an op's backward reads (``ops.SAVE_RULES``:
 matmul operands, the input of gelu/norms, the output of relu/softmax, embedding indices, ...);
@@ -29,6 +30,7 @@ over the forward order, of the live bytes. Approximations:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Mapping
 
@@ -41,6 +43,7 @@ from autopar.cost_model.ops import (
     needs_grad,
     save_rule,
     tensor_inputs,
+    workspace_bytes,
 )
 from autopar.errors import ConfigError
 
@@ -52,23 +55,34 @@ MASTER_COPY_BYTES = 4
 LOW_PRECISION_DTYPES = frozenset({"bfloat16", "float16"})
 
 # Roles whose memory is not an activation's.
-_STATIC_ROLES = frozenset({"parameter", "buffer", "constant"})
+STATIC_ROLES = frozenset({"parameter", "buffer", "constant"})
 
 
-def param_memory(param_meta, storage_spec, mesh, optimizer: str = "adamw", opt_state_sharded_axes=()) -> int:
-    """Bytes one device holds for one parameter: its shard, its gradient, its optimizer states and
-    (16-bit params) an fp32 master copy. ``param_meta``: a TensorMeta or a parameter Node;
-    ``storage_spec`` None: replicated."""
+def param_memory_parts(param_meta, storage_spec, mesh, optimizer: str = "adamw", opt_state_sharded_axes=()) -> dict:
+    """Bytes one device holds for one parameter, by kind: ``parameters``, ``gradients``,
+    ``optimizer_states`` (with the fp32 master copy of 16-bit params). ``param_meta``: a TensorMeta
+    or a parameter Node; ``storage_spec`` None: replicated. With ``opt_state_sharded_axes`` (ZeRO-2,
+    as ``runtime.reducer`` runs it) a device holds the working copy the program reads (the storage
+    shard), its own chunk of it that the optimizer updates, and that chunk's gradient; the whole
+    gradient lives only in the reducer's buckets during backward."""
     meta = getattr(param_meta, "meta", param_meta)
     states = OPTIMIZER_STATES.get(optimizer.lower())
     if states is None:
         raise ConfigError(f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZER_STATES)}")
     numel = local_numel(meta.shape, storage_spec, mesh)
-    weights = 2 * numel * itemsize(meta.dtype)  # param + grad
+    size = itemsize(meta.dtype)
     already = storage_spec.used_axes if storage_spec is not None else frozenset()
     ways = math.prod(mesh.shape[mesh.axis(a)] for a in set(opt_state_sharded_axes) if mesh.axis(a) not in already)
+    chunk = math.ceil(numel / ways)
     per_element = states * OPTIMIZER_STATE_BYTES + (MASTER_COPY_BYTES if meta.dtype in LOW_PRECISION_DTYPES else 0)
-    return weights + math.ceil(numel / ways) * per_element
+    if ways > 1:
+        return {"parameters": (numel + chunk) * size, "gradients": chunk * size, "optimizer_states": chunk * per_element}
+    return {"parameters": numel * size, "gradients": numel * size, "optimizer_states": numel * per_element}
+
+
+def param_memory(param_meta, storage_spec, mesh, optimizer: str = "adamw", opt_state_sharded_axes=()) -> int:
+    """``param_memory_parts`` summed."""
+    return sum(param_memory_parts(param_meta, storage_spec, mesh, optimizer, opt_state_sharded_axes).values())
 
 
 def total_param_memory(graph, storage_specs: Mapping | None, mesh, optimizer: str = "adamw", opt_state_sharded_axes=()) -> int:
@@ -114,16 +128,92 @@ def saved_for_backward(graph) -> set[str]:
             saved |= roots[tin[k][1]]
         if saves_output:
             saved |= roots[node.name]
-    return {n for n in saved if str(graph.nodes[n].role) not in _STATIC_ROLES}
+    return {n for n in saved if str(graph.nodes[n].role) not in STATIC_ROLES}
 
 
-def node_activation_bytes(node, out_spec, mesh, saved) -> int:
-    """The ILP's linear memory term: the node's local bytes under ``out_spec`` when it is saved
-    for backward (``saved``: from ``saved_for_backward``), else 0. Summing it over nodes gives the
-    memory saved activations hold at the end of the forward, not the transient peak."""
-    if node.name not in saved:
+def saved_inputs(graph) -> set[tuple[str, int]]:
+    """(consumer, position in its ``inputs``) of every value a backward keeps as the consumer reads
+    it: the op saves that input (``ops.SAVE_RULES``), or the consumer is a view of a value kept so.
+    Where the plan reshards such an edge (a ZeRO-3 parameter gathered whole for a matmul, an
+    activation gathered for a sequence-parallel matmul), the reshard's result is what stays alive
+    until backward, not the value the producer made."""
+    ng = needs_grad(graph)
+    out: set[tuple[str, int]] = set()
+    kept_views: set[str] = set()
+    for node in reversed(list(graph.nodes.values())):  # consumers before their producers
+        if node.op != "call_function":
+            continue
+        tin = tensor_inputs(node, graph)
+        if is_view(node.target):
+            if node.name in kept_views:
+                out |= {(node.name, pos) for pos, _ in tin}
+                kept_views |= {name for _, name in tin}
+            continue
+        if node.name not in ng:
+            continue
+        grad_idx = {k for k, (_, name) in enumerate(tin) if name in ng}
+        if not grad_idx:
+            continue
+        idx, _ = save_rule(node.target)(grad_idx, len(tin), node)
+        for k in idx:
+            pos, name = tin[k]
+            out.add((node.name, pos))
+            kept_views.add(name)
+    return out
+
+
+def held_reshard_bytes(src_static: bool, src_spec, dst_spec, mesh, itemsize: int) -> int:
+    """Bytes a reshard on a saved edge (``saved_inputs``) keeps alive on top of what the source
+    holds: nothing without a reshard; the whole copy when the source is a parameter or buffer
+    (held anyway: ZeRO-3's gathered weights); else what the copy adds to the producer's value (the
+    producer's own value is counted as saved, and freed when the copy is all backward keeps)."""
+    if src_spec is None or dst_spec is None or src_spec == dst_spec:
         return 0
-    return local_nbytes(node.meta, _output_spec(out_spec), mesh)
+    held = local_numel(dst_spec.shape, dst_spec, mesh) * itemsize
+    return held if src_static else max(0, held - local_numel(src_spec.shape, src_spec, mesh) * itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardPeak:
+    """Where the forward's live activations peak (``forward_peak``): the node running then, and
+    the values alive beside the saved ones there."""
+
+    node: str | None = None
+    live: frozenset = frozenset()
+
+
+def node_activation_bytes(node, strategy, mesh, saved, peak: ForwardPeak = ForwardPeak(), in_metas=()) -> int:
+    """The ILP's linear memory term of ``node`` under ``strategy`` (a Strategy or an output spec):
+    its local bytes when it is saved for backward (``saved``: ``saved_for_backward``) or alive,
+    unsaved, at the forward's peak (``peak``: ``forward_peak``), and at the peak node its
+    workspace (``ops.workspace_bytes``; ``in_metas``: its inputs' metas). Summed over nodes: the
+    saved activations at the end of the forward plus what lives beside them at the peak (a
+    language model's loss: the logits and as large a copy of log-probabilities)."""
+    out = 0
+    if node.name in saved or node.name in peak.live:
+        out += local_nbytes(node.meta, _output_spec(strategy), mesh)
+    if node.name == peak.node and hasattr(strategy, "inputs"):
+        out += workspace_bytes(node, in_metas, strategy.inputs, mesh)
+    return out
+
+
+def _lifetimes(graph) -> tuple[list, list[tuple[str, int, int]]]:
+    """(nodes in forward order, (name, first, last position alive) of every value that owns its
+    memory and is an activation): a saved value lives to the end of the forward, another to its
+    last reader (the end, when the model returns it)."""
+    order = list(graph.nodes.values())
+    pos = {n.name: t for t, n in enumerate(order)}
+    roots = alias_roots(graph)
+    saved = saved_for_backward(graph)
+    end_of_forward = len(order) - 1
+    last = {n.name: pos[n.name] for n in order}
+    for t, node in enumerate(order):
+        for name in node.inputs:
+            for r in roots.get(name, ()):
+                last[r] = max(last[r], end_of_forward if node.op == "output" else t)
+    spans = [(n.name, pos[n.name], end_of_forward if n.name in saved else last[n.name]) for n in order
+             if roots[n.name] == frozenset({n.name}) and str(n.role) not in STATIC_ROLES]
+    return order, spans
 
 
 def activation_timeline(graph, specs: Mapping | None, mesh) -> list[tuple[str, int]]:
@@ -131,30 +221,34 @@ def activation_timeline(graph, specs: Mapping | None, mesh) -> list[tuple[str, i
     {node name: output ShardingSpec (a tuple for multi-output ops) or Strategy}; missing names
     are replicated."""
     specs = specs or {}
-    order = list(graph.nodes.values())
-    pos = {n.name: t for t, n in enumerate(order)}
-    roots = alias_roots(graph)
-    saved = saved_for_backward(graph)
-    end_of_forward = len(order) - 1
-
-    last = {n.name: pos[n.name] for n in order}
-    for t, node in enumerate(order):
-        for name in node.inputs:
-            for r in roots.get(name, ()):
-                last[r] = max(last[r], end_of_forward if node.op == "output" else t)
+    order, spans = _lifetimes(graph)
     delta = [0] * (len(order) + 1)
-    for node in order:
-        if roots[node.name] != frozenset({node.name}) or str(node.role) in _STATIC_ROLES:
-            continue  # a view, or memory counted elsewhere
-        size = local_nbytes(node.meta, _output_spec(specs.get(node.name)), mesh)
-        end = end_of_forward if node.name in saved else last[node.name]
-        delta[pos[node.name]] += size
+    for name, first, end in spans:
+        size = local_nbytes(graph.nodes[name].meta, _output_spec(specs.get(name)), mesh)
+        delta[first] += size
         delta[end + 1] -= size
     out, live = [], 0
     for t, node in enumerate(order):
         live += delta[t]
-        out.append((node.name, live))
+        ins = [graph.nodes[i].meta if i in graph.nodes else None for i in node.inputs]
+        strategy = specs.get(node.name)
+        in_specs = strategy.inputs if hasattr(strategy, "inputs") else ()
+        out.append((node.name, live + workspace_bytes(node, ins, in_specs, mesh)))
     return out
+
+
+def forward_peak(graph) -> ForwardPeak:
+    """The forward's peak on the replicated timeline (a plan splits most activations alike, so the
+    peak stays where it is): its node and the values alive there that are not saved."""
+    from autopar.sharding_spec.mesh import Mesh
+
+    timeline = activation_timeline(graph, None, Mesh((1,)))
+    if not timeline:
+        return ForwardPeak()
+    peak = max(range(len(timeline)), key=lambda t: timeline[t][1])
+    saved = saved_for_backward(graph)
+    _, spans = _lifetimes(graph)
+    return ForwardPeak(timeline[peak][0], frozenset(n for n, first, end in spans if first <= peak <= end and n not in saved))
 
 
 def activation_memory(graph, specs: Mapping | None, mesh) -> int:

@@ -216,6 +216,25 @@ def is_view(target: str) -> bool:
     return op_name(target) in VIEW_OPS
 
 
+# Ops that allocate more than their output while they run, as multiples of an input's bytes: the
+# fused cross entropy computes log-probabilities as large as its logits (kept for backward in
+# their place while the logits still live).
+WORKSPACE_RULES: dict[str, tuple[int, float]] = {"aten.cross_entropy_loss": (0, 1.0)}
+
+
+def workspace_bytes(node, in_metas, in_specs, mesh) -> int:
+    """Bytes ``node`` allocates beside its output while it runs (``WORKSPACE_RULES``), its inputs
+    as the strategy reads them (``in_specs``: one spec or None per input)."""
+    rule = WORKSPACE_RULES.get(op_name(node.target)) if node.op == "call_function" else None
+    if rule is None:
+        return 0
+    k, factor = rule
+    if k >= len(in_metas) or in_metas[k] is None or isinstance(in_metas[k], tuple):
+        return 0
+    spec = in_specs[k] if k < len(in_specs) else None
+    return int(factor * local_nbytes(in_metas[k], spec, mesh))
+
+
 def save_rule(target: str) -> SaveRule:
     """The rule for ``target``: its own overload's entry (``aten.max.dim``) before its op's."""
     parts = target.split(".")

@@ -8,11 +8,12 @@ matrix R_uv[i, j]: seconds to turn u's output under strategy i into the input v 
     subject to  sum_i s_v[i] = 1                                  (one strategy per node)
                 sum_j e_uv[i,j] = s_u[i]     for every i          (edge agrees with its source)
                 sum_i e_uv[i,j] = s_v[j]     for every j          (edge agrees with its target)
-                sum_v m_v . s_v <= M                              (memory, when a budget M is given)
+                sum_v m_v . s_v + sum_(u,v) sum_ij H_uv[i,j] e_uv[i,j] <= M      (memory, given a budget M)
                 s, e in {0, 1}
 
 c_v: compute and the op's own communication (s); m_v: bytes the choice keeps on a device at the
-peak. Nodes tied to a representative (repeated blocks, nodes that must follow their producer)
+peak; H_uv: bytes a pair's reshard keeps alive until backward (``edge_memory``: a gathered weight
+or activation that the consumer saves). Nodes tied to a representative (repeated blocks, nodes that must follow their producer)
 share its variables, so the ILP has one copy of each repeated block.
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ OBJECTIVE_SCALE = 1e6
 @dataclasses.dataclass
 class Problem:
     """costs[v]: shape (k_v,) seconds; memory[v]: shape (k_v,) bytes; edges[(u, v)]: (k_u, k_v)
-    seconds; tie[v] = u means v uses u's variables (same k); budget: bytes or None."""
+    seconds; tie[v] = u means v uses u's variables (same k); budget: bytes or None;
+    edge_memory[(u, v)]: (k_u, k_v) bytes held, for the edges that hold any."""
 
     costs: dict[str, np.ndarray]
     memory: dict[str, np.ndarray]
@@ -52,6 +54,7 @@ class Problem:
     tie: dict[str, str] = dataclasses.field(default_factory=dict)
     budget: float | None = None
     base_memory: float = 0.0  # bytes that do not depend on any choice
+    edge_memory: dict[tuple[str, str], np.ndarray] = dataclasses.field(default_factory=dict)
 
     def rep(self, v: str) -> str:
         while v in self.tie:
@@ -72,17 +75,24 @@ class Problem:
                 raise ValueError(f"node {v} is tied to {r} but has {len(self.costs[v])} strategies, not {len(costs[r])}")
             costs[r] = costs[r] + self.costs[v]
             memory[r] = memory[r] + self.memory[v]
-        edges: dict[tuple[str, str], np.ndarray] = {}
-        for (u, v), mat in self.edges.items():
+        edges = self._mapped(self.edges, costs)
+        edge_memory = self._mapped(self.edge_memory, memory)
+        return Problem(costs, memory, edges, {}, self.budget, self.base_memory, edge_memory)
+
+    def _mapped(self, matrices: dict, own: dict) -> dict:
+        """Edge matrices onto the representatives' edges (an edge inside one representative adds
+        its diagonal to ``own``: both ends always pick the same index)."""
+        out: dict[tuple[str, str], np.ndarray] = {}
+        for (u, v), mat in matrices.items():
             ru, rv = self.rep(u), self.rep(v)
             if ru == rv:
-                costs[ru] = costs[ru] + np.diag(mat)  # both ends always pick the same index
+                own[ru] = own[ru] + np.diag(mat)
                 continue
-            if (rv, ru) in edges:
-                edges[(rv, ru)] = edges[(rv, ru)] + mat.T
+            if (rv, ru) in out:
+                out[(rv, ru)] = out[(rv, ru)] + mat.T
             else:
-                edges[(ru, rv)] = edges.get((ru, rv), 0) + mat
-        return Problem(costs, memory, edges, {}, self.budget, self.base_memory)
+                out[(ru, rv)] = out.get((ru, rv), 0) + mat
+        return out
 
 
 @dataclasses.dataclass
@@ -103,7 +113,15 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> tuple[float, float]:
     obj = sum(float(problem.costs[v][pick[v]]) for v in problem.costs)
     obj += sum(float(m[pick[u], pick[v]]) for (u, v), m in problem.edges.items())
     mem = problem.base_memory + sum(float(problem.memory[v][pick[v]]) for v in problem.memory)
+    mem += sum(float(m[pick[u], pick[v]]) for (u, v), m in problem.edge_memory.items())
     return obj, mem
+
+
+def _oriented(matrices: dict, u: str, v: str):
+    """The (u, v) matrix of ``matrices`` whichever way it is keyed, or None."""
+    if (u, v) in matrices:
+        return matrices[(u, v)]
+    return matrices[(v, u)].T if (v, u) in matrices else None
 
 
 def _prune_infinite(problem: Problem) -> dict[str, list[int]]:
@@ -132,8 +150,10 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
     for n, (v, vars_) in enumerate(s.items()):
         lp += pulp.lpSum(vars_.values()) == 1, f"one_strategy_{n}"
         objective += [_round(red.costs[v][i]) * x for i, x in vars_.items() if _round(red.costs[v][i])]
+    held = []  # memory terms of the edges (bytes a pair's reshard keeps)
     for n, ((u, v), mat) in enumerate(red.edges.items()):
         su, sv = s[u], s[v]
+        hmat = _oriented(red.edge_memory, u, v) if problem.budget is not None else None
         if len(su) == 1 or len(sv) == 1:
             # One side is fixed: the edge cost is linear in the other side's choice.
             for i, xi in su.items():
@@ -143,6 +163,8 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
                         lp += (xi + xj <= 1), f"forbid_{n}_{i}_{j}"
                     elif c:
                         objective.append(c * (xj if len(su) == 1 else xi))
+                    if hmat is not None and hmat[i, j] and not math.isinf(c):
+                        held.append(float(hmat[i, j]) * (xj if len(su) == 1 else xi))
             continue
         e = {}
         for i in su:
@@ -153,6 +175,8 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
                 e[i, j] = var(f"e_{n}_{i}_{j}", lowBound=0, upBound=1)
                 if c:
                     objective.append(c * e[i, j])
+                if hmat is not None and hmat[i, j]:
+                    held.append(float(hmat[i, j]) * e[i, j])
         for i, xi in su.items():
             lp += pulp.lpSum(e[i, j] for j in sv if (i, j) in e) == xi, f"edge_src_{n}_{i}"
         for j, xj in sv.items():
@@ -160,7 +184,7 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
     if problem.budget is not None:
         lp += (
             pulp.lpSum(float(red.memory[v][i]) * x for v, vars_ in s.items() for i, x in vars_.items())
-            <= problem.budget - problem.base_memory,
+            + pulp.lpSum(held) <= problem.budget - problem.base_memory,
             "memory_budget",
         )
     lp += pulp.lpSum(objective)
@@ -228,7 +252,8 @@ def min_memory(problem: Problem) -> float:
     """The smallest memory any assignment needs (memory is a sum of per-node terms, and infinite
     cost pairs do not forbid memory), used in the infeasibility message."""
     red = problem.reduced()
-    return problem.base_memory + sum(float(np.min(m)) for m in red.memory.values())
+    return (problem.base_memory + sum(float(np.min(m)) for m in red.memory.values())
+            + sum(float(np.min(m)) for m in red.edge_memory.values()))
 
 
 def _has_solution(s) -> bool:

@@ -23,7 +23,7 @@ from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_count
-from autopar.cost_model.ops import needs_grad
+from autopar.cost_model.ops import alias_roots, needs_grad
 from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role, edge_itemsize
 from autopar.ir.losses import counted_from_inputs
@@ -134,11 +134,12 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
     ``force``: node name -> family label (or a predicate on a Strategy) restricting that node's
     candidates (see ``restrict``)."""
     saved = memory_model.saved_for_backward(graph)
+    peak = memory_model.forward_peak(graph)
     total = graph.param_bytes()
     out = {}
     memo: dict = {}  # repeated blocks repeat nodes: enumerate and price each kind once
     for node in graph.nodes.values():
-        sig = _signature(node, graph, saved)
+        sig = _signature(node, graph, saved, peak)
         if sig is not None and sig in memo:
             out[node.name] = dataclasses.replace(memo[sig], name=node.name)
             continue
@@ -162,7 +163,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
             counted = counted_from_inputs(graph, node)
             comm = [lowered_comm_s(node.target, s.family, s.inputs, s.output, mesh, counted_locally=counted)
                     if needs_lowering(s.family) else 0.0 for s in strategies]
-            mem = [memory_model.node_activation_bytes(node, s.output, mesh, saved) for s in strategies]
+            mem = [memory_model.node_activation_bytes(node, s, mesh, saved, peak, ctx.input_metas) for s in strategies]
         n = len(strategies)
         out[node.name] = NodeChoices(
             node.name, strategies, np.asarray(comp, float), np.asarray(comm, float), np.asarray(mem, float),
@@ -175,7 +176,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
     return out
 
 
-def _signature(node, graph, saved):
+def _signature(node, graph, saved, peak):
     """What a node's candidates and their prices depend on; None where nodes must not share."""
     if node.op == "output":
         return None
@@ -192,7 +193,7 @@ def _signature(node, graph, saved):
     if node.op == "placeholder":
         return ("placeholder", node.role, node.meta)
     return (
-        node.op, node.target, node.meta, node.flops, node.name in saved,
+        node.op, node.target, node.meta, node.flops, node.name in saved, node.name in peak.live, node.name == peak.node,
         norm(node.args), norm(node.kwargs), tuple(compute_model.grad_mask(node, graph)),
     )
 
@@ -261,6 +262,16 @@ def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh
     return table
 
 
+def held_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, static: bool) -> np.ndarray:
+    """Bytes each (producer strategy, consumer strategy) pair's reshard keeps alive until backward,
+    on an edge whose value the consumer's backward keeps (``memory.held_reshard_bytes``)."""
+    consumer = graph.nodes[cons.name]
+    itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
+    srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
+    dsts = [cs.inputs[position] if position < len(cs.inputs) else None for cs in cons.strategies]
+    return np.array([[memory_model.held_reshard_bytes(static, a, b, mesh, itemsize) for b in dsts] for a in srcs], dtype=float)
+
+
 def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backward: bool) -> np.ndarray:
     consumer = graph.nodes[cons.name]
     factor = 2.0 if with_backward else 1.0
@@ -313,6 +324,9 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
     memo = {} if memo is None else memo
     shares = _layer_share(graph) if shared_gathers else {}
     in_place = in_place_reads(graph)
+    kept = memory_model.saved_inputs(graph)
+    roots = alias_roots(graph)
+    held: dict[tuple[str, str], np.ndarray] = {}
     for node in graph.nodes.values():
         for pos, src in enumerate(node.inputs):
             if src not in choices:
@@ -333,14 +347,24 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
             edge_list.append((src, node.name, pos))
             key = (src, node.name)
             edges[key] = edges[key] + mat if key in edges else mat
+            if (node.name, pos) in kept:
+                static = all(str(graph.nodes[r].role) in memory_model.STATIC_ROLES for r in roots[src])
+                hkey = ("held", id(prod.strategies), id(cons.strategies), pos, static, edge_itemsize(graph.nodes[src].meta, node),
+                        node.args[1] if node.target == "operator.getitem" else None)
+                if hkey not in memo:
+                    memo[hkey] = held_matrix(graph, prod, cons, pos, mesh, static)
+                if memo[hkey].any():
+                    held[key] = held[key] + memo[hkey] if key in held else memo[hkey]
     # A budget no assignment can exceed (the most memory of every node together fits) constrains
     # nothing, and would only keep the simplifier from folding nodes whose memory varies.
-    most = sum(float(np.max(c.memory)) for c in choices.values() if len(c.memory))
+    most = (sum(float(np.max(c.memory)) for c in choices.values() if len(c.memory))
+            + sum(float(np.max(m)) for m in held.values()))
     problem = Problem(
         costs={v: c.compute_s + c.comm_s for v, c in choices.items()},
         memory={v: c.memory for v, c in choices.items()},
         edges=edges,
         budget=None if memory_budget is not None and most <= memory_budget else memory_budget,
+        edge_memory=held,
     )
     return Built(problem, choices, edge_list, grad, shares)
 

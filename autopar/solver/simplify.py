@@ -7,7 +7,8 @@
 2. Exact elimination of chain nodes (variable elimination, min-sum): a node with one neighbour is
    folded into it, c_w[k] += min_j (c_v[j] + R_vw[j, k]); a node between two neighbours becomes an
    edge, R_uw[i, k] = min_j (R_uv[i, j] + c_v[j] + R_vw[j, k]). The optimum is unchanged. Under a
-   memory budget only nodes whose memory does not depend on their choice are eliminated.
+   memory budget only nodes whose memory (their own and their edges') does not depend on their
+   choice are eliminated.
 Eliminated choices are recovered after solving from the stored argmin tables.
 """
 from __future__ import annotations
@@ -64,6 +65,7 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
     costs = {v: c.astype(float).copy() for v, c in problem.costs.items()}
     memory = {v: m.astype(float).copy() for v, m in problem.memory.items()}
     edges = {k: m.astype(float).copy() for k, m in problem.edges.items()}
+    held = {k: m.astype(float) for k, m in problem.edge_memory.items()}
     base_memory = problem.base_memory
     adj: dict[str, set[str]] = {v: set() for v in costs}
     for u, v in edges:
@@ -75,8 +77,13 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
         return edges[(u, v)] if (u, v) in edges else edges[(v, u)].T
 
     def drop_edge(u, v):
+        nonlocal base_memory
         edges.pop((u, v), None)
         edges.pop((v, u), None)
+        for key in ((u, v), (v, u)):  # a constant under a budget (``removable``): kept in the base
+            m = held.pop(key, None)
+            if m is not None and problem.budget is not None:
+                base_memory += float(m.flat[0]) if m.size else 0.0
         adj[u].discard(v)
         adj[v].discard(u)
 
@@ -93,7 +100,10 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
     def removable(v) -> bool:
         if len(adj[v]) > 2 or len(costs) <= 2:
             return False
-        return problem.budget is None or np.ptp(memory[v]) == 0
+        if problem.budget is None:
+            return True
+        return np.ptp(memory[v]) == 0 and all(
+            np.ptp(m) == 0 for (a, b), m in held.items() if v in (a, b) and m.size)
 
     changed = True
     while changed:
@@ -123,7 +133,7 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
             records.append(Elimination(v, nbrs, table))
             del costs[v], memory[v], adj[v]
             changed = True
-    return Problem(costs, memory, edges, {}, problem.budget, base_memory), records
+    return Problem(costs, memory, edges, {}, problem.budget, base_memory, held), records
 
 
 def recover(choice: dict[str, int], records: list[Elimination]) -> dict[str, int]:
@@ -172,5 +182,6 @@ def prune(problem: Problem, max_edge_pairs: int = MAX_EDGE_PAIRS) -> tuple[Probl
         {v: m[keep[v]] for v, m in problem.memory.items()},
         {(u, v): m[np.ix_(keep[u], keep[v])] for (u, v), m in problem.edges.items()},
         {}, problem.budget, problem.base_memory,
+        {(u, v): m[np.ix_(keep[u], keep[v])] for (u, v), m in problem.edge_memory.items()},
     )
     return sub, keep

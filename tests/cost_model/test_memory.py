@@ -8,6 +8,7 @@ from autopar.cost_model.memory import (
     activation_timeline,
     node_activation_bytes,
     param_memory,
+    param_memory_parts,
     saved_for_backward,
     total_param_memory,
 )
@@ -43,8 +44,10 @@ def test_sharded_storage_divides_everything():
 
 def test_zero_shards_optimizer_states_once_per_axis():
     mesh = Mesh((2, 2))
-    # ZeRO-1 over both axes: params and grads whole, states / 4
-    assert param_memory(FP32_1M, None, mesh, opt_state_sharded_axes=(0, 1)) == (4 + 4 + 8 // 4) * M
+    # ZeRO-2 over both axes: the working copy whole, the updated chunk, its gradient and states / 4
+    assert param_memory(FP32_1M, None, mesh, opt_state_sharded_axes=(0, 1)) == (4 + 1 + 1 + 8 // 4) * M
+    assert param_memory_parts(FP32_1M, None, mesh, opt_state_sharded_axes=(0, 1)) == {
+        "parameters": 5 * M, "gradients": 1 * M, "optimizer_states": 2 * M}
     # storage already split on axis 0: states are not divided by axis 0 twice
     assert param_memory(FP32_1M, _spec("[S0, R]", mesh), mesh, opt_state_sharded_axes=(0,)) == 8 * M
     assert param_memory(FP32_1M, _spec("[S0, R]", mesh), mesh, opt_state_sharded_axes=(0, 1)) == (4 + 2) * M
@@ -133,3 +136,45 @@ def test_gpt_saved_set_holds_no_views_or_parameters():
     assert not any(g.nodes[n].op == "call_function" and is_view(g.nodes[n].target) for n in saved)
     assert any(g.nodes[n].target == "aten.scaled_dot_product_attention.default" for n in saved)
     assert activation_memory(g, None, Mesh((2,))) >= sum(node_activation_bytes(g.nodes[n], None, Mesh((2,)), saved) for n in saved)
+
+
+def test_saved_inputs_follow_views_to_the_weight():
+    """A linear layer's matmul keeps its input, and its weight where its input needs a gradient
+    (the first layer's does not: backward there only makes the weight's gradient, from the input)."""
+    import torch
+
+    from autopar.cost_model.memory import saved_inputs
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.ReLU(), torch.nn.Linear(8, 2, bias=False))
+    graph = trace(model, (torch.randn(4, 8),))
+    kept = saved_inputs(graph)
+    weights = [n.name for n in graph.nodes.values() if str(n.role) == "parameter"]
+    readers = [next(n for n in graph.nodes.values() if w in n.inputs) for w in weights]
+    assert [(r.name, r.inputs.index(w)) in kept for r, w in zip(readers, weights)] == [False, True]
+    assert all((r.name, 0) in kept for r in readers)
+    relu = next(n for n in graph.nodes.values() if "relu" in str(n.target))
+    assert (relu.name, 0) not in kept  # relu keeps its output, not its input
+
+
+def test_zero3_plan_holds_each_gathered_weight_until_backward():
+    import autopar
+    from autopar.cost_model.memory import saved_inputs
+    from autopar.cost_model.ops import alias_roots, local_numel
+
+    model, inputs = models.build("gpt", layers=2, width=64, heads=4, seq=16, vocab=128, batch=8)
+    mesh = autopar.Mesh((4,))
+    plan = autopar.plan(model, mesh, inputs, force=autopar.Layout(dp=4, zero=3), pipeline=False)
+    graph = trace(model, inputs)
+    kept, roots = saved_inputs(graph), alias_roots(graph)
+    gathered = 0
+    for e in plan.edges:
+        from_weight = all(str(graph.nodes[r].role) == "parameter" for r in roots[e.src])
+        if (e.dst, e.position) in kept and from_weight and e.src_spec != e.dst_spec:
+            gathered += local_numel(e.dst_spec.shape, e.dst_spec, mesh) * 4
+    weights = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "wpe" not in name) * 4
+    assert gathered >= 0.9 * weights  # every matrix the matmuls read whole (the embedding's table excepted)
+    held = sum(n.memory_bytes for n in plan.nodes.values()) - plan.predicted["memory_bytes_per_device"]
+    assert held == pytest.approx(0.0, abs=1.0)  # the nodes' memory adds up to the plan's, gathers included
+    without = autopar.plan(model, mesh, inputs, force=autopar.Layout(dp=4), pipeline=False)
+    assert plan.predicted["memory_parts"]["activations"] == pytest.approx(
+        without.predicted["memory_parts"]["activations"] + gathered, rel=1e-6)

@@ -7,7 +7,7 @@ from autopar.solver.ilp import NoCheaperPlan, Problem, brute_force, evaluate, mi
 from autopar.solver.simplify import eliminate, recover
 
 
-def random_problem(seed: int, n_max: int = 8, budget: bool = False, infinite: bool = True) -> Problem:
+def random_problem(seed: int, n_max: int = 8, budget: bool = False, infinite: bool = True, held: bool = False) -> Problem:
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, n_max + 1))
     names = [f"v{i}" for i in range(n)]
@@ -22,7 +22,10 @@ def random_problem(seed: int, n_max: int = 8, budget: bool = False, infinite: bo
             if infinite and rng.random() < 0.2:
                 m[0, -1] = np.inf
             edges[(u, v)] = edges.get((u, v), 0) + m
-    return Problem(costs, memory, edges, budget=float(rng.integers(n, 6 * n)) if budget else None)
+    # bytes a pair keeps (a reshard saved for backward): on some edges, some pairs
+    edge_memory = {e: rng.integers(0, 8, m.shape).astype(float) * (rng.random(m.shape) < 0.5)
+                   for e, m in edges.items() if held and rng.random() < 0.6}
+    return Problem(costs, memory, edges, budget=float(rng.integers(n, 6 * n)) if budget else None, edge_memory=edge_memory)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -39,6 +42,35 @@ def test_ilp_equals_brute_force(seed, budget):
     assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
     if p.budget is not None:
         assert sol.memory <= p.budget
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_memory_held_on_edges_is_in_the_budget(seed):
+    """Edge memory (a reshard's copy kept for backward) counts against the budget in the ILP, in
+    the simplifier's folding and in evaluate, as brute force counts it."""
+    p = random_problem(seed, budget=True, held=True, infinite=seed % 2 == 0)
+    try:
+        _, best = brute_force(p)
+    except PlanError:
+        with pytest.raises(PlanError):
+            solve(p)
+        return
+    sol = solve(p)
+    assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert evaluate(p, sol.choice)[1] == pytest.approx(sol.memory) and sol.memory <= p.budget
+    small, records = eliminate(p)
+    folded = recover(solve(small).choice, records)
+    assert evaluate(p, folded)[0] == pytest.approx(best, rel=1e-9, abs=1e-12) and evaluate(p, folded)[1] <= p.budget
+
+
+def test_edge_memory_adds_the_pairs_bytes():
+    p = Problem({"a": np.zeros(2), "b": np.zeros(2)}, {"a": np.zeros(2), "b": np.zeros(2)},
+                {("a", "b"): np.zeros((2, 2))}, edge_memory={("a", "b"): np.array([[0.0, 5.0], [7.0, 0.0]])})
+    assert [evaluate(p, {"a": i, "b": j})[1] for i in (0, 1) for j in (0, 1)] == [0.0, 5.0, 7.0, 0.0]
+    assert min_memory(p) == 0.0
+    p.budget = 4.0
+    p.costs = {"a": np.array([0.0, 1.0]), "b": np.array([1.0, 0.0])}  # cheapest pair (0, 1) holds 5 bytes
+    assert solve(p).choice in ({"a": 0, "b": 0}, {"a": 1, "b": 1})
 
 
 @pytest.mark.parametrize("seed", range(40))
