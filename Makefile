@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test fuzz bench bench-hybrid bench-colossalai install clean
+.PHONY: demo test fuzz bench bench-hybrid bench-memory bench-colossalai install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ bench: $(BENCH_STAMP)
 # Every hand-written tp x pp x dp layout, checked exact and timed (~12 min on 2 cores).
 bench-hybrid: $(BENCH_STAMP)
 	$(PY) benchmarks/hybrid.py
+
+# Predicted against measured peak memory per rank (torch's MemTracker), one plan per set of ranks (~7 min).
+bench-memory: $(BENCH_STAMP)
+	$(PY) benchmarks/memory_fidelity.py
 
 # Colossal-AI's own HybridParallelPlugin as a second hand-tuned baseline, checked exact and timed
 # next to autopar on 4 gloo ranks (benchmarks/colossalai_bench.py; ~10 min on 2 cores). It has a
