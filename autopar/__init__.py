@@ -23,6 +23,7 @@ from autopar.errors import (
 from autopar.compose.parallelize import parallelize
 from autopar.sharding_spec import Mesh, Partial, Replicate, Shard, ShardingSpec
 from autopar.solver import Layout, Pipeline, Plan, plan, plan_reshard
+from autopar.solver.compare import compare_plan as compare
 
 
 def save(path, pmodel, optimizer=None, extra=None, **kwargs):
@@ -94,6 +95,7 @@ __all__ = [
     "ShardingError",
     "ShardingSpec",
     "TraceError",
+    "compare",
     "export",
     "load",
     "load_full",

@@ -132,7 +132,7 @@ def rank_main(rank, world_size, model_name, mesh_shape, steps):
             if not kw:  # what autopar weighed its pick against, priced by the same cost model
                 from autopar.solver.compare import table
 
-                row["what_ifs"] = table(plan.compare(model, inputs, *WHAT_IFS))
+                row["what_ifs"] = table(autopar.compare(plan, model, inputs, *WHAT_IFS))
         out.append(row)
     return out
 

@@ -73,7 +73,7 @@ def live_op_table(graph, mesh: Mesh, device, force=None, *, directory=None):
     cores slow each other: that is the speed the plan will see); cached per device and number of
     ranks on it. A collective."""
     from autopar.cost_model.profile_ops import OpTable, OpTiming, default_table_path, profile_ops
-    from autopar.solver.api import idle_candidates, view_mesh
+    from autopar.solver.intra_op import idle_candidates, view_mesh
     from autopar.solver.layout import Layout
     from autopar.solver.problem import node_choices
 

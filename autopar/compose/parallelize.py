@@ -89,9 +89,9 @@ def parallelize(
     opt.step()``, clipping, ``no_sync()`` accumulation, ``eval()``); ``pmodel.train_step(...)``
     runs forward and backward of a batch in one call.
     """
-    from autopar import ir
     from autopar.codegen.lower import lower
     from autopar.compose.programs import VariantBuilder, constants_of, plan_on_rank0, weightless
+    from autopar.ir import trace
     from autopar.runtime.materialize import local_state
     from autopar.runtime.module import ParallelModule
     from autopar.runtime.process_groups import MeshGroups
@@ -109,7 +109,7 @@ def parallelize(
     if on_meta:
         trace_inputs, trace_kwargs = _to_meta((trace_inputs, trace_kwargs))
     try:
-        graph = ir.trace(model, trace_inputs, trace_kwargs or None)
+        graph = trace(model, trace_inputs, trace_kwargs or None)
     except TraceError as err:  # every rank fails alike: rank 0 says why, the others say where to look
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         if rank != 0:

@@ -23,8 +23,8 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
     """This rank's ``ParallelModule`` of a pipelined ``plan``: its stages' programs and shards,
     with a ``PipelineRunner`` for ``train_step``. ``graph`` is the whole batch's trace (to tell
     which inputs the microbatches split); the stages run on the microbatch graph, traced here."""
-    from autopar import ir
     from autopar.compose.programs import constants_of, weightless
+    from autopar.ir import trace
     from autopar.runtime.materialize import local_state
     from autopar.runtime.module import ParallelModule
     from autopar.solver.pipeline import microbatch_inputs
@@ -32,7 +32,7 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
 
     count = plan.pipeline.microbatches
     mb_args, mb_kwargs = microbatch_inputs(*trace_call, count)
-    micro = ir.trace(model, mb_args, mb_kwargs or None)
+    micro = trace(model, mb_args, mb_kwargs or None)
     plan.check_model(micro.fingerprint(), micro.model_name)
     plan = with_received(plan, micro)  # a plan file of schema version 3 or older has no receiving steps
     batch_dims = [tuple(graph.nodes[a].meta.shape[:1]) != tuple(micro.nodes[b].meta.shape[:1])
@@ -97,9 +97,9 @@ class PipelineVariants:
         cut into microbatches of ``rows`` samples; None where the trace is the plan's own graph."""
         import torch.utils._pytree as pytree
 
-        from autopar import ir
         from autopar.compose.programs import constants_of, fake_inputs
         from autopar.errors import TraceError
+        from autopar.ir import trace
         from autopar.runtime.pipeline_call import StageSet
 
         runner = self.pmodel._ap.pipeline
@@ -109,7 +109,7 @@ class PipelineVariants:
         was = self.skeleton.training
         self.skeleton.train(training)
         try:
-            graph = ir.trace(self.skeleton, tuple(args), dict(kwargs) or None)
+            graph = trace(self.skeleton, tuple(args), dict(kwargs) or None)
         except TraceError as err:
             raise ConfigError(f"cannot trace {self.micro.model_name} in {'train' if training else 'eval'} mode for these "
                               f"inputs: {err}") from None

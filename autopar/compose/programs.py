@@ -125,8 +125,8 @@ class VariantBuilder:
         """The program for a call in ``mode`` with these inputs; None when its trace is the main
         program's own graph (a model whose code does not depend on the mode). ``n_programs``: how
         many are built already."""
-        from autopar import ir
         from autopar.codegen.lower import lower
+        from autopar.ir import trace
 
         if n_programs >= self.max_programs:
             raise ConfigError(
@@ -137,7 +137,7 @@ class VariantBuilder:
         self.skeleton.train(mode)
         fake_args, fake_kwargs = fake_inputs(self.skeleton, (tuple(args), dict(kwargs)))
         try:
-            graph = ir.trace(self.skeleton, fake_args, fake_kwargs or None)
+            graph = trace(self.skeleton, fake_args, fake_kwargs or None)
         except TraceError as err:
             raise ConfigError(f"cannot trace the model in {'train' if mode else 'eval'} mode for these inputs: {err}") from None
         if graph.fingerprint() == self.main_plan.model_fingerprint:

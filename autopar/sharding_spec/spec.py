@@ -236,3 +236,12 @@ def _parse_placements(text: str, shape: tuple[int, ...], mesh_ndim: int) -> Shar
         else:
             placements.append(Shard(int(it[2:-1])))
     return ShardingSpec.from_placements(placements, shape)
+
+
+def spec_str(spec) -> str:
+    """The notation of a spec, of a tuple of them (an op with several outputs), or "-" for none."""
+    if spec is None:
+        return "-"
+    if isinstance(spec, tuple):
+        return "(" + ", ".join(spec_str(s) for s in spec) + ")"
+    return spec.notation()

@@ -7,7 +7,8 @@ differs (the cluster prices the links of that view). Without ``pp`` it is
 ``autopar.plan(..., force=Layout(...))``; with ``pp`` it is a pipeline of ``pp`` equal stages (``Pipeline(stages=pp,
 microbatches=mb)``) whose stages run ``Layout(dp, tp, zero)`` on their sub-meshes. Each row says
 the predicted step time, memory per device and bytes moved per step; one that does not fit the
-budget says how much memory it needs.
+budget says how much memory it needs. ``autopar.compare(plan, model, inputs, *configs)`` puts a plan
+beside configurations; it is no method of ``Plan``, which the planner makes and so cannot call.
 """
 from __future__ import annotations
 
@@ -114,7 +115,8 @@ def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memo
           **plan_kwargs) -> WhatIf:
     """One configuration, priced (see the module docstring): planned without a budget, then held
     against ``memory_budget`` (as ``autopar.plan`` reads it)."""
-    from autopar.solver.api import default_budget, plan as make_plan
+    from autopar.solver.api import plan as make_plan
+    from autopar.solver.intra_op import default_budget
     from autopar.solver.layout import Layout
     from autopar.solver.pipeline import Pipeline
 
@@ -168,6 +170,15 @@ def compare(model, mesh, example_inputs, configs, *, plan=None, example_kwargs=N
         rows.append(price(model, mesh, example_inputs, config, example_kwargs=example_kwargs,
                           memory_budget=memory_budget, **plan_kwargs))
     return rows
+
+
+def compare_plan(plan, model, example_inputs, *configs, example_kwargs=None, memory_budget=None,
+                 **plan_kwargs) -> list[WhatIf]:
+    """``plan`` beside hand-written configurations (``"tp=8,dp=16"``, ``"tp=8,pp=4,dp=4,mb=16"``)
+    priced by the same cost model on the plan's mesh: ``WhatIf`` rows, the plan first (``table(rows)``
+    prints them). ``autopar.compare``."""
+    return compare(model, plan.mesh_obj, example_inputs, configs, plan=plan, example_kwargs=example_kwargs,
+                   memory_budget=memory_budget, **plan_kwargs)
 
 
 def table(rows: list[WhatIf]) -> str:

@@ -4,15 +4,16 @@ and what each difference costs or saves (``autopar diff a.json b.json``, ``plan.
 Nodes are matched by name (the traced fx names), stage by stage for pipelined plans (a one-stage
 plan is one stage). A node differs when its family or any of its specs differs; its cost is the
 node's own price in each plan (compute and in-op work; the collectives on its input edges are
-listed with it). The totals are the plans' predicted step time and memory per device.
+listed with it). The totals are the plans' predicted step time and memory per device. Plans are
+read by their fields (``Plan.diff`` calls this module, which imports nothing of ``solver.plan``).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 
+from autopar.sharding_spec.spec import spec_str
 from autopar.solver.units import fmt_bytes, fmt_s
-from autopar.solver.plan import Plan, spec_str
 
 
 @dataclasses.dataclass
@@ -79,14 +80,14 @@ def _choice(n) -> str:
     return f"{n.family}: {', '.join(spec_str(s) for s in n.inputs)} -> {spec_str(n.output)}"
 
 
-def _stage_key(plan: Plan) -> list:
+def _stage_key(plan) -> list:
     if plan.pipeline is None:
         return [{"layers": "all", "mesh_shape": list(plan.mesh["shape"])}]
     return [{"layers": list(s.layers), "ranks": [s.ranks[0], s.ranks[-1]], "mesh_shape": list(s.mesh_shape),
              "recompute": bool(s.recompute)} for s in plan.pipeline.stages]
 
 
-def diff(a: Plan, b: Plan) -> PlanDiff:
+def diff(a, b) -> PlanDiff:
     """What changes from plan ``a`` to plan ``b``."""
     mesh = cluster = None
     if list(a.mesh["shape"]) != list(b.mesh["shape"]):

@@ -2,12 +2,13 @@
 sequence / pipeline parallel degrees, Megatron column/row, ZeRO stage or FSDP, vocabulary-parallel
 embedding and loss), the predicted step by part, memory per device by kind, and the costliest
 collectives; then, per layer, each op's strategy, the collectives autopar inserts in front of it
-(with bytes) and its predicted time (views and getitems only with ``all=True``). Reads the Plan only."""
+(with bytes) and its predicted time (views and getitems only with ``all=True``). Reads the Plan only,
+by its fields: ``Plan.explain`` calls it, so it imports nothing of ``solver.plan``."""
 from __future__ import annotations
 
 from collections import Counter
 
-from autopar.solver.plan import Plan, spec_str
+from autopar.sharding_spec.spec import spec_str
 from autopar.solver.units import fmt_bytes, fmt_s
 
 _HIDE_TARGETS = ("output",)
@@ -24,7 +25,7 @@ def _is_plumbing(target: str) -> bool:
     return name in _PLUMBING or target.endswith("getitem")
 
 
-def _header(plan: Plan) -> str:
+def _header(plan) -> str:
     mesh = plan.mesh
     cluster = (mesh.get("cluster") or {}).get("name", "cpu-gloo")
     lines = [f"plan for {plan.model_name} on mesh {'x'.join(map(str, mesh['shape']))} "
@@ -62,7 +63,7 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
-def collapsed_rows(plan: Plan, *, show_all: bool = False, collapse_repeats: bool = True,
+def collapsed_rows(plan, *, show_all: bool = False, collapse_repeats: bool = True,
                    max_rows_per_layer: int | None = None) -> tuple[list, dict[str, list[str]]]:
     """The per-layer table's rows, a layer whose rows equal an earlier layer's (a repeated block
     with the same choices) left out; and first layer -> the layers left out as its repeats."""
@@ -86,7 +87,7 @@ def collapsed_rows(plan: Plan, *, show_all: bool = False, collapse_repeats: bool
     return shown, repeats
 
 
-def _rows(plan: Plan, incoming, show_all: bool = True):
+def _rows(plan, incoming, show_all: bool = True):
     rows = []
     for node in plan.nodes.values():
         if node.target in _HIDE_TARGETS or (not show_all and node.target != "placeholder" and _is_plumbing(node.target)):
@@ -109,7 +110,7 @@ def _rows(plan: Plan, incoming, show_all: bool = True):
     return rows
 
 
-def explain(plan: Plan, *, max_rows_per_layer: int | None = None, collapse_repeats: bool = True,
+def explain(plan, *, max_rows_per_layer: int | None = None, collapse_repeats: bool = True,
             all: bool = False) -> str:
     """``all``: also the rows of views, reshapes and getitems (hidden by default)."""
     if plan.pipeline is not None:
@@ -169,7 +170,7 @@ def _step_line(p: dict) -> str:
     return f"predicted step time {fmt_s(p['step_time_s'])} = {text}"
 
 
-def _explain_pipeline(plan: Plan, **kw) -> str:
+def _explain_pipeline(plan, **kw) -> str:
     """A pipelined plan: the pipeline first, then each stage's own table."""
     p = plan.pipeline
     budget, source = plan.solver.get("memory_budget"), plan.solver.get("memory_budget_from")
@@ -199,7 +200,7 @@ def _explain_pipeline(plan: Plan, **kw) -> str:
     return "\n".join(out)
 
 
-def plan_families(plan: Plan) -> str:
+def plan_families(plan) -> str:
     counts: dict[str, int] = {}
     for n in plan.nodes.values():
         if n.target not in ("placeholder", "output"):
@@ -211,7 +212,7 @@ def plan_families(plan: Plan) -> str:
 _WEIGHT_OPS = ("linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "conv", "embedding")
 
 
-def axis_roles(plan: Plan) -> dict[int, str]:
+def axis_roles(plan) -> dict[int, str]:
     """Mesh axis -> "data", "tensor", "sequence", "idle" or "none", read from the ops that multiply
     by a weight (linear, addmm as transformers' Conv1D writes it, matmul, conv, embedding): an axis
     splitting a weight as the op reads it is tensor parallel; one splitting only the batch dim of
@@ -250,7 +251,7 @@ def axis_roles(plan: Plan) -> dict[int, str]:
     return roles
 
 
-def pipeline_words(plan: Plan) -> str:
+def pipeline_words(plan) -> str:
     """"a 2-stage pipeline", "gradient accumulation over 4 microbatches", "recomputation"."""
     p = plan.pipeline
     if p is None:
@@ -263,7 +264,7 @@ def pipeline_words(plan: Plan) -> str:
     return "recomputation"
 
 
-def layout_words(plan: Plan) -> str:
+def layout_words(plan) -> str:
     """The layout as people say it, e.g. "data parallel 2 x tensor parallel 2 (Megatron column/row
     in the blocks), ZeRO-2, vocabulary-parallel loss"."""
     stages = plan.stage_plans()
@@ -315,7 +316,7 @@ def layout_words(plan: Plan) -> str:
     return words + (", " + ", ".join(extras) if extras else "")
 
 
-def _decided(plan: Plan) -> list[str]:
+def _decided(plan) -> list[str]:
     """The line saying why this plan beat the simpler (or more complex) one, where one was weighed."""
     why = plan.solver.get("decided")
     return [f"chosen: {why}"] if why else []
@@ -333,12 +334,12 @@ def _memory_line(p: dict, budget=None, source: str | None = None) -> str:
             f"{fmt_bytes(parts['activations'])}{against}")
 
 
-def _per_step(plan: Plan) -> int:
+def _per_step(plan) -> int:
     """How many times a step runs each stage plan's reshards: its microbatches (1 unpipelined)."""
     return 1 if plan.pipeline is None else plan.pipeline.microbatches
 
 
-def bytes_per_step(plan: Plan) -> float:
+def bytes_per_step(plan) -> float:
     """Bytes the collectives of one step move: every microbatch's reshards, and the gradient sync
     once."""
     m = _per_step(plan)
@@ -350,7 +351,7 @@ def bytes_per_step(plan: Plan) -> float:
     return float(total)
 
 
-def costliest_collectives(plan: Plan, k: int = 5) -> list[str]:
+def costliest_collectives(plan, k: int = 5) -> list[str]:
     """The ``k`` costliest kinds of collective of a step: resharding steps (forward and their
     backward duals) grouped by (collective, axes, bytes, the op they feed), and gradient syncs
     (of a pipeline: every microbatch's reshards; the sync, priced at 1 / microbatches by the stage

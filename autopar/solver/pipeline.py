@@ -40,6 +40,7 @@ import numpy as np
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.errors import ConfigError, PlanError, TraceError
+from autopar.ir import trace as trace_graph
 from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.batch_scaling import scaled_graph
 from autopar.ir.graph import Role
@@ -48,6 +49,7 @@ from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import needs_lowering
+from autopar.solver.intra_op import plan_one_stage
 from autopar.solver.plan import PipelinePlan, Plan, StagePlan
 from autopar.solver.receives import received_edges
 from autopar.solver.schedule_time import interleaved_time, simulate_shared
@@ -420,9 +422,6 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
     """The fastest pipeline for ``model`` on ``mesh`` within ``memory_budget`` bytes per device.
     ``equal_stages``: every stage takes as many rows (what torch's schedules run: each rank talks
     to one rank per stage); False lets the DP size each stage on its own, as Alpa does."""
-    from autopar import ir
-    from autopar.solver.api import plan as intra_op_plan
-
     pipeline = pipeline or Pipeline()
     t0 = time.perf_counter()
     plan_kwargs = dict(plan_kwargs or {})
@@ -448,7 +447,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
     def trace(count: int):
         t0 = time.perf_counter()
         micro_in, micro_kw = microbatch_inputs(inputs, example_kwargs, count)
-        graph = ir.trace(model, micro_in, micro_kw or None)
+        graph = trace_graph(model, micro_in, micro_kw or None)
         timing["trace_s"] += time.perf_counter() - t0
         timing["traces"] += 1
         real.append(count)
@@ -563,7 +562,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
             if equal_stages and mesh.shape[0] // rows > len(graph.layers):
                 continue  # more stages of this size than layers
             share = rows / mesh.shape[0] if equal_stages else None  # of the layers a stage holds
-            fastest = _fastest(model, sub_mesh(mesh, rows), graph, intra_op_plan, kwargs)
+            fastest = _fastest(model, sub_mesh(mesh, rows), graph, plan_one_stage, kwargs)
             if fastest is not None:
                 add(rows, fastest)
                 if _held_bytes(fastest, share) > budget:
@@ -579,7 +578,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
             for rows, fastest in lean:
                 cutoff = (found[0].step_time * max(1.0, contention) * mesh.shape[0] / (rows * count)
                           if found is not None and equal_stages else None)
-                for p in _leaner(model, sub_mesh(mesh, rows), graph, intra_op_plan, kwargs, fastest, cutoff):
+                for p in _leaner(model, sub_mesh(mesh, rows), graph, plan_one_stage, kwargs, fastest, cutoff):
                     add(rows, p)
             timing["intra_op_s"] += time.perf_counter() - t_ilp
             if len(variants) > before:

@@ -12,7 +12,10 @@ from pathlib import Path
 
 from autopar.cost_model.gradients import whole_on
 from autopar.errors import AutoparError, PlanError
+from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.spec import ShardingSpec
+from autopar.solver.diff import diff as diff_plans
+from autopar.solver.explain import axis_roles, explain as explain_plan
 from autopar.solver.schedule_time import bubble_fraction
 
 # 2: pipeline stages (version-1 files load as one-stage plans); 3: identical-gradient axes (an
@@ -56,14 +59,6 @@ def spec_from_json(d):
     if "tuple" in d:
         return tuple(spec_from_json(x) for x in d["tuple"])
     return ShardingSpec.from_dict(d)
-
-
-def spec_str(spec) -> str:
-    if spec is None:
-        return "-"
-    if isinstance(spec, tuple):
-        return "(" + ", ".join(spec_str(s) for s in spec) + ")"
-    return spec.notation()
 
 
 @dataclasses.dataclass
@@ -244,8 +239,6 @@ class Plan:
 
     @property
     def mesh_obj(self):
-        from autopar.sharding_spec.mesh import Mesh
-
         return Mesh.from_dict(self.mesh)
 
     def collectives(self) -> list[tuple[str, tuple[int, ...], int]]:
@@ -293,8 +286,6 @@ class Plan:
         splitting the blocks' weights is tensor parallel, one splitting only their tokens
         sequence parallel) and the pipeline stages; tp, sp and dp are None when the stages lay
         their axes out differently."""
-        from autopar.solver.explain import axis_roles
-
         per_stage = set()
         for p in self.stage_plans():
             roles = axis_roles(p)
@@ -306,24 +297,12 @@ class Plan:
         return {"tp": tp, "sp": sp, "dp": dp, "pp": pp}
 
     def explain(self, **kw) -> str:
-        from autopar.solver.explain import explain
-
-        return explain(self, **kw)
-
-    def compare(self, model, example_inputs, *configs, example_kwargs=None, memory_budget=None, **plan_kwargs):
-        """This plan beside hand-written configurations (``"tp=8,dp=16"``, ``"tp=8,pp=4,dp=4,mb=16"``)
-        priced by the same cost model on this plan's mesh: ``autopar.solver.compare.WhatIf`` rows,
-        this plan first (``autopar.solver.compare.table(rows)`` prints them)."""
-        from autopar.solver.compare import compare
-
-        return compare(model, self.mesh_obj, example_inputs, configs, plan=self, example_kwargs=example_kwargs,
-                       memory_budget=memory_budget, **plan_kwargs)
+        """A readable account of the plan (``autopar.solver.explain.explain``)."""
+        return explain_plan(self, **kw)
 
     def diff(self, other: "Plan"):
         """What changes from this plan to ``other`` (``autopar.solver.diff.PlanDiff``; ``.lines()``)."""
-        from autopar.solver.diff import diff
-
-        return diff(self, other)
+        return diff_plans(self, other)
 
     def check_model(self, fingerprint: str, model_name: str = "") -> None:
         if fingerprint != self.model_fingerprint:

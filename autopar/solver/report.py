@@ -10,7 +10,8 @@ import math
 from autopar.solver.explain import (
     _is_plumbing, _memory_line, _step_line, collapsed_rows, costliest_collectives, layout_words,
 )
-from autopar.solver.plan import Plan, spec_str
+from autopar.sharding_spec.spec import spec_str
+from autopar.solver.plan import Plan
 from autopar.solver.schedule_time import simulate_shared
 from autopar.solver.units import fmt_bytes, fmt_s
 

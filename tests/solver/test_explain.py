@@ -120,7 +120,7 @@ def test_what_ifs_price_like_the_plan_and_say_what_does_not_fit(gpt):
     mesh = autopar.Mesh((2, 2), cluster="a100-80g")
     own = autopar.plan(model, mesh, inputs, force=autopar.Layout(dp=2, tp=2))
     budget = 0.9 * own.predicted["memory_bytes_per_device"]
-    rows = own.compare(model, inputs, "dp=2,tp=2", "dp=4,zero=3", "tp=4", memory_budget=budget)
+    rows = autopar.compare(own, model, inputs, "dp=2,tp=2", "dp=4,zero=3", "tp=4", memory_budget=budget)
     assert rows[0].name == "autopar (dp=2,tp=2,vocab=0)"
     assert [r.name for r in rows[1:]] == ["dp=2,tp=2", "dp=4,zero=3", "tp=4"]
     same = rows[1]
@@ -135,14 +135,14 @@ def test_what_ifs_price_like_the_plan_and_say_what_does_not_fit(gpt):
     with pytest.raises(ConfigError, match="keys"):
         parse_config("tensor=8")
     with pytest.raises(ConfigError, match="mesh has 4 devices"):
-        own.compare(model, inputs, "dp=8")
+        autopar.compare(own, model, inputs, "dp=8")
 
 
 def test_what_if_with_pipeline_stages():
     model, inputs = models.build("gpt", device="meta", layers=4, width=512, heads=8, seq=128, vocab=4096, batch=16)
     mesh = autopar.Mesh((2, 2), cluster="a100-80g")
     plan = autopar.plan(model, mesh, inputs)
-    rows = plan.compare(model, inputs, "tp=2,pp=2,mb=4")
+    rows = autopar.compare(plan, model, inputs, "tp=2,pp=2,mb=4")
     r = rows[1]
     assert r.step_time_s is not None and r.plan.pipeline is not None
     pipe = r.plan.pipeline  # pp=2: two blocks of ranks (each running v stages if interleaved)
@@ -158,7 +158,7 @@ def test_the_auto_plans_own_configuration_prices_the_same(gpt):
     plan = autopar.plan(model, autopar.Mesh((4,), cluster="cpu-gloo"), inputs, idle_axes=())
     config = config_of(plan)
     assert config is not None, layout_words(plan)
-    rows = plan.compare(model, inputs, config)
+    rows = autopar.compare(plan, model, inputs, config)
     assert rows[1].step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
     assert rows[1].memory_bytes == pytest.approx(plan.predicted["memory_bytes_per_device"], rel=1e-9)
 

@@ -725,7 +725,7 @@ def test_lean_plans_are_cut_off_without_changing_the_search():
     on 1 / s of the rows runs at least 1 / s of the work): the search finds what it finds solving
     them whole; and a cutoff below a lean plan's cost drops it, one above it keeps it unchanged."""
     import autopar.solver.pipeline as pipeline_search
-    from autopar.solver import api
+    from autopar.solver.intra_op import plan_one_stage
 
     model, inputs = models.build("gpt", device="meta", layers=8, width=1024, heads=16, seq=256, vocab=8192, batch=16)
     mesh = autopar.Mesh((4,), cluster="a100-80g")
@@ -755,9 +755,9 @@ def test_lean_plans_are_cut_off_without_changing_the_search():
         objective = out[0].plan.solver["objective_s"]
         assert objective <= cutoff_s
         # the cutoff bounds the ILP's objective, which prices split gathers at a share of their
-        # latency (``api._plan_on``): a plan may cost a little more than it, never less
-        assert leaner(model, sm, graph, api.plan, kwargs, fastest, objective * 0.5) == []
-        again = leaner(model, sm, graph, api.plan, kwargs, fastest, objective * 1.001)
+        # latency (``intra_op._plan_on``): a plan may cost a little more than it, never less
+        assert leaner(model, sm, graph, plan_one_stage, kwargs, fastest, objective * 0.5) == []
+        again = leaner(model, sm, graph, plan_one_stage, kwargs, fastest, objective * 1.001)
         assert again[0].plan.solver["objective_s"] == pytest.approx(objective, rel=1e-9)
     finally:
         mp.undo()
@@ -777,12 +777,15 @@ def test_the_batch_check_reads_a_graph_the_search_evaluates():
     assert _mixing_probe([4], 4, (torch.zeros(4, 4),), None) == 1  # one sample each: nothing to split
     assert _mixing_probe([1, 2], 2, (torch.zeros(2, 4),), None) == 1
 
+    import autopar.solver.pipeline as pipeline_module
+
     model, inputs = models.build("gpt", layers=4, batch=8)
     shapes = []
     trace = ir.trace
     mp = pytest.MonkeyPatch()
-    try:
-        mp.setattr(ir, "trace", lambda m, args, kwargs=None, **kw: shapes.append(args[0].shape[0]) or trace(m, args, kwargs, **kw))
+    try:  # the search's own name for ir.trace
+        mp.setattr(pipeline_module, "trace_graph",
+                   lambda m, args, kwargs=None, **kw: shapes.append(args[0].shape[0]) or trace(m, args, kwargs, **kw))
         choice = search(model, autopar.Mesh((2,), cluster="a100-80g"), inputs)
     finally:
         mp.undo()

@@ -22,7 +22,7 @@ def report(tmp_path_factory):
     model, inputs = models.build("gpt", device="meta", layers=8, width=1024, heads=16, seq=256, vocab=8192, batch=16)
     mesh = autopar.Mesh((4,), cluster="a100-80g")
     plan = autopar.plan(model, mesh, inputs, pipeline=autopar.Pipeline(stages=2), memory_budget="800MiB")
-    rows = plan.compare(model, inputs, "dp=4", "tp=2,pp=2,mb=4", memory_budget="800MiB")
+    rows = autopar.compare(plan, model, inputs, "dp=4", "tp=2,pp=2,mb=4", memory_budget="800MiB")
     text = html_report(plan, rows)
     path = tmp_path_factory.mktemp("report") / "report.html"
     path.write_text(text)

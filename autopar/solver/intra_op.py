@@ -1,0 +1,418 @@
+"""Intra-op planning: one stage of the whole graph on a mesh (trace, enumerate strategies, price
+them, solve the ILP, and package a Plan). ``plan_one_stage`` is what ``autopar.plan`` runs for one
+stage and what the pipeline search runs on each sub-mesh; ``autopar.plan`` itself (``solver.api``)
+chooses between it and a pipeline.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import Counter
+import logging
+import math
+import time
+
+from autopar.cost_model.gradients import identical_ok, output_whole_axes, param_sync_axes
+from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time
+from autopar.errors import ConfigError, PlanError
+from autopar.ir import trace
+from autopar.ir.graph import Role, edge_itemsize
+from autopar.sharding_spec.mesh import Mesh
+from autopar.sharding_spec.strategy import active_axes
+import autopar.solver.ilp as ilp
+from autopar.solver.layout import Layout, layout_force
+from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
+from autopar.solver.problem import (build_problem, bucketed_collective_time, gather_latency_correction,
+                                    node_choices, produced_spec)
+from autopar.solver.reshard_search import plan_reshard
+from autopar.solver.simplify import block_ties, eliminate, prune, recover
+from autopar.solver.units import parse_bytes
+
+log = logging.getLogger(__name__)
+# Relative difference in predicted step time below which two gradient conventions tie.
+TIE = 1e-6
+# A solution whose gathers the ILP under-priced by less than this share of its true price is kept
+# without a second solve (at GPT-3 scale the second solves cost a fifth of the planning time).
+GATHER_SLACK = 1e-3
+
+
+def call_facts(model, example_inputs, example_kwargs, optimizer: str, notes=(), graph=None) -> dict:
+    """What the plan is for, as explain's header says it: the call's tensor inputs (name -> "dtype[shape]"),
+    the parameters (count, dtype), the optimizer and what tracing noted."""
+    import torch
+
+    inputs: dict[str, str] = {}
+    if graph is not None:
+        inputs = {name: str(graph.nodes[name].meta) for name in graph.inputs if graph.nodes[name].tensor_meta is not None}
+    else:
+        args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        named = [(f"input {i}", t) for i, t in enumerate(args)] + list((example_kwargs or {}).items())
+        inputs = {n: f"{str(t.dtype).removeprefix('torch.')}[{', '.join(map(str, t.shape))}]" for n, t in named
+                  if isinstance(t, torch.Tensor)}
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in params)
+    return {"inputs": inputs, "parameters": sum(p.numel() for p in params),
+            "param_dtype": dtypes.most_common(1)[0][0] if dtypes else None, "optimizer": optimizer,
+            "notes": list(notes)}
+
+
+def default_budget(memory_budget, mesh: Mesh) -> tuple[float | None, str | None]:
+    """(bytes per device or None, where that figure comes from) for ``memory_budget`` (see ``plan``)."""
+    if memory_budget == "auto":
+        cluster = mesh.resolved_cluster()
+        if not cluster.memory_is_budget:
+            return None, None
+        return float(cluster.memory_bytes), f"the {cluster.name} device memory"
+    if memory_budget is None:
+        return None, None
+    return parse_bytes(memory_budget), "memory_budget"
+
+
+def plan_one_stage(model, mesh: Mesh, example_inputs=(), *, example_kwargs=None, memory_budget="auto", cluster=None,
+                   force=None, optimizer: str = "adamw", idle_axes="auto", identical_axes="auto",
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, time_limit_s: float = 60.0, solver: str | None = None,
+                   graph=None, op_table=None, reuse_blocks: bool = True, simplify: bool = True,
+                   optimizer_sharding: bool = True, microbatches: int = 1, objective_cutoff_s: float | None = None) -> Plan:
+    """``autopar.plan(..., pipeline=False)``: the cheapest one-stage plan, with ``autopar.plan``'s
+    options (``solver.api.plan`` says what each does); the pipeline search plans each sub-mesh so."""
+    mesh, budget, budget_from = planning_mesh(mesh, cluster, memory_budget)
+    call = dict(model=model, example_inputs=example_inputs, example_kwargs=example_kwargs, optimizer=optimizer)
+    return one_stage(graph, mesh, call, budget, budget_from, force, op_table, reuse_blocks, simplify, time_limit_s,
+                     solver, optimizer_sharding, idle_axes, identical_axes, bucket_bytes, microbatches, objective_cutoff_s)
+
+
+def planning_mesh(mesh: Mesh, cluster, memory_budget) -> tuple[Mesh, float | None, str | None]:
+    """``mesh`` with ``cluster`` (when given) and the budget it plans under (``default_budget``)."""
+    if not isinstance(mesh, Mesh):
+        raise ConfigError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
+    if cluster is not None:
+        mesh = mesh.with_cluster(cluster)
+    return (mesh, *default_budget(memory_budget, mesh))
+
+
+def one_stage(graph, mesh, call: dict, budget, budget_from, force, op_table, reuse_blocks, simplify, time_limit_s,
+               solver, optimizer_sharding, idle_axes, identical_axes, bucket_bytes, microbatches,
+               objective_cutoff_s) -> Plan:
+    """The plan of the whole batch in one stage: the cheapest over the idle-axis candidates, kept
+    against data parallel's on a one-axis mesh (``_data_parallel_solved``)."""
+    optimizer = call["optimizer"]
+    t0 = time.perf_counter()
+    if graph is None:
+        example_inputs = call["example_inputs"]
+        if not isinstance(example_inputs, (tuple, list)):
+            example_inputs = (example_inputs,)
+        graph = trace(call["model"], tuple(example_inputs), call["example_kwargs"])
+        log.info("traced %s: %d nodes, %d layers (%.1f s)", graph.model_name, len(graph.nodes), len(graph.layers),
+                 time.perf_counter() - t0)
+    t_trace = time.perf_counter()
+    layout = force if isinstance(force, Layout) else None
+    if layout is not None:
+        force, idle_axes = layout_force(graph, mesh, layout), ()
+    best, first_error = None, None
+    replicated_s = None
+    for idle in idle_candidates(mesh, idle_axes):
+        if idle and best is not None:
+            # No plan on the remaining devices beats the replicated compute spread perfectly over
+            # them: skip candidates whose bound cannot win (big models never leave axes idle).
+            replicated_s = replicated_s if replicated_s is not None else _replicated_compute_s(graph, mesh, op_table)
+            used = math.prod(s for a, s in enumerate(mesh.shape) if a not in idle)
+            if replicated_s / used >= best[1][3]["objective_s"]:
+                continue
+        try:
+            attempt = _plan_on(graph, view_mesh(mesh, idle), budget, optimizer, op_table, optimizer_sharding,
+                               force, reuse_blocks, simplify, time_limit_s, solver, bucket_bytes, 1.0 / microbatches,
+                               objective_cutoff_s)
+        except (PlanError, ConfigError) as e:
+            # the no-idle candidate comes first: its error (least memory; a bad `force`) is the one to show
+            first_error = first_error or e
+            continue
+        if best is None or attempt[3]["objective_s"] < best[1][3]["objective_s"] - 1e-15:
+            best = (idle, attempt)
+    if best is None:
+        raise first_error
+    idle, solved = best
+    stats = dict(trace_s=t_trace - t0, memory_budget=budget, memory_budget_from=budget_from,
+                 layout=layout.name if layout is not None else None, call=call_facts(**call, notes=graph.notes, graph=graph))
+    best_plan = _made(graph, mesh, solved, idle, identical_axes, bucket_bytes, total_s=time.perf_counter() - t0, **stats)
+    log.info("planned %s on %s: objective %.3g s, %d ILP variables (%.1f s)", graph.model_name, mesh,
+             best_plan.solver["objective_s"], best_plan.solver.get("ilp_variables", 0), best_plan.solver["total_s"])
+    if force is None and microbatches == 1 and (idle_axes == "auto" or not idle):
+        solved = _data_parallel_solved(graph, mesh, budget, optimizer, op_table, reuse_blocks, simplify, time_limit_s,
+                                       solver, bucket_bytes)
+        ddp = None if solved is None else _made(graph, mesh, solved, (), identical_axes, bucket_bytes,
+                                                total_s=time.perf_counter() - t0, data_parallel_kept=True, **stats)
+        if ddp is not None and ddp.predicted["step_time_s"] < best_plan.predicted["step_time_s"]:
+            log.info("data parallel, predicted %.3g s a step, beats the ILP's plan (%.3g s): kept instead",
+                     ddp.predicted["step_time_s"], best_plan.predicted["step_time_s"])
+            return ddp
+    return best_plan
+
+
+def _made(graph, mesh, solved, idle, identical_axes, bucket_bytes, **stats) -> Plan:
+    """The Plan of one ``_plan_on`` answer on ``mesh`` with ``idle`` axes unused, ``stats`` added
+    to its solver figures, gradients kept whole on ``identical_axes`` (see ``with_identical_axes``)."""
+    view, built, full, solver_stats, memory = solved
+    solver_stats.update(idle_axes=list(idle), **stats)
+    plan = make_plan(graph, view, built, full, memory, solver_stats, real_mesh=mesh, idle_axes=idle, bucket_bytes=bucket_bytes)
+    return with_identical_axes(plan, graph, view, identical_axes, bucket_bytes)
+
+
+def _data_parallel_solved(graph, mesh, budget, optimizer, op_table, reuse_blocks, simplify, time_limit_s, solver,
+                          bucket_bytes):
+    """DDP's layout on a mesh with one active axis (batch split, parameters whole), solved as
+    ``_plan_on`` answers; None on other meshes or where it does not fit.
+
+    The ILP ranks plans by an additive objective; the step model prices what the runtime runs
+    (whole bucket latencies, grouped gathers, overlap), and the plan is judged by it. Where the
+    two disagree near a tie the ILP's pick can be predicted, and run, slower than data parallel:
+    LLaMA on 4 gloo ranks stored its embedding and head split and gathered (objective 0.14%
+    under data parallel, step 0.4% over; measured 1.05x). Data parallel is what a user would
+    run without autopar, so ``plan`` keeps it where it is predicted faster."""
+    act = active_axes(mesh)
+    if len(act) != 1:
+        return None
+    force = layout_force(graph, mesh, Layout(dp=mesh.shape[act[0]]))
+    try:
+        return _plan_on(graph, mesh, budget, optimizer, op_table, False, force, reuse_blocks, simplify, time_limit_s,
+                        solver, bucket_bytes)
+    except (PlanError, ConfigError):
+        return None
+
+
+def with_identical_axes(plan: Plan, graph, mesh: Mesh, identical_axes="auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+    """``plan`` with gradients whole on ``identical_axes`` (a tuple), or on the set of active axes
+    that prices cheapest (``"auto"``; none when no set beats the dual convention). ``mesh``: the
+    mesh the plan was priced on."""
+    if identical_axes == "auto":
+        act = active_axes(mesh)
+        best = plan
+        for k in range(1, len(act) + 1):
+            for axes in itertools.combinations(act, k):
+                cand = _identical_plan(plan, graph, mesh, axes, bucket_bytes)
+                # A tie keeps the dual convention: its sums wait in buckets for the end of backward,
+                # while a whole axis's sums block mid-backward, where ranks sharing cores have drifted
+                # apart (measured: 15 ms per sum on 4 ranks of 2 cores; the model prices a mean skew).
+                if isinstance(cand, Plan) and cand.predicted["step_time_s"] < best.predicted["step_time_s"] * (1 - TIE):
+                    best = cand
+        return best
+    axes = tuple(sorted(mesh.axis(a) for a in (identical_axes or ())))
+    if not axes:
+        return plan
+    cand = _identical_plan(plan, graph, mesh, axes, bucket_bytes)
+    if isinstance(cand, str):
+        raise PlanError(f"this plan cannot keep gradients whole on axes {axes}: {cand}")
+    return cand
+
+
+def _identical_plan(plan: Plan, graph, mesh: Mesh, axes, bucket_bytes: int) -> Plan | str:
+    """The plan with gradients whole on ``axes``, its parameter syncs and prediction redone; or
+    why it cannot run that way."""
+    sync = param_sync_axes(plan, graph, axes)
+    why = identical_ok(plan, graph, axes, sync)
+    if why is not None:
+        return why
+    params = {}
+    total = graph.param_bytes()
+    for fqn, p in plan.params.items():
+        if fqn in sync and tuple(sync[fqn]) != tuple(p.grad_sync[1]):
+            kind, _, nbytes = p.grad_sync
+            if sync[fqn]:
+                p = dataclasses.replace(p, grad_sync=(kind, sync[fqn], nbytes), grad_sync_s=bucketed_collective_time(
+                    kind, nbytes, mesh, sync[fqn], bucket_bytes, total))
+            else:
+                p = dataclasses.replace(p, grad_sync=None, grad_sync_s=0.0)
+        params[fqn] = p
+    new = dataclasses.replace(plan, params=params, identical_axes=tuple(axes), predicted=dict(plan.predicted))
+    new.predicted.update(step_time(new, graph, mesh, bucket_bytes=bucket_bytes))
+    return new
+
+
+def _replicated_compute_s(graph, mesh, op_table) -> float:
+    """Training compute of the whole graph run unsplit on one device (forward + backward)."""
+    from autopar.cost_model.compute import node_time
+
+    return sum(sum(node_time(n, None, graph, mesh, op_table)) for n in graph.nodes.values() if n.op == "call_function")
+
+
+def idle_candidates(mesh: Mesh, idle_axes) -> list[tuple[int, ...]]:
+    """Sets of active mesh axes to try leaving unused: with ``"auto"``, none first, then every
+    subset (up to two active axes) or each single axis and all of them (three or more)."""
+    act = active_axes(mesh)
+    if idle_axes != "auto":
+        idle = tuple(sorted(mesh.axis(a) for a in (idle_axes or ())))
+        return [tuple(a for a in idle if a in act)]
+    if len(act) <= 2:
+        subsets = [c for k in range(len(act) + 1) for c in itertools.combinations(act, k)]
+    else:
+        subsets = [()] + [(a,) for a in act] + [tuple(act)]
+    return subsets
+
+
+def view_mesh(mesh: Mesh, idle: tuple[int, ...]) -> Mesh:
+    """The mesh as the planner sees it with ``idle`` axes unused: those axes at size 1, every axis
+    keeping its real link."""
+    if not idle:
+        return mesh
+    shape = tuple(1 if a in idle else s for a, s in enumerate(mesh.shape))
+    return Mesh(shape, mesh.axis_names, mesh.resolved_cluster().with_axis_links(mesh.links()))
+
+
+def _plan_on(graph, mesh, budget, optimizer, op_table, optimizer_sharding, force, reuse_blocks, simplify,
+             time_limit_s, solver, bucket_bytes=DEFAULT_BUCKET_BYTES, step_share=1.0, cutoff_s=None):
+    """Solve on one (view of the) mesh: (mesh, built problem, choice per node, stats, memory)."""
+    t0 = time.perf_counter()
+    choices = node_choices(graph, mesh, optimizer=optimizer, op_table=op_table,
+                           optimizer_sharding=optimizer_sharding, force=force, bucket_bytes=bucket_bytes,
+                           step_share=step_share)
+    t_build = time.perf_counter()
+    log.info("strategies of %d nodes on %s priced; solving", len(choices), mesh)
+    # Split-stored parameters are gathered one call per layer: the additive ILP prices each at its
+    # layer's share of the call's latency, exact for FSDP-style whole layers. A solution gathering
+    # only part of a layer is re-solved with a whole latency per parameter (exact when gathered
+    # alone), and the better of the two at its true price wins.
+    best, memo = None, {}
+    for shared in (True, False):
+        built = build_problem(graph, mesh, memory_budget=budget, optimizer=optimizer, choices=choices,
+                              shared_gathers=shared, memo=memo)
+        # the second solve keeps the first one's block period (the tie pattern does not depend on
+        # how gathers are priced, and each period is a whole solve)
+        periods = ((1, 2) if reuse_blocks else (0,)) if best is None else (best[2][1],)
+        try:
+            attempt = _solve_tied(graph, built.problem, periods, choices, simplify, time_limit_s, solver, cutoff_s)
+        except ilp.NoCheaperPlan:
+            if best is None:
+                raise
+            break
+        correction = gather_latency_correction(graph, built, attempt[2], mesh)
+        true_objective = attempt[4] + correction
+        if best is None or true_objective < best[0] - 1e-15:
+            best = (true_objective, built, attempt)
+        if correction <= GATHER_SLACK * true_objective:
+            # Shared pricing never over-charges: a solution it prices exactly (or within this
+            # slack) is the true optimum (or within the slack of it).
+            break
+    objective, built, (tie, period, full, solution, _, memory, reduced, small) = best
+    problem = built.problem
+    problem.tie = tie
+    stats = {
+        "status": solution.status,
+        "objective_s": objective,
+        "graph_nodes": len(graph.nodes),
+        "ilp_nodes_full": len(problem.costs),
+        "ilp_nodes_after_block_reuse": len(reduced.costs),
+        "block_period": period,
+        "pruned": solution.pruned,
+        "ilp_nodes_solved": len(small.costs),
+        "ilp_variables": solution.n_variables,
+        "ilp_constraints": solution.n_constraints,
+        "build_s": t_build - t0,
+        "solve_s": time.perf_counter() - t_build,
+    }
+    return mesh, built, full, stats, memory
+
+
+def _solve_tied(graph, problem, periods, choices, simplify, time_limit_s, solver, cutoff_s=None):
+    """Solve with repeated blocks sharing one solution, for each block period (0: no sharing):
+    (tie, period, choice per node, solution, objective, memory, reduced, solved) of the cheapest.
+    A period of 2 lets neighbouring copies alternate (e.g. column- then row-parallel when each copy
+    is a single linear). ``cutoff_s``: see ``ilp.solve`` (NoCheaperPlan when no period gets under it)."""
+    best, above = None, None
+    for period in periods:
+        problem.tie = block_ties(graph, choices, period) if period else {}
+        if best is not None and problem.tie == best[0]:
+            continue
+        try:
+            attempt = _solve(problem, simplify, time_limit_s, solver, cutoff_s)
+        except ilp.NoCheaperPlan as err:
+            above = err
+            continue
+        if best is None or attempt[2] < best[4] - 1e-15:
+            best = (problem.tie, period, *attempt)
+    if best is None:
+        raise above
+    return best
+
+
+def _solve(problem, simplify: bool, time_limit_s: float, solver, cutoff_s=None):
+    """(choice per node, solution, objective, memory, reduced problem, solved problem)."""
+    reduced = problem.reduced()
+    small, records = eliminate(reduced) if simplify else (reduced, [])
+    pruned, keep = prune(small) if simplify else (small, {v: None for v in small.costs})
+    solution = ilp.solve(pruned, time_limit_s=time_limit_s, solver=solver, cutoff_s=cutoff_s)
+    choice = {v: (i if keep[v] is None else int(keep[v][i])) for v, i in solution.choice.items()}
+    solution.pruned = any(k is not None and len(k) < len(small.costs[v]) for v, k in keep.items())
+    picked = recover(choice, records)
+    full = {v: picked[problem.rep(v)] for v in problem.costs}
+    objective, memory = ilp.evaluate(problem, full)
+    return full, solution, objective, memory, reduced, small
+
+
+def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: dict, *, real_mesh=None,
+              idle_axes=(), bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+    """The Plan of a solved problem. ``mesh`` is the mesh the problem was priced on (a view with
+    idle axes at size 1); the Plan records ``real_mesh`` and the idle axes."""
+    choices = built.choices
+    nodes = {}
+    for name, c in choices.items():
+        node = graph.nodes[name]
+        s = c.strategies[full[name]]
+        target = node.target if node.op == "call_function" else node.op
+        nodes[name] = NodePlan(name, target, node.layer, s.family, list(s.inputs), s.output, float(c.compute_s[full[name]]), float(c.memory[full[name]]))
+    edges = []
+    for src, dst, pos in built.edge_list:
+        s_spec = produced_spec(choices[src].strategies[full[src]], graph.nodes[dst], pos, graph)
+        d_strat = choices[dst].strategies[full[dst]]
+        d_spec = d_strat.inputs[pos] if pos < len(d_strat.inputs) else None
+        if s_spec is None or d_spec is None:
+            continue
+        rp = plan_reshard(s_spec, d_spec, mesh, edge_itemsize(graph.nodes[src].meta, graph.nodes[dst]))
+        steps = [StepPlan(st.kind, tuple(st.axes), int(st.nbytes), float(cost), st.src_dim, st.dst_dim)
+                 for st, cost in zip(rp.steps, rp.costs)]
+        # an output's gathers and all-reduces run no backward collective (codegen seeds it whole)
+        output_only = graph.nodes[dst].op == "output" and bool(output_whole_axes(rp.steps))
+        backward = src in built.requires_grad and not output_only
+        edges.append(EdgePlan(src, dst, pos, s_spec, d_spec, steps, backward))
+    params = {}
+    for fqn, node_name in list(graph.params.items()) + list(graph.buffers.items()):
+        if node_name not in choices:
+            continue
+        c = choices[node_name]
+        i = full[node_name]
+        s = c.strategies[i]
+        is_buffer = graph.nodes[node_name].role == Role.BUFFER
+        sync_s = float(c.comm_s[i])
+        params[fqn] = ParamPlan(
+            fqn, node_name, s.output, s.family, c.grad_sync[i], sync_s,
+            tuple(graph.param_aliases.get(fqn, (fqn,))), is_buffer,
+            0.0 if c.accumulate_s is None else float(c.accumulate_s[i]),
+        )
+    real_mesh = real_mesh or mesh
+    plan = Plan(graph.model_name, graph.fingerprint(), real_mesh.to_dict(), nodes, edges, params, {}, stats,
+                idle_axes=tuple(idle_axes))
+    # The ILP's objective ranks plans; the prediction prices what the runtime runs (buckets,
+    # overheads, optimizer): see autopar.cost_model.step.
+    plan.predicted = dict(step_time(plan, graph, mesh, bucket_bytes=bucket_bytes), memory_bytes_per_device=memory,
+                          memory_parts=memory_parts(plan, graph, mesh, memory))
+    return plan
+
+
+def memory_parts(plan, graph, mesh, total: float) -> dict:
+    """Memory per device by kind: parameters (their stored shards), gradients (the same shards),
+    optimizer states (and fp32 master copies), and activations (the rest of the total)."""
+    from autopar.sharding_spec.reshard import local_bytes
+
+    params = grads = held = 0.0
+    for p in plan.params.values():
+        node = plan.nodes.get(p.node)
+        if node is None:
+            continue
+        if p.buffer:
+            params += node.memory_bytes
+            held += node.memory_bytes
+            continue
+        shard = local_bytes(p.storage, mesh.shape, graph.nodes[p.node].meta.itemsize)
+        params += shard
+        grads += shard
+        held += node.memory_bytes
+    return {"parameters": params, "gradients": grads, "optimizer_states": max(0.0, held - params - grads),
+            "activations": max(0.0, total - held)}
