@@ -12,6 +12,7 @@ import logging
 import math
 import time
 
+from autopar.cost_model import memory as memory_model
 from autopar.cost_model.gradients import identical_ok, output_whole_axes, param_sync_axes
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time
 from autopar.errors import ConfigError, PlanError
@@ -358,6 +359,8 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
         s = c.strategies[full[name]]
         target = node.target if node.op == "call_function" else node.op
         nodes[name] = NodePlan(name, target, node.layer, s.family, list(s.inputs), s.output, float(c.compute_s[full[name]]), float(c.memory[full[name]]))
+    for (src, dst), held in built.problem.edge_memory.items():  # a kept reshard is its consumer's memory
+        nodes[dst].memory_bytes += float(held[full[src], full[dst]])
     edges = []
     for src, dst, pos in built.edge_list:
         s_spec = produced_spec(choices[src].strategies[full[src]], graph.nodes[dst], pos, graph)
@@ -397,22 +400,21 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
 
 
 def memory_parts(plan, graph, mesh, total: float) -> dict:
-    """Memory per device by kind: parameters (their stored shards), gradients (the same shards),
-    optimizer states (and fp32 master copies), and activations (the rest of the total)."""
-    from autopar.sharding_spec.reshard import local_bytes
-
+    """Memory per device by kind: parameters (their stored shards; under ZeRO-2 the working copy
+    and the updated chunk), gradients, optimizer states (and fp32 master copies), and activations
+    (the rest of the total: saved values and the reshards kept for backward)."""
     params = grads = held = 0.0
     for p in plan.params.values():
         node = plan.nodes.get(p.node)
         if node is None:
             continue
+        held += node.memory_bytes
         if p.buffer:
             params += node.memory_bytes
-            held += node.memory_bytes
             continue
-        shard = local_bytes(p.storage, mesh.shape, graph.nodes[p.node].meta.itemsize)
-        params += shard
-        grads += shard
-        held += node.memory_bytes
+        zero_axes = p.grad_sync[1] if p.grad_sync and p.grad_sync[0].startswith("reduce_scatter") else ()
+        parts = memory_model.param_memory_parts(graph.nodes[p.node].meta, p.storage, mesh, opt_state_sharded_axes=zero_axes)
+        params += parts["parameters"]
+        grads += parts["gradients"]
     return {"parameters": params, "gradients": grads, "optimizer_states": max(0.0, held - params - grads),
             "activations": max(0.0, total - held)}

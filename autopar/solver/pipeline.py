@@ -120,6 +120,16 @@ class UnitPrices:
     forward_s: np.ndarray | None = None  # the forward part of per_microbatch_s's compute
     recompute: bool = False
     stage_extra_bytes: float = 0.0  # held once by any stage on these prices
+    # a parameter read by several units (a tied embedding and head): (bytes, those units); each of
+    # them counts it in static_bytes, a stage holding several of them holds it once
+    shared_static: tuple = ()
+
+    def static_between(self, i: int, j: int) -> float:
+        """What units i..j hold of state, a shared parameter once."""
+        total = float(self.static_bytes[i:j + 1].sum())
+        for nbytes, units in self.shared_static:
+            total -= nbytes * max(0, sum(i <= u <= j for u in units) - 1)
+        return total
 
     def recomputed(self) -> "UnitPrices":
         """These prices with every unit's activations recomputed in backward (as
@@ -208,6 +218,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     crossing: set[tuple[str, int]] = set()
     unread = _unread_outputs(graph)
     accumulate = {p.node: p.accumulate_s for p in plan.params.values()}
+    shared: list = []
     for name, np_ in plan.nodes.items():
         node = graph.nodes.get(name)
         if node is None:
@@ -216,6 +227,8 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
         if node.op == "placeholder" and node.role in (Role.PARAMETER, Role.BUFFER):
             users = {unit[r] for r in readers.get(name, ()) if r in unit} or {u}
             acc = accumulate.get(name, 0.0)
+            if len(users) > 1:
+                shared.append((np_.memory_bytes, tuple(sorted(users))))
             for uu in users:  # a tied weight read at both ends is held by both stages
                 static[uu] += np_.memory_bytes
                 step[uu] += np_.compute_s - acc  # the optimizer's share
@@ -242,7 +255,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     for p in plan.params.values():
         if p.grad_sync is not None and p.node in unit:
             step[unit[p.node]] += p.grad_sync_s
-    return UnitPrices(micro, step, static, act, boundary, plan, forward)
+    return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_static=tuple(shared))
 
 
 def _unread_outputs(graph) -> set[tuple[str, int]]:
@@ -637,7 +650,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         if virtual > 1:
             row = (len(stages) % blocks) * rows
         inflight = inflight_microbatches(schedule, len(stages) % blocks, blocks, count)
-        mem = prices.static_bytes[i:j + 1].sum() + inflight * prices.activation_bytes[i:j + 1].sum() + prices.stage_extra_bytes
+        mem = prices.static_between(i, j) + inflight * prices.activation_bytes[i:j + 1].sum() + prices.stage_extra_bytes
         nodes = {name for name, u in unit.items() if i <= u <= j}
         if not stages:  # state nothing reads is held by the first stage (as codegen's cut_stages holds it)
             nodes |= {n for n, node in graph.nodes.items()
@@ -837,9 +850,11 @@ def _grouped(p: UnitPrices, groups) -> UnitPrices:
     def total(a):
         return np.asarray([a[g].sum() for g in groups])
 
+    group_of = {u: k for k, g in enumerate(groups) for u in g}
     return UnitPrices(total(p.per_microbatch_s), total(p.per_step_s), total(p.static_bytes),
                       total(p.activation_bytes), np.asarray([p.boundary_bytes[g[0]] for g in groups]), p.plan,
-                      total(p.forward_s), p.recompute, p.stage_extra_bytes)
+                      total(p.forward_s), p.recompute, p.stage_extra_bytes,
+                      tuple((b, tuple(group_of[u] for u in units)) for b, units in p.shared_static))
 
 
 def _fastest(model, sm, graph, intra_op_plan, plan_kwargs) -> UnitPrices | None:
@@ -856,7 +871,7 @@ def _held_bytes(p: UnitPrices, share: float | None) -> float:
     plan's peak, a bound) and at most one microbatch of every layer's activations in flight (1F1B)."""
     if share is None:
         return p.plan.predicted["memory_bytes_per_device"]
-    return p.static_bytes.sum() * share + p.activation_bytes.sum()
+    return p.static_between(0, len(p.static_bytes) - 1) * share + p.activation_bytes.sum()
 
 
 def _leaner(model, sm, graph, intra_op_plan, plan_kwargs, fastest: UnitPrices, cutoff_s: float | None):
@@ -894,5 +909,8 @@ def _tables(variants, n_units, count, mesh):
             j = np.arange(i, n_units)
             time_t[i, i:, m] = c_time[j + 1] - c_time[i] + recv
             mem_t[i, i:, m] = c_static[j + 1] - c_static[i] + p.stage_extra_bytes
+            for nbytes, units in p.shared_static:  # a shared parameter once per stage
+                inside = np.asarray([sum(i <= u <= jj for u in units) for jj in j])
+                mem_t[i, i:, m] -= nbytes * np.maximum(0, inside - 1)
             act_t[i, i:, m] = c_act[j + 1] - c_act[i]
     return time_t, mem_t, act_t
