@@ -58,6 +58,10 @@ def test_the_documented_entry_points_are_unchanged():
         assert models is autopar.models
         assert autopar.parallelize is parallelize and autopar.plan is autopar.solver.api.plan
         assert autopar.Mesh((2,)).size == 2
+        from autopar.cluster import ClusterSpec
+        assert autopar.ClusterSpec is ClusterSpec and autopar.cost_model.ClusterSpec is ClusterSpec
+        assert autopar.compare is autopar.solver.compare.compare_plan
+        assert autopar.plan_reshard is autopar.solver.reshard_search.plan_reshard
         print("ok")
     """)
     assert out.strip() == "ok"

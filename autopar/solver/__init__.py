@@ -1,4 +1,4 @@
-"""Intra-op ILP, graph simplification, the pipeline search, the Plan and ``autopar.plan()``.
+"""The resharding search, intra-op ILP, graph simplification, the pipeline search, the Plan and ``autopar.plan()``.
 
 torch.distributed is never needed here: plans are made without processes.
 """
