@@ -189,8 +189,16 @@ def node_activation_bytes(node, strategy, mesh, saved, peak: ForwardPeak = Forwa
     workspace (``ops.workspace_bytes``; ``in_metas``: its inputs' metas). Summed over nodes: the
     saved activations at the end of the forward plus what lives beside them at the peak (a
     language model's loss: the logits and as large a copy of log-probabilities)."""
+    out = local_nbytes(node.meta, _output_spec(strategy), mesh) if node.name in saved else 0
+    return out + node_peak_bytes(node, strategy, mesh, saved, peak, in_metas)
+
+
+def node_peak_bytes(node, strategy, mesh, saved, peak: ForwardPeak, in_metas=()) -> int:
+    """The part of ``node_activation_bytes`` held only at the forward's peak, once, not per
+    microbatch in flight: the node's value where it lives there unsaved, its workspace where it
+    is the peak's node."""
     out = 0
-    if node.name in saved or node.name in peak.live:
+    if node.name in peak.live and node.name not in saved:
         out += local_nbytes(node.meta, _output_spec(strategy), mesh)
     if node.name == peak.node and hasattr(strategy, "inputs"):
         out += workspace_bytes(node, in_metas, strategy.inputs, mesh)

@@ -358,7 +358,8 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
         node = graph.nodes[name]
         s = c.strategies[full[name]]
         target = node.target if node.op == "call_function" else node.op
-        nodes[name] = NodePlan(name, target, node.layer, s.family, list(s.inputs), s.output, float(c.compute_s[full[name]]), float(c.memory[full[name]]))
+        nodes[name] = NodePlan(name, target, node.layer, s.family, list(s.inputs), s.output, float(c.compute_s[full[name]]),
+                               float(c.memory[full[name]]), 0.0 if c.peak_memory is None else float(c.peak_memory[full[name]]))
     for (src, dst), held in built.problem.edge_memory.items():  # a kept reshard is its consumer's memory
         nodes[dst].memory_bytes += float(held[full[src], full[dst]])
     edges = []

@@ -123,6 +123,12 @@ class UnitPrices:
     # a parameter read by several units (a tied embedding and head): (bytes, those units); each of
     # them counts it in static_bytes, a stage holding several of them holds it once
     shared_static: tuple = ()
+    # held at the forward's peak once per stage, not per microbatch in flight (a loss's logits and
+    # log-probabilities); None: nothing
+    peak_bytes: np.ndarray | None = None
+
+    def peak_between(self, i: int, j: int) -> float:
+        return 0.0 if self.peak_bytes is None else float(self.peak_bytes[i:j + 1].sum())
 
     def static_between(self, i: int, j: int) -> float:
         """What units i..j hold of state, a shared parameter once."""
@@ -213,7 +219,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     cluster = mesh.resolved_cluster()
     unit = unit_of_nodes(graph)
     n = len(graph.layers)
-    micro, step, static, act, boundary, forward = (np.zeros(n) for _ in range(6))
+    micro, step, static, act, boundary, forward, peak = (np.zeros(n) for _ in range(7))
     readers = node_readers(graph)
     crossing: set[tuple[str, int]] = set()
     unread = _unread_outputs(graph)
@@ -236,7 +242,8 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
         elif node.op == "call_function":
             micro[u] += np_.compute_s + cluster.op_overhead_s + cluster.backward_op_overhead_s
             forward[u] += np_.compute_s / 3 + cluster.op_overhead_s  # node compute is forward + 2x backward
-            act[u] += np_.memory_bytes
+            act[u] += np_.memory_bytes - np_.peak_bytes
+            peak[u] += np_.peak_bytes
             if needs_lowering(np_.family):
                 micro[u] += lowered_comm_s(np_.target, np_.family, np_.inputs, np_.output, mesh,
                                            counted_locally=counted_from_inputs(graph, node))
@@ -255,7 +262,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     for p in plan.params.values():
         if p.grad_sync is not None and p.node in unit:
             step[unit[p.node]] += p.grad_sync_s
-    return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_static=tuple(shared))
+    return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_static=tuple(shared), peak_bytes=peak)
 
 
 def _unread_outputs(graph) -> set[tuple[str, int]]:
@@ -650,7 +657,8 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         if virtual > 1:
             row = (len(stages) % blocks) * rows
         inflight = inflight_microbatches(schedule, len(stages) % blocks, blocks, count)
-        mem = prices.static_between(i, j) + inflight * prices.activation_bytes[i:j + 1].sum() + prices.stage_extra_bytes
+        mem = (prices.static_between(i, j) + inflight * prices.activation_bytes[i:j + 1].sum() + prices.peak_between(i, j)
+               + prices.stage_extra_bytes)
         nodes = {name for name, u in unit.items() if i <= u <= j}
         if not stages:  # state nothing reads is held by the first stage (as codegen's cut_stages holds it)
             nodes |= {n for n, node in graph.nodes.items()
@@ -854,7 +862,8 @@ def _grouped(p: UnitPrices, groups) -> UnitPrices:
     return UnitPrices(total(p.per_microbatch_s), total(p.per_step_s), total(p.static_bytes),
                       total(p.activation_bytes), np.asarray([p.boundary_bytes[g[0]] for g in groups]), p.plan,
                       total(p.forward_s), p.recompute, p.stage_extra_bytes,
-                      tuple((b, tuple(group_of[u] for u in units)) for b, units in p.shared_static))
+                      tuple((b, tuple(group_of[u] for u in units)) for b, units in p.shared_static),
+                      None if p.peak_bytes is None else total(p.peak_bytes))
 
 
 def _fastest(model, sm, graph, intra_op_plan, plan_kwargs) -> UnitPrices | None:
@@ -871,7 +880,7 @@ def _held_bytes(p: UnitPrices, share: float | None) -> float:
     plan's peak, a bound) and at most one microbatch of every layer's activations in flight (1F1B)."""
     if share is None:
         return p.plan.predicted["memory_bytes_per_device"]
-    return p.static_between(0, len(p.static_bytes) - 1) * share + p.activation_bytes.sum()
+    return p.static_between(0, len(p.static_bytes) - 1) * share + p.activation_bytes.sum() + p.peak_between(0, len(p.static_bytes) - 1)
 
 
 def _leaner(model, sm, graph, intra_op_plan, plan_kwargs, fastest: UnitPrices, cutoff_s: float | None):
@@ -902,13 +911,16 @@ def _tables(variants, n_units, count, mesh):
     call_s = mesh.resolved_cluster().collective_overhead_s  # a send reached from compute, as a collective
     for m, (rows, p) in enumerate(variants):
         per_unit = p.per_microbatch_s + p.per_step_s  # per-step prices are already 1 / count (plan(microbatches=))
-        c_time, c_static, c_act = (np.concatenate([[0.0], np.cumsum(a)]) for a in (per_unit, p.static_bytes, p.activation_bytes))
+        peak = p.peak_bytes if p.peak_bytes is not None else np.zeros(n_units)
+        c_time, c_static, c_act, c_peak = (np.concatenate([[0.0], np.cumsum(a)])
+                                           for a in (per_unit, p.static_bytes, p.activation_bytes, peak))
         for i in range(n_units):
             # the activation entering the stage (forward) and its gradient leaving it (backward)
             recv = 0.0 if i == 0 else 2 * (link.alpha + call_s + p.boundary_bytes[i] * link.beta)
             j = np.arange(i, n_units)
             time_t[i, i:, m] = c_time[j + 1] - c_time[i] + recv
-            mem_t[i, i:, m] = c_static[j + 1] - c_static[i] + p.stage_extra_bytes
+            # the peak's once-held bytes once per stage, beside its microbatches in flight
+            mem_t[i, i:, m] = c_static[j + 1] - c_static[i] + c_peak[j + 1] - c_peak[i] + p.stage_extra_bytes
             for nbytes, units in p.shared_static:  # a shared parameter once per stage
                 inside = np.asarray([sum(i <= u <= jj for u in units) for jj in j])
                 mem_t[i, i:, m] -= nbytes * np.maximum(0, inside - 1)

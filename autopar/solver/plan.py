@@ -71,6 +71,7 @@ class NodePlan:
     output: object  # ShardingSpec | tuple | None
     compute_s: float
     memory_bytes: float
+    peak_bytes: float = 0.0  # the part of memory_bytes held only at the forward's peak, once per stage
 
 
 @dataclasses.dataclass

@@ -49,6 +49,7 @@ class NodeChoices:
     memory: np.ndarray
     grad_sync: list
     accumulate_s: np.ndarray | None = None
+    peak_memory: np.ndarray | None = None  # the part of ``memory`` held only at the forward's peak
 
 
 @dataclasses.dataclass
@@ -143,7 +144,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
         if sig is not None and sig in memo:
             out[node.name] = dataclasses.replace(memo[sig], name=node.name)
             continue
-        syncs = acc = None
+        syncs = acc = peak_mem = None
         if node.op == "placeholder" and node.role == Role.PARAMETER:
             strategies, comp, comm, mem, syncs, acc = _param_choices(node, mesh, optimizer, optimizer_sharding,
                                                                      bucket_bytes, total, step_share)
@@ -164,10 +165,13 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
             comm = [lowered_comm_s(node.target, s.family, s.inputs, s.output, mesh, counted_locally=counted)
                     if needs_lowering(s.family) else 0.0 for s in strategies]
             mem = [memory_model.node_activation_bytes(node, s, mesh, saved, peak, ctx.input_metas) for s in strategies]
+            if node.name in peak.live or node.name == peak.node:
+                peak_mem = np.asarray([memory_model.node_peak_bytes(node, s, mesh, saved, peak, ctx.input_metas)
+                                       for s in strategies], float)
         n = len(strategies)
         out[node.name] = NodeChoices(
             node.name, strategies, np.asarray(comp, float), np.asarray(comm, float), np.asarray(mem, float),
-            syncs if syncs is not None else [None] * n, None if acc is None else np.asarray(acc, float),
+            syncs if syncs is not None else [None] * n, None if acc is None else np.asarray(acc, float), peak_mem,
         )
         if sig is not None:
             memo[sig] = out[node.name]
@@ -215,7 +219,7 @@ def restrict(choices: dict[str, NodeChoices], name: str, want) -> NodeChoices:
         raise ConfigError(f"force: node {name!r} has no strategy of family {want!r}; its families are {families}")
     return NodeChoices(
         c.name, [c.strategies[i] for i in keep], c.compute_s[keep], c.comm_s[keep], c.memory[keep], [c.grad_sync[i] for i in keep],
-        None if c.accumulate_s is None else c.accumulate_s[keep],
+        None if c.accumulate_s is None else c.accumulate_s[keep], None if c.peak_memory is None else c.peak_memory[keep],
     )
 
 

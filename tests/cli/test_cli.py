@@ -75,10 +75,10 @@ def test_explain_code_prints_the_rank_program(capsys):
 
 
 def test_explain_code_prints_each_stage_program(capsys):
-    """A plan with stages (the default searches them; 800 MiB per device does not fit one stage):
+    """A plan with stages (the default searches them; 600 MiB per device does not fit one stage):
     --code prints the program of every stage, each reading what the stage before it sends."""
     model = "gpt:layers=8,width=1024,heads=16,seq=256,vocab=8192,batch=16"
-    code, out, err = run(capsys, "explain", model, "--mesh", "4", "--cluster", "a100-80g", "--memory-budget", "800MiB",
+    code, out, err = run(capsys, "explain", model, "--mesh", "4", "--cluster", "a100-80g", "--memory-budget", "600MiB",
                          "--code")
     assert code == 0, err
     stages = out.split("# stage ")[1:]

@@ -27,6 +27,8 @@ PLANS = {
     "zero3": ((4,), dict(dp=4, zero=3), None),
     "dp2 x tp2": ((2, 2), dict(dp=2, tp=2), None),
     "pp2 x dp2": ((4,), dict(dp=2), dict(stages=2, schedule="1f1b", microbatches=2, recompute=False)),
+    # every microbatch in flight on both stages; the loss's logits held once, at the last stage's peak
+    "pp2 x dp2 gpipe": ((4,), dict(dp=2), dict(stages=2, schedule="gpipe", microbatches=4, recompute=False)),
 }
 TOLERANCE = 0.15
 
