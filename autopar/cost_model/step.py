@@ -94,6 +94,22 @@ def param_gather_groups(graph, edges, inside=None) -> tuple[dict, dict]:
     return groups, {r: k for k in groups for r in readers[k]}
 
 
+def reshard_s(graph, edges, mesh, identical=()) -> float:
+    """Seconds of ``edges``' reshards, forward and backward, as the runtime runs them: parameters
+    gathered whole in groups (``param_gather_groups``: one all-gather per group of a layer, each
+    parameter once, one reduce-scatter back), every other edge its steps and their duals. The
+    step model prices a plan's edges with it, and the ILP's objective is corrected to it."""
+    groups, grouped = param_gather_groups(graph, edges)
+    total = sum(e.forward_s + backward_reshard_s(e, mesh, identical, edge_itemsize(graph.nodes[e.src].meta, graph.nodes[e.dst]))
+                for e in edges if (e.dst, e.position) not in grouped)
+    for (_, axes), members in groups.items():  # one gather per group, one reduce-scatter back
+        nbytes = sum(e.steps[0].nbytes for _, e in members)
+        total += mesh_collective_time("all_gather", nbytes, mesh, axes)
+        if any(e.backward for _, e in members) and not whole_on(axes, identical):
+            total += mesh_collective_time("reduce_scatter", nbytes, mesh, axes)
+    return total
+
+
 def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     """Seconds of one training step per rank under ``plan`` (see the module docstring), by part.
     ``mesh``: the mesh the plan was priced on (its cluster gives links, overheads and overlap)."""
@@ -114,14 +130,7 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
             backward_compute += n.compute_s * 2 / 3  # node compute is forward + backward (x2)
     overhead = fwd_ops * cluster.op_overhead_s + bwd_ops * cluster.backward_op_overhead_s
     identical = plan.identical_axes
-    groups, grouped = param_gather_groups(graph, plan.edges)
-    reshard = sum(e.forward_s + backward_reshard_s(e, mesh, identical, edge_itemsize(graph.nodes[e.src].meta, graph.nodes[e.dst]))
-                  for e in plan.edges if (e.dst, e.position) not in grouped)
-    for (_, axes), members in groups.items():  # one gather per group, one reduce-scatter back
-        nbytes = sum(e.steps[0].nbytes for _, e in members)
-        reshard += mesh_collective_time("all_gather", nbytes, mesh, axes)
-        if any(e.backward for _, e in members) and not whole_on(axes, identical):
-            reshard += mesh_collective_time("reduce_scatter", nbytes, mesh, axes)
+    reshard = reshard_s(graph, plan.edges, mesh, identical)
     in_ops = sum(lowered_comm_s(n.target, n.family, n.inputs, n.output, mesh, identical=identical,
                                 counted_locally=counted_from_inputs(graph, graph.nodes[n.name]))
                  for n in plan.nodes.values() if needs_lowering(n.family))

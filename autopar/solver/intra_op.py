@@ -13,19 +13,18 @@ import math
 import time
 
 from autopar.cost_model import memory as memory_model
-from autopar.cost_model.gradients import identical_ok, output_whole_axes, param_sync_axes
+from autopar.cost_model.gradients import identical_ok, param_sync_axes
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time
 from autopar.errors import ConfigError, PlanError
 from autopar.ir import trace
-from autopar.ir.graph import Role, edge_itemsize
+from autopar.ir.graph import Role
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.strategy import active_axes
 import autopar.solver.ilp as ilp
 from autopar.solver.layout import Layout, layout_force
-from autopar.solver.plan import EdgePlan, NodePlan, ParamPlan, Plan, StepPlan
-from autopar.solver.problem import (build_problem, bucketed_collective_time, gather_latency_correction,
-                                    node_choices, produced_spec)
-from autopar.solver.reshard_search import plan_reshard
+from autopar.solver.plan import NodePlan, ParamPlan, Plan
+from autopar.solver.problem import (build_problem, bucketed_collective_time, gather_correction, node_choices,
+                                    planned_edges)
 from autopar.solver.simplify import block_ties, eliminate, prune, recover
 from autopar.solver.units import parse_bytes
 
@@ -284,7 +283,7 @@ def _plan_on(graph, mesh, budget, optimizer, op_table, optimizer_sharding, force
             if best is None:
                 raise
             break
-        correction = gather_latency_correction(graph, built, attempt[2], mesh)
+        correction = gather_correction(graph, built, attempt[2], mesh)
         true_objective = attempt[4] + correction
         if best is None or true_objective < best[0] - 1e-15:
             best = (true_objective, built, attempt)
@@ -362,20 +361,7 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
                                float(c.memory[full[name]]), 0.0 if c.peak_memory is None else float(c.peak_memory[full[name]]))
     for (src, dst), held in built.problem.edge_memory.items():  # a kept reshard is its consumer's memory
         nodes[dst].memory_bytes += float(held[full[src], full[dst]])
-    edges = []
-    for src, dst, pos in built.edge_list:
-        s_spec = produced_spec(choices[src].strategies[full[src]], graph.nodes[dst], pos, graph)
-        d_strat = choices[dst].strategies[full[dst]]
-        d_spec = d_strat.inputs[pos] if pos < len(d_strat.inputs) else None
-        if s_spec is None or d_spec is None:
-            continue
-        rp = plan_reshard(s_spec, d_spec, mesh, edge_itemsize(graph.nodes[src].meta, graph.nodes[dst]))
-        steps = [StepPlan(st.kind, tuple(st.axes), int(st.nbytes), float(cost), st.src_dim, st.dst_dim)
-                 for st, cost in zip(rp.steps, rp.costs)]
-        # an output's gathers and all-reduces run no backward collective (codegen seeds it whole)
-        output_only = graph.nodes[dst].op == "output" and bool(output_whole_axes(rp.steps))
-        backward = src in built.requires_grad and not output_only
-        edges.append(EdgePlan(src, dst, pos, s_spec, d_spec, steps, backward))
+    edges = planned_edges(graph, built, full, mesh)
     params = {}
     for fqn, node_name in list(graph.params.items()) + list(graph.buffers.items()):
         if node_name not in choices:

@@ -22,7 +22,8 @@ from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
-from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_count
+from autopar.cost_model.gradients import output_whole_axes
+from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_count, reshard_s
 from autopar.cost_model.ops import alias_roots, needs_grad
 from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role, edge_itemsize
@@ -32,6 +33,7 @@ from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.rules import strategies_for
 from autopar.sharding_spec.strategy import OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep
 from autopar.solver.ilp import Problem
+from autopar.solver.plan import EdgePlan, StepPlan
 from autopar.solver.reshard_search import plan_reshard, reshard_costs_from
 
 
@@ -247,17 +249,19 @@ def produced_spec(strategy: Strategy, consumer, position: int, graph):
 
 
 def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool,
-                latency_share: float = 1.0, in_place: bool = False) -> np.ndarray:
+                latency_share: float = 1.0, in_place: bool = False, byte_share: float = 1.0) -> np.ndarray:
     """Seconds of every (producer strategy, consumer strategy) pair's reshard (and its backward
     dual). ``latency_share`` < 1 prices only that share of the calls' latency (a parameter
-    gathered together with the rest of its layer's, see ``_layer_share``). ``in_place``: the
+    gathered together with the rest of its layer's, see ``_layer_share``), ``byte_share`` < 1 that
+    share of its bytes (a parameter gathered once for several readers). ``in_place``: the
     consumer writes into the value, or views it on the way to a write (``ir.aliasing``): a reshard
     would write into a copy, so only pairs that read the producer's spec itself are allowed."""
     consumer = graph.nodes[cons.name]
     itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
     table = _reshard_table(graph, prod, cons, position, mesh, itemsize, with_backward)
-    if latency_share < 1.0:
-        table = table - (1.0 - latency_share) * _reshard_table(graph, prod, cons, position, mesh, 0, with_backward)
+    if latency_share < 1.0 or byte_share < 1.0:
+        latency = _reshard_table(graph, prod, cons, position, mesh, 0, with_backward)
+        table = latency * latency_share + (table - latency) * byte_share
     if in_place:
         srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
         dsts = [cs.inputs[position] if position < len(cs.inputs) else None for cs in cons.strategies]
@@ -292,18 +296,22 @@ def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backwa
     return factor * table[np.ix_(src_ids, dst_ids)]
 
 
-def _layer_share(graph) -> dict[tuple[str, str | None], float]:
-    """(parameter, consumer's layer) -> 1 / the number of parameters that layer reads: the runtime
-    gathers a layer's split-stored parameters in one collective (``param_gather_groups``), so each
-    pays its own bytes and that share of the call's latency (exact when the whole layer is stored
-    that way, as ZeRO-3 / FSDP stores it)."""
-    reads: dict = {}
+def _layer_share(graph) -> dict[tuple[str, str | None], tuple[float, float]]:
+    """(parameter, consumer's layer) -> (its share of a gather's latency, its share of its bytes)
+    on each edge: the runtime gathers a layer's split-stored parameters in one collective, each
+    parameter once however many of the layer's ops read it (``param_gather_groups``), so each
+    edge pays 1 / (the layer's edges from parameters) of the latency and 1 / (its parameter's
+    readers in the layer) of the bytes (exact when the whole layer is stored that way, as ZeRO-3 /
+    FSDP stores it; ``gather_correction`` prices the rest exactly)."""
+    per_layer: dict = {}
+    edges: dict = {}
     for node in graph.nodes.values():
         for src in node.inputs:
             p = graph.nodes[src]
             if p.op == "placeholder" and p.role == Role.PARAMETER:
-                reads.setdefault(node.layer, set()).add(src)
-    return {(p, layer): 1.0 / len(ps) for layer, ps in reads.items() for p in ps}
+                per_layer[node.layer] = per_layer.get(node.layer, 0) + 1
+                edges[(src, node.layer)] = edges.get((src, node.layer), 0) + 1
+    return {(p, layer): (1.0 / per_layer[layer], 1.0 / n) for (p, layer), n in edges.items()}
 
 
 def _index(items):
@@ -317,7 +325,7 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
     """The ILP of ``graph`` on ``mesh``. ``shared_gathers``: price a split-stored parameter's
     gather at its layer's share of the call's latency (exact when the whole layer is stored split,
     as FSDP stores it), else at a whole latency (exact when it is gathered alone); the true price
-    of a solution is either plus ``gather_latency_correction``. ``memo``: edge matrices already
+    of a solution is either plus ``gather_correction``. ``memo``: edge matrices already
     priced for the same ``choices`` (a second build reuses all but the parameters' edges)."""
     choices = choices or node_choices(graph, mesh, optimizer=optimizer, op_table=op_table)
     grad = needs_grad(graph)
@@ -336,7 +344,7 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
             if src not in choices:
                 continue
             prod, cons = choices[src], choices[node.name]
-            share = shares.get((src, node.layer), 1.0)
+            share = shares.get((src, node.layer), (1.0, 1.0))
             # an output's steps (gathers and all-reduces) have a local backward: its seed is whole
             # on every rank (cost_model.gradients.output_whole_axes)
             backward = src in grad and node.op != "output"
@@ -345,8 +353,8 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
                    node.args[1] if node.target == "operator.getitem" else None,
                    edge_itemsize(graph.nodes[src].meta, node), share, aliased)
             if key not in memo:
-                memo[key] = edge_matrix(graph, prod, cons, pos, mesh, with_backward=backward, latency_share=share,
-                                        in_place=aliased)
+                memo[key] = edge_matrix(graph, prod, cons, pos, mesh, with_backward=backward, latency_share=share[0],
+                                        in_place=aliased, byte_share=share[1])
             mat = memo[key]
             edge_list.append((src, node.name, pos))
             key = (src, node.name)
@@ -373,35 +381,34 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
     return Built(problem, choices, edge_list, grad, shares)
 
 
-def gather_latency_correction(graph, built: Built, full: dict[str, int], mesh) -> float:
-    """Seconds to add to the ILP's objective of solution ``full`` for the latency of parameter
-    gathers as the runtime runs them: one all-gather (and its backward dual) per (layer, mesh axes)
-    group of split-stored parameters (``cost_model.step.param_gather_groups``), where the ILP
-    charged every gathered edge its ``built.gather_shares`` share of a latency (1 when absent).
-    Positive when the ILP under-charged (part of a layer gathered under shared pricing), negative
-    when it over-charged (several parameters of a layer gathered under whole-latency pricing)."""
-    charged = 0.0
-    groups: dict[tuple, dict[str, int]] = {}  # (layer, axes) -> parameter -> gathered edges
-    latency: dict[tuple, float] = {}
+def planned_edges(graph, built: Built, full: dict[str, int], mesh, sources=None) -> list[EdgePlan]:
+    """The reshards of solution ``full`` as the Plan records them (steps priced, whether a backward
+    runs), for every edge or those out of ``sources``."""
+    edges = []
     for src, dst, pos in built.edge_list:
-        node = graph.nodes[src]
-        if node.op != "placeholder" or node.role != Role.PARAMETER:
+        if sources is not None and src not in sources:
             continue
-        consumer = graph.nodes[dst]
-        s_spec = produced_spec(built.choices[src].strategies[full[src]], consumer, pos, graph)
+        s_spec = produced_spec(built.choices[src].strategies[full[src]], graph.nodes[dst], pos, graph)
         d_strat = built.choices[dst].strategies[full[dst]]
         d_spec = d_strat.inputs[pos] if pos < len(d_strat.inputs) else None
-        if s_spec is None or d_spec is None or s_spec == d_spec:
+        if s_spec is None or d_spec is None:
             continue
-        steps = plan_reshard(s_spec, d_spec, mesh, 0).steps
-        if len(steps) != 1 or steps[0].kind != "all_gather":
-            continue
-        key = (consumer.layer, tuple(steps[0].axes))
-        lat = mesh_collective_time("all_gather", 0, mesh, key[1]) * (2.0 if src in built.requires_grad else 1.0)
-        latency[key] = lat
-        charged += lat * built.gather_shares.get((src, consumer.layer), 1.0)
-        groups.setdefault(key, {}).setdefault(src, 0)
-        groups[key][src] += 1
-    # a group of two or more parameters is one call; a lone parameter pays a call per edge
-    true = sum(latency[k] * (1 if len(g) >= 2 else sum(g.values())) for k, g in groups.items())
-    return true - charged
+        rp = plan_reshard(s_spec, d_spec, mesh, edge_itemsize(graph.nodes[src].meta, graph.nodes[dst]))
+        steps = [StepPlan(st.kind, tuple(st.axes), int(st.nbytes), float(cost), st.src_dim, st.dst_dim)
+                 for st, cost in zip(rp.steps, rp.costs)]
+        # an output's gathers and all-reduces run no backward collective (codegen seeds it whole)
+        output_only = graph.nodes[dst].op == "output" and bool(output_whole_axes(rp.steps))
+        edges.append(EdgePlan(src, dst, pos, s_spec, d_spec, steps, src in built.requires_grad and not output_only))
+    return edges
+
+
+def gather_correction(graph, built: Built, full: dict[str, int], mesh) -> float:
+    """Seconds to add to the ILP's objective of solution ``full`` so that its parameters' reshards
+    cost what the step model prices (``cost_model.step.reshard_s``: one all-gather per group of a
+    layer's split-stored parameters, each parameter once), where the ILP charged each edge its
+    shares of a gather (``_layer_share``, or whole calls). Positive when the ILP under-charged (part
+    of a layer gathered under shared pricing), negative when it over-charged."""
+    params = {n for n in built.choices if graph.nodes[n].op == "placeholder" and graph.nodes[n].role == Role.PARAMETER}
+    edges = planned_edges(graph, built, full, mesh, params)
+    charged = sum(float(built.problem.edges[(u, v)][full[u], full[v]]) for u, v in {(e.src, e.dst) for e in edges})
+    return reshard_s(graph, edges, mesh) - charged

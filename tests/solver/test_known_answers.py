@@ -255,10 +255,11 @@ def test_a_parameter_pays_its_accumulation_every_microbatch_and_its_optimizer_on
 
 
 def test_a_one_stage_plan_is_never_predicted_slower_than_data_parallel():
-    # The ILP ranks by its additive objective, the step model by what the runtime runs; near a tie
-    # they can disagree. The bench's LLaMA on 4 gloo ranks (contention 2.2): the ILP stores the
-    # embedding and head split and gathers them (objective 0.14% under data parallel), which the
-    # step model prices 0.4% over data parallel, and which ran 1.05x slower: data parallel is kept.
+    # The bench's LLaMA on 4 gloo ranks (contention 2.2) once had the ILP store the embedding and
+    # head split and gather them (its objective 0.14% under data parallel; the step model 0.4% over;
+    # it ran 1.05x slower), and a re-ranking against data parallel kept it right. With the ILP's
+    # objective corrected to the step model's price of its gathers, the ILP's own pick is never
+    # priced over data parallel: the re-ranking changes no answer here.
     from autopar import models
     from autopar.solver.layout import Layout
 
@@ -278,10 +279,8 @@ def test_a_one_stage_plan_is_never_predicted_slower_than_data_parallel():
         ddp = autopar.plan(model, mesh, graph=graph, force=Layout(dp=4), optimizer_sharding=False)
         assert chosen.predicted["step_time_s"] <= ddp.predicted["step_time_s"] * (1 + 1e-9), name
         kept.append(chosen.solver.get("data_parallel_kept", False))
-    assert kept[0]  # the LLaMA case above
+    assert not any(kept), kept  # the ILP, priced as the step model prices gathers, finds them itself
     model, inputs = models.build("llama", **cases[0][1])
-    llama = autopar.plan(model, autopar.Mesh((4,), cluster=gloo), inputs, pipeline=False)
-    assert all(p.storage.is_replicated for p in llama.params.values())
     # axes the caller fixed idle stay idle (data parallel would use them)
     kept_idle = autopar.plan(model, autopar.Mesh((4,), cluster=gloo), inputs, pipeline=False, idle_axes=(0,))
     assert kept_idle.idle_axes == (0,) and not kept_idle.solver.get("data_parallel_kept")
