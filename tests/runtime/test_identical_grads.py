@@ -162,7 +162,8 @@ def test_a_program_for_other_inputs_hands_its_gradients_to_the_main_reducer(resu
     case = results["other-shapes"]
     assert "error" not in case, case.get("error")
     assert case["worst"] <= TOL, case
-    # the batch of 2 prices whole gradients on the tensor-parallel axis only (cpu-gloo preset): the
-    # parameters it leaves whole on dp are handed to the reducer as shares, and the step is exact
-    assert case["main"] == (0, 1) and case["other"] == (1,), case
+    # the batch of 2 is priced to whole gradients on fewer axes than the main program (cpu-gloo
+    # preset): the parameters it leaves whole where the main program does not are handed to the
+    # reducer as shares, and the step is exact
+    assert case["main"] == (0, 1) and set(case["other"]) < {0, 1}, case
     assert case["handed"] > 0, case
