@@ -18,7 +18,10 @@ Activations: ``saved_for_backward`` lists the values an op's backward reads (``o
 matmul operands, the input of gelu/norms, the output of relu/softmax, embedding indices, ...);
 they stay alive from their op to the end of the forward. Every other value lives from its op to
 its last reader. Views alias their source and cost nothing. ``activation_memory`` is the peak,
-over the forward order, of the live bytes. Approximations:
+over the forward order, of the live bytes. The ILP's linear terms (``node_activation_bytes``) are
+every saved value, what lives beside them at the forward's peak and the workspace of the op running
+there (``forward_peak``, found on the replicated timeline), and on edges, the copy a reshard makes
+of a value backward keeps (``saved_inputs``, ``held_reshard_bytes``). Approximations:
 
 - the peak is that of the forward pass; backward frees saved tensors as it goes but adds gradient
   buffers of about one activation at a time, which is not counted;
@@ -26,7 +29,8 @@ over the forward order, of the live bytes. Approximations:
   inputs are, from the start to their last reader;
 - small saved statistics (layer-norm mean/rstd, attention logsumexp) are ignored; a dropout mask
   is counted at the output's dtype size; a multi-output op's outputs live as long as any of them;
-- allocator fragmentation, workspace buffers and the CUDA context are not counted.
+- allocator fragmentation, kernels' workspaces (other than ``ops.WORKSPACE_RULES``), the optimizer
+  step's temporaries and the CUDA context are not counted.
 """
 from __future__ import annotations
 
