@@ -104,7 +104,7 @@ def _models():
     for name in ("mingpt", "vit", "moe", "in_place"):
         model, inputs = getattr(models_zoo, name)()
         yield name, model, inputs
-    for i, case in enumerate(draw(12)):
+    for i, case in enumerate(draw(24)):
         model, inputs = build(case)
         yield f"fuzz {i}", model, inputs
 
