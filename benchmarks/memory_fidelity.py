@@ -54,10 +54,11 @@ CASES = {
 }
 
 
-def live_tensors() -> list[torch.Tensor]:
-    """Every tensor the garbage collector reaches, one per storage (CPU), after a collection."""
+def live_storages() -> dict[int, torch.Tensor]:
+    """Every CPU tensor the garbage collector reaches, one per storage (by its address), after a
+    collection."""
     gc.collect()
-    seen, out = set(), []
+    out: dict[int, torch.Tensor] = {}
     for obj in gc.get_objects():
         try:
             if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.is_meta:
@@ -65,19 +66,23 @@ def live_tensors() -> list[torch.Tensor]:
             key = obj.untyped_storage().data_ptr()
         except Exception:  # fake or subclass tensors without a storage
             continue
-        if key and key not in seen:
-            seen.add(key)
-            out.append(obj)
+        if key:
+            out.setdefault(key, obj)
     return out
+
+
+def live_tensors() -> list[torch.Tensor]:
+    return list(live_storages().values())
 
 
 def storage_bytes(tensors) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-def _tracker():
-    """A MemTracker without its per-module statistics: those refuse a module called twice in one
-    step (every pipeline stage runs once per microbatch); the device totals need none of them."""
+def tracked_peak(step, held) -> int:
+    """The peak of live tensor bytes while ``step()`` runs, by torch's MemTracker with the tensors
+    ``held`` before it registered. Its per-module statistics are off: they refuse a module called
+    twice in one step (every pipeline stage runs once per microbatch); the device totals need none."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class DeviceTotals(MemTracker):
@@ -86,7 +91,11 @@ def _tracker():
         def _pre_bw_hook(self, *a): pass
         def _post_bw_hook(self, *a): pass
 
-    return DeviceTotals()
+    tracker = DeviceTotals()
+    tracker.track_external(*held)
+    with tracker:
+        step()
+    return max((d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values()), default=0)
 
 
 def measure(v) -> dict:
@@ -97,14 +106,9 @@ def measure(v) -> dict:
 
     base = live_tensors()
     resident = storage_bytes(base)
-    tracker = _tracker()
-    tracker.track_external(*base)
     dist.barrier()
-    with tracker:
-        one_step()
-    snap = tracker.get_tracker_snapshot("peak")
-    tracked = max((d.get("Total", 0) for d in snap.values()), default=0)
-    del base, tracker
+    tracked = tracked_peak(one_step, base)
+    del base
     dist.barrier()
     _, delta = allocation_peak(one_step)
     # where the peak falls: forward and backward, or the optimizer's step

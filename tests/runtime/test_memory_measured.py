@@ -9,8 +9,9 @@ registered; its peak of live tensor bytes is compared with the plan's ``memory_b
 """
 from __future__ import annotations
 
-import gc
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,9 @@ import torch
 import autopar
 from autopar import models
 from autopar.runtime.launch import spawn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from memory_fidelity import live_storages, tracked_peak  # noqa: E402  (the benchmark's measurement)
 
 MODEL = dict(vocab=2048, width=128, layers=4, heads=4, seq=64, batch=16)
 # name -> (mesh shape, Layout fields, Pipeline fields or None)
@@ -33,41 +37,11 @@ PLANS = {
 TOLERANCE = 0.15
 
 
-def _storages() -> dict[int, torch.Tensor]:
-    gc.collect()
-    out = {}
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
-                ptr = obj.untyped_storage().data_ptr()
-                if ptr:
-                    out.setdefault(ptr, obj)
-        except Exception:  # fake or subclass tensors without a storage
-            continue
-    return out
-
-
-class _DeviceTotals:
-    """torch's MemTracker without its per-module statistics (they refuse a module run twice in one
-    step, as a pipeline stage runs once per microbatch)."""
-
-    def __new__(cls):
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        class Tracker(MemTracker):
-            def _pre_fw_hook(self, *a): pass
-            def _post_fw_hook(self, *a): pass
-            def _pre_bw_hook(self, *a): pass
-            def _post_bw_hook(self, *a): pass
-
-        return Tracker()
-
-
 def rank_cases(rank, world):
     warnings.simplefilter("ignore")
     out = {}
     for name, (shape, fields, pipe) in PLANS.items():
-        before = set(_storages())  # what earlier plans left is not this plan's
+        before = set(live_storages())  # what earlier plans left is not this plan's
         model, (idx, targets) = models.build("gpt", **MODEL)
         pm = autopar.parallelize(model, autopar.Mesh(shape), (idx, targets), force=autopar.Layout(**fields),
                                  pipeline=autopar.Pipeline(**pipe) if pipe else False)
@@ -81,18 +55,14 @@ def rank_cases(rank, world):
 
         for _ in range(2):
             step()
-        held = [t for ptr, t in _storages().items() if ptr not in before]
-        tracker = _DeviceTotals()
-        tracker.track_external(*held)
-        with tracker:
-            step()
-        peak = max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
+        held = [t for ptr, t in live_storages().items() if ptr not in before]
+        peak = tracked_peak(step, held)
         plan = pm.plan
         stages = plan.pipeline.stages if plan.pipeline is not None and len(plan.pipeline.stages) > 1 else None
         predicted = (sum(s.memory_bytes for s in stages if rank in s.ranks) if stages
                      else plan.predicted["memory_bytes_per_device"])
         out[name] = dict(measured=int(peak), predicted=float(predicted))
-        del held, tracker, pm, opt
+        del held, pm, opt
     return out
 
 
