@@ -127,15 +127,18 @@ class UnitPrices:
     # log-probabilities); None: nothing
     peak_bytes: np.ndarray | None = None
 
-    def peak_between(self, i: int, j: int) -> float:
-        return 0.0 if self.peak_bytes is None else float(self.peak_bytes[i:j + 1].sum())
-
     def static_between(self, i: int, j: int) -> float:
         """What units i..j hold of state, a shared parameter once."""
         total = float(self.static_bytes[i:j + 1].sum())
         for nbytes, units in self.shared_static:
             total -= nbytes * max(0, sum(i <= u <= j for u in units) - 1)
         return total
+
+    def held_between(self, i: int, j: int, state_share: float = 1.0) -> float:
+        """What a stage of units i..j holds whatever its microbatches in flight: ``state_share`` of
+        their state and what lives at the forward's peak, once."""
+        peak = 0.0 if self.peak_bytes is None else float(self.peak_bytes[i:j + 1].sum())
+        return self.static_between(i, j) * state_share + peak
 
     def recomputed(self) -> "UnitPrices":
         """These prices with every unit's activations recomputed in backward (as
@@ -657,8 +660,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         if virtual > 1:
             row = (len(stages) % blocks) * rows
         inflight = inflight_microbatches(schedule, len(stages) % blocks, blocks, count)
-        mem = (prices.static_between(i, j) + inflight * prices.activation_bytes[i:j + 1].sum() + prices.peak_between(i, j)
-               + prices.stage_extra_bytes)
+        mem = prices.held_between(i, j) + inflight * prices.activation_bytes[i:j + 1].sum() + prices.stage_extra_bytes
         nodes = {name for name, u in unit.items() if i <= u <= j}
         if not stages:  # state nothing reads is held by the first stage (as codegen's cut_stages holds it)
             nodes |= {n for n, node in graph.nodes.items()
@@ -880,7 +882,7 @@ def _held_bytes(p: UnitPrices, share: float | None) -> float:
     plan's peak, a bound) and at most one microbatch of every layer's activations in flight (1F1B)."""
     if share is None:
         return p.plan.predicted["memory_bytes_per_device"]
-    return p.static_between(0, len(p.static_bytes) - 1) * share + p.activation_bytes.sum() + p.peak_between(0, len(p.static_bytes) - 1)
+    return p.held_between(0, len(p.static_bytes) - 1, share) + p.activation_bytes.sum()
 
 
 def _leaner(model, sm, graph, intra_op_plan, plan_kwargs, fastest: UnitPrices, cutoff_s: float | None):
@@ -911,18 +913,12 @@ def _tables(variants, n_units, count, mesh):
     call_s = mesh.resolved_cluster().collective_overhead_s  # a send reached from compute, as a collective
     for m, (rows, p) in enumerate(variants):
         per_unit = p.per_microbatch_s + p.per_step_s  # per-step prices are already 1 / count (plan(microbatches=))
-        peak = p.peak_bytes if p.peak_bytes is not None else np.zeros(n_units)
-        c_time, c_static, c_act, c_peak = (np.concatenate([[0.0], np.cumsum(a)])
-                                           for a in (per_unit, p.static_bytes, p.activation_bytes, peak))
+        c_time, c_act = (np.concatenate([[0.0], np.cumsum(a)]) for a in (per_unit, p.activation_bytes))
         for i in range(n_units):
             # the activation entering the stage (forward) and its gradient leaving it (backward)
             recv = 0.0 if i == 0 else 2 * (link.alpha + call_s + p.boundary_bytes[i] * link.beta)
             j = np.arange(i, n_units)
             time_t[i, i:, m] = c_time[j + 1] - c_time[i] + recv
-            # the peak's once-held bytes once per stage, beside its microbatches in flight
-            mem_t[i, i:, m] = c_static[j + 1] - c_static[i] + c_peak[j + 1] - c_peak[i] + p.stage_extra_bytes
-            for nbytes, units in p.shared_static:  # a shared parameter once per stage
-                inside = np.asarray([sum(i <= u <= jj for u in units) for jj in j])
-                mem_t[i, i:, m] -= nbytes * np.maximum(0, inside - 1)
+            mem_t[i, i:, m] = [p.held_between(i, jj) + p.stage_extra_bytes for jj in j]
             act_t[i, i:, m] = c_act[j + 1] - c_act[i]
     return time_t, mem_t, act_t
