@@ -107,17 +107,14 @@ def total_param_memory(graph, storage_specs: Mapping | None, mesh, optimizer: st
 
 
 # ---- activations --------------------------------------------------------------------------------
-def saved_for_backward(graph) -> set[str]:
-    """Names of the storage-owning values (never views: a saved view keeps its source alive, so
-    the source is listed) that some op's backward reads. Parameters, buffers and constants are
-    left out: they are alive anyway."""
+def _saves(graph):
+    """(node, its tensor inputs as (position, name), the indices into them its backward keeps,
+    whether it keeps its output) for every op with a backward: not a view, computed from a
+    gradient-needing input (a comparison or an integer op carries no gradient)."""
     ng = needs_grad(graph)
-    roots = alias_roots(graph)
-    saved: set[str] = set()
     for node in graph.nodes.values():
         if node.op != "call_function" or is_view(node.target) or node.name not in ng:
-            continue  # a view, or no backward: nothing computed from a gradient-needing input, or
-            # an output that carries no gradient (a comparison, an integer op)
+            continue
         tin = tensor_inputs(node, graph)
         grad_idx = {k for k, (_, name) in enumerate(tin) if name in ng}
         if not grad_idx:
@@ -128,6 +125,16 @@ def saved_for_backward(graph) -> set[str]:
                 f"the save rule of {node.target} names tensor inputs {sorted(idx)} of node {node.name!r}, "
                 f"which has {len(tin)} ({[name for _, name in tin]}; args {node.args})"
             )
+        yield node, tin, idx, saves_output
+
+
+def saved_for_backward(graph) -> set[str]:
+    """Names of the storage-owning values (never views: a saved view keeps its source alive, so
+    the source is listed) that some op's backward reads. Parameters, buffers and constants are
+    left out: they are alive anyway."""
+    roots = alias_roots(graph)
+    saved: set[str] = set()
+    for node, tin, idx, saves_output in _saves(graph):
         for k in idx:
             saved |= roots[tin[k][1]]
         if saves_output:
@@ -141,28 +148,17 @@ def saved_inputs(graph) -> set[tuple[str, int]]:
     Where the plan reshards such an edge (a ZeRO-3 parameter gathered whole for a matmul, an
     activation gathered for a sequence-parallel matmul), the reshard's result is what stays alive
     until backward, not the value the producer made."""
-    ng = needs_grad(graph)
     out: set[tuple[str, int]] = set()
-    kept_views: set[str] = set()
-    for node in reversed(list(graph.nodes.values())):  # consumers before their producers
-        if node.op != "call_function":
-            continue
-        tin = tensor_inputs(node, graph)
-        if is_view(node.target):
-            if node.name in kept_views:
-                out |= {(node.name, pos) for pos, _ in tin}
-                kept_views |= {name for _, name in tin}
-            continue
-        if node.name not in ng:
-            continue
-        grad_idx = {k for k, (_, name) in enumerate(tin) if name in ng}
-        if not grad_idx:
-            continue
-        idx, _ = save_rule(node.target)(grad_idx, len(tin), node)
+    kept: set[str] = set()  # values some backward keeps (read directly, or through views)
+    for node, tin, idx, _ in _saves(graph):
         for k in idx:
-            pos, name = tin[k]
-            out.add((node.name, pos))
-            kept_views.add(name)
+            out.add((node.name, tin[k][0]))
+            kept.add(tin[k][1])
+    for node in reversed(list(graph.nodes.values())):  # a view's readers come after it
+        if node.op == "call_function" and is_view(node.target) and node.name in kept:
+            for pos, name in tensor_inputs(node, graph):
+                out.add((node.name, pos))
+                kept.add(name)
     return out
 
 
