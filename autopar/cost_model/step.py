@@ -72,12 +72,14 @@ def accumulate_s(nbytes: float, bucketed: bool, step_share: float, cluster) -> f
     return nbytes * passes / cluster.sustained_memory_bandwidth + runs * cluster.backward_op_overhead_s
 
 
-def param_gather_groups(graph, edges, inside=None) -> tuple[dict, dict]:
+def param_gather_groups(graph, edges, inside=None, least: int = 2) -> tuple[dict, dict]:
     """How the runtime gathers parameters stored split and used whole (ZeRO-3 / FSDP edges: one
     all-gather step): grouped per (layer, mesh axes), as FSDP groups a block's parameters, one
     collective per group in forward and one reduce-scatter in backward. ``inside``: the nodes of
     the program (default: all). Returns (group key -> [(parameter, its first edge)] in program
-    order, (consumer, input position) -> group key), for groups of two or more parameters."""
+    order, (consumer, input position) -> group key), for groups of ``least`` or more parameters
+    (the runtime groups two or more; a lone parameter's gather is an ordinary reshard, whose
+    backward is the same reduce-scatter)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     inside = set(graph.nodes) if inside is None else inside
     members: dict = {}  # key -> {parameter: first edge}
@@ -90,7 +92,7 @@ def param_gather_groups(graph, edges, inside=None) -> tuple[dict, dict]:
         key = (graph.nodes[e.dst].layer, tuple(e.steps[0].axes))
         members.setdefault(key, {}).setdefault(e.src, e)
         readers.setdefault(key, []).append((e.dst, e.position))
-    groups = {k: list(m.items()) for k, m in members.items() if len(m) >= 2}
+    groups = {k: list(m.items()) for k, m in members.items() if len(m) >= least}
     return groups, {r: k for k in groups for r in readers[k]}
 
 
@@ -99,7 +101,7 @@ def reshard_s(graph, edges, mesh, identical=()) -> float:
     gathered whole in groups (``param_gather_groups``: one all-gather per group of a layer, each
     parameter once, one reduce-scatter back), every other edge its steps and their duals. The
     step model prices a plan's edges with it, and the ILP's objective is corrected to it."""
-    groups, grouped = param_gather_groups(graph, edges)
+    groups, grouped = param_gather_groups(graph, edges, least=1)
     total = sum(e.forward_s + backward_reshard_s(e, mesh, identical, edge_itemsize(graph.nodes[e.src].meta, graph.nodes[e.dst]))
                 for e in edges if (e.dst, e.position) not in grouped)
     for (_, axes), members in groups.items():  # one gather per group, one reduce-scatter back

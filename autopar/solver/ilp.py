@@ -9,7 +9,12 @@ matrix R_uv[i, j]: seconds to turn u's output under strategy i into the input v 
                 sum_j e_uv[i,j] = s_u[i]     for every i          (edge agrees with its source)
                 sum_i e_uv[i,j] = s_v[j]     for every j          (edge agrees with its target)
                 sum_v m_v . s_v + sum_(u,v) sum_ij H_uv[i,j] e_uv[i,j] <= M      (memory, given a budget M)
+                y_g >= sum_(ij in P_g,uv) e_uv[i,j]   for every member edge (once-paid costs)
                 s, e in {0, 1}
+
+plus ``sum_g C_g y_g`` in the objective: a cost paid once however many of its members take a pair
+in their sets P_g (``OnceCost``: one all-gather call for a layer's split-stored parameters, the
+call's latency ``C_g``, each member edge priced at its bytes alone).
 
 c_v: compute and the op's own communication (s); m_v: bytes the choice keeps on a device at the
 peak; H_uv: bytes a pair's reshard keeps alive until backward (``edge_memory``: a gathered weight
@@ -43,10 +48,27 @@ OBJECTIVE_SCALE = 1e6
 
 
 @dataclasses.dataclass
+class OnceCost:
+    """``cost`` seconds paid once when any member takes a pair of its set: members are (u, v, mask)
+    with a bool mask of shape (k_u, k_v) over the edge's pairs, or (v, v, mask) with a mask of
+    shape (k_v,) over a node's own choices (an edge inside one tied representative)."""
+
+    cost: float
+    members: list[tuple[str, str, np.ndarray]]
+
+    def paid(self, pick: dict[str, int]) -> bool:
+        return any(bool(m[pick[u]]) if u == v else bool(m[pick[u], pick[v]]) for u, v, m in self.members)
+
+    def nodes(self) -> set[str]:
+        return {x for u, v, _ in self.members for x in (u, v)}
+
+
+@dataclasses.dataclass
 class Problem:
     """costs[v]: shape (k_v,) seconds; memory[v]: shape (k_v,) bytes; edges[(u, v)]: (k_u, k_v)
     seconds; tie[v] = u means v uses u's variables (same k); budget: bytes or None;
-    edge_memory[(u, v)]: (k_u, k_v) bytes held, for the edges that hold any."""
+    edge_memory[(u, v)]: (k_u, k_v) bytes held, for the edges that hold any; once: costs paid
+    once for a set of pairs (``OnceCost``)."""
 
     costs: dict[str, np.ndarray]
     memory: dict[str, np.ndarray]
@@ -55,6 +77,7 @@ class Problem:
     budget: float | None = None
     base_memory: float = 0.0  # bytes that do not depend on any choice
     edge_memory: dict[tuple[str, str], np.ndarray] = dataclasses.field(default_factory=dict)
+    once: list[OnceCost] = dataclasses.field(default_factory=list)
 
     def rep(self, v: str) -> str:
         while v in self.tie:
@@ -77,7 +100,28 @@ class Problem:
             memory[r] = memory[r] + self.memory[v]
         edges = self._mapped(self.edges, costs)
         edge_memory = self._mapped(self.edge_memory, memory)
-        return Problem(costs, memory, edges, {}, self.budget, self.base_memory, edge_memory)
+        return Problem(costs, memory, edges, {}, self.budget, self.base_memory, edge_memory, self._mapped_once(edges))
+
+    def _mapped_once(self, edges: dict) -> list[OnceCost]:
+        """Once-paid costs on the representatives: tied copies choose alike, so the copies of one
+        cost (the same layer's call in every repeated block) become one, paid as often."""
+        merged: dict = {}
+        for oc in self.once:
+            members = []
+            for u, v, m in oc.members:
+                ru, rv = self.rep(u), self.rep(v)
+                if u == v or ru == rv:
+                    members.append((ru, ru, m if u == v else np.diag(m).copy()))
+                elif (ru, rv) in edges or (rv, ru) not in edges:  # keyed as the mapped edge is
+                    members.append((ru, rv, m))
+                else:
+                    members.append((rv, ru, m.T))
+            key = tuple(sorted((u, v, m.tobytes()) for u, v, m in members))
+            if key in merged:
+                merged[key].cost += oc.cost
+            else:
+                merged[key] = OnceCost(oc.cost, members)
+        return list(merged.values())
 
     def _mapped(self, matrices: dict, own: dict) -> dict:
         """Edge matrices onto the representatives' edges (an edge inside one representative adds
@@ -112,6 +156,7 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> tuple[float, float]:
     pick = {v: choice[problem.rep(v)] for v in problem.costs}
     obj = sum(float(problem.costs[v][pick[v]]) for v in problem.costs)
     obj += sum(float(m[pick[u], pick[v]]) for (u, v), m in problem.edges.items())
+    obj += sum(oc.cost for oc in problem.once if oc.paid(pick))
     mem = problem.base_memory + sum(float(problem.memory[v][pick[v]]) for v in problem.memory)
     mem += sum(float(m[pick[u], pick[v]]) for (u, v), m in problem.edge_memory.items())
     return obj, mem
@@ -151,9 +196,11 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
         lp += pulp.lpSum(vars_.values()) == 1, f"one_strategy_{n}"
         objective += [_round(red.costs[v][i]) * x for i, x in vars_.items() if _round(red.costs[v][i])]
     held = []  # memory terms of the edges (bytes a pair's reshard keeps)
+    pairs = {}  # (u, v) -> the pair variables e[i, j], or None where one side is fixed (no e)
     for n, ((u, v), mat) in enumerate(red.edges.items()):
         su, sv = s[u], s[v]
         hmat = _oriented(red.edge_memory, u, v) if problem.budget is not None else None
+        pairs[(u, v)] = None
         if len(su) == 1 or len(sv) == 1:
             # One side is fixed: the edge cost is linear in the other side's choice.
             for i, xi in su.items():
@@ -181,6 +228,12 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
             lp += pulp.lpSum(e[i, j] for j in sv if (i, j) in e) == xi, f"edge_src_{n}_{i}"
         for j, xj in sv.items():
             lp += pulp.lpSum(e[i, j] for i in su if (i, j) in e) == xj, f"edge_dst_{n}_{j}"
+        pairs[(u, v)] = e
+    for g, oc in enumerate(red.once):
+        y = var(f"y_{g}", lowBound=0, upBound=1)  # 0/1 at the optimum: the s are
+        objective.append(_round(oc.cost) * y)
+        for t, (u, v, m) in enumerate(oc.members):
+            lp += y >= pulp.lpSum(_member_terms(s, pairs, u, v, m)), f"once_{g}_{t}"
     if problem.budget is not None:
         lp += (
             pulp.lpSum(float(red.memory[v][i]) * x for v, vars_ in s.items() for i, x in vars_.items())
@@ -205,6 +258,28 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
     if problem.budget is not None and mem > problem.budget * (1 + 1e-9):
         raise _budget_error(problem)
     return Solution(full, obj, mem, status_name, time.perf_counter() - t0, lp.numVariables(), lp.numConstraints())
+
+
+def _member_terms(s, pairs, u, v, mask) -> list:
+    """The variables (or constants) that are 1 when a once-paid cost's member takes a pair of
+    ``mask``: a node's own choices, an edge's pair variables, or the free side's choices of an
+    edge whose other side is fixed."""
+    if u == v:
+        return [x for i, x in s[u].items() if mask[i]]
+    if (u, v) not in pairs:
+        u, v, mask = v, u, mask.T
+    e = pairs[(u, v)]
+    if e is not None:
+        return [x for (i, j), x in e.items() if mask[i, j]]
+    (su, sv) = s[u], s[v]
+    if len(su) == 1 and len(sv) == 1:
+        (i,), (j,) = su, sv
+        return [1] if mask[i, j] else []
+    if len(su) == 1:
+        (i,) = su
+        return [x for j, x in sv.items() if mask[i, j]]
+    (j,) = sv
+    return [x for i, x in su.items() if mask[i, j]]
 
 
 def _picked(problem: Problem, s) -> dict[str, int]:

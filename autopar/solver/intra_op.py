@@ -31,9 +31,6 @@ from autopar.solver.units import parse_bytes
 log = logging.getLogger(__name__)
 # Relative difference in predicted step time below which two gradient conventions tie.
 TIE = 1e-6
-# A solution whose gathers the ILP under-priced by less than this share of its true price is kept
-# without a second solve (at GPT-3 scale the second solves cost a fifth of the planning time).
-GATHER_SLACK = 1e-3
 
 
 def call_facts(model, example_inputs, example_kwargs, optimizer: str, notes=(), graph=None) -> dict:
@@ -266,32 +263,13 @@ def _plan_on(graph, mesh, budget, optimizer, op_table, optimizer_sharding, force
                            step_share=step_share)
     t_build = time.perf_counter()
     log.info("strategies of %d nodes on %s priced; solving", len(choices), mesh)
-    # Split-stored parameters are gathered one call per layer: the additive ILP prices each at its
-    # layer's share of the call's latency, exact for FSDP-style whole layers. A solution gathering
-    # only part of a layer is re-solved with a whole latency per parameter (exact when gathered
-    # alone), and the better of the two at its true price wins.
-    best, memo = None, {}
-    for shared in (True, False):
-        built = build_problem(graph, mesh, memory_budget=budget, optimizer=optimizer, choices=choices,
-                              shared_gathers=shared, memo=memo)
-        # the second solve keeps the first one's block period (the tie pattern does not depend on
-        # how gathers are priced, and each period is a whole solve)
-        periods = ((1, 2) if reuse_blocks else (0,)) if best is None else (best[2][1],)
-        try:
-            attempt = _solve_tied(graph, built.problem, periods, choices, simplify, time_limit_s, solver, cutoff_s)
-        except ilp.NoCheaperPlan:
-            if best is None:
-                raise
-            break
-        correction = gather_correction(graph, built, attempt[2], mesh)
-        true_objective = attempt[4] + correction
-        if best is None or true_objective < best[0] - 1e-15:
-            best = (true_objective, built, attempt)
-        if correction <= GATHER_SLACK * true_objective:
-            # Shared pricing never over-charges: a solution it prices exactly (or within this
-            # slack) is the true optimum (or within the slack of it).
-            break
-    objective, built, (tie, period, full, solution, _, memory, reduced, small) = best
+    built = build_problem(graph, mesh, memory_budget=budget, optimizer=optimizer, choices=choices)
+    attempt = _solve_tied(graph, built.problem, (1, 2) if reuse_blocks else (0,), choices, simplify, time_limit_s,
+                          solver, cutoff_s)
+    # the ILP prices a layer's gather call as latency plus its parts' bytes; the step model as one
+    # call of their sum (equal but for the profile's curvature): the objective is the step model's
+    tie, period, full, solution, objective, memory, reduced, small = attempt
+    objective += gather_correction(graph, built, full, mesh)
     problem = built.problem
     problem.tie = tie
     stats = {

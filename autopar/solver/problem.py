@@ -32,7 +32,7 @@ from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.rules import strategies_for
 from autopar.sharding_spec.strategy import OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep
-from autopar.solver.ilp import Problem
+from autopar.solver.ilp import OnceCost, Problem
 from autopar.solver.plan import EdgePlan, StepPlan
 from autopar.solver.reshard_search import plan_reshard, reshard_costs_from
 
@@ -61,8 +61,6 @@ class Built:
     # (producer, consumer, input position) for every tensor edge
     edge_list: list[tuple[str, str, int]]
     requires_grad: set[str]
-    # (parameter, consumer's layer) -> the share of a gather's latency its edges were priced at
-    gather_shares: dict = dataclasses.field(default_factory=dict)
 
 
 def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
@@ -249,25 +247,52 @@ def produced_spec(strategy: Strategy, consumer, position: int, graph):
 
 
 def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool,
-                latency_share: float = 1.0, in_place: bool = False, byte_share: float = 1.0) -> np.ndarray:
+                in_place: bool = False, byte_share: float = 1.0) -> np.ndarray:
     """Seconds of every (producer strategy, consumer strategy) pair's reshard (and its backward
-    dual). ``latency_share`` < 1 prices only that share of the calls' latency (a parameter
-    gathered together with the rest of its layer's, see ``_layer_share``), ``byte_share`` < 1 that
-    share of its bytes (a parameter gathered once for several readers). ``in_place``: the
-    consumer writes into the value, or views it on the way to a write (``ir.aliasing``): a reshard
-    would write into a copy, so only pairs that read the producer's spec itself are allowed."""
+    dual). ``byte_share`` < 1 prices only that share of its bytes (a parameter gathered once for
+    several readers). ``in_place``: the consumer writes into the value, or views it on the way to
+    a write (``ir.aliasing``): a reshard would write into a copy, so only pairs that read the
+    producer's spec itself are allowed."""
     consumer = graph.nodes[cons.name]
     itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
     table = _reshard_table(graph, prod, cons, position, mesh, itemsize, with_backward)
-    if latency_share < 1.0 or byte_share < 1.0:
+    if byte_share < 1.0:
         latency = _reshard_table(graph, prod, cons, position, mesh, 0, with_backward)
-        table = latency * latency_share + (table - latency) * byte_share
+        table = latency + (table - latency) * byte_share
     if in_place:
         srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
         dsts = [cs.inputs[position] if position < len(cs.inputs) else None for cs in cons.strategies]
         same = np.array([[d is None or s == d for d in dsts] for s in srcs], dtype=bool)
         table = np.where(same, table, np.inf)
     return table
+
+
+def gather_masks(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh) -> dict[tuple, tuple]:
+    """Mesh axes -> (mask, bytes): the (producer strategy, consumer strategy) pairs whose reshard
+    is one all-gather over those axes, and its bytes: a parameter stored split and read whole,
+    which the runtime gathers in one call with the rest of its layer's
+    (``cost_model.step.param_gather_groups``)."""
+    consumer = graph.nodes[cons.name]
+    itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
+    srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
+    dsts = [cs.inputs[position] if position < len(cs.inputs) else None for cs in cons.strategies]
+    src_ids, src_keys = _index(srcs)
+    dst_ids, dst_keys = _index(dsts)
+    axes_of = np.full((len(src_keys), len(dst_keys)), None, dtype=object)
+    nbytes = np.zeros((len(src_keys), len(dst_keys)))
+    for a, src in enumerate(src_keys):
+        for b, dst in enumerate(dst_keys):
+            if src is None or dst is None or src == dst or not src.is_even(mesh.shape):
+                continue
+            steps = plan_reshard(src, dst, mesh, itemsize).steps
+            if len(steps) == 1 and steps[0].kind == "all_gather":
+                axes_of[a, b], nbytes[a, b] = tuple(steps[0].axes), steps[0].nbytes
+    axes_of, nbytes = axes_of[np.ix_(src_ids, dst_ids)], nbytes[np.ix_(src_ids, dst_ids)]
+    out = {}
+    for axes in {x for x in axes_of.flat if x is not None}:
+        mask = np.array([[x == axes for x in row] for row in axes_of], dtype=bool).reshape(axes_of.shape)
+        out[axes] = (mask, np.where(mask, nbytes, 0.0))
+    return out
 
 
 def held_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, static: bool) -> np.ndarray:
@@ -296,22 +321,17 @@ def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backwa
     return factor * table[np.ix_(src_ids, dst_ids)]
 
 
-def _layer_share(graph) -> dict[tuple[str, str | None], tuple[float, float]]:
-    """(parameter, consumer's layer) -> (its share of a gather's latency, its share of its bytes)
-    on each edge: the runtime gathers a layer's split-stored parameters in one collective, each
-    parameter once however many of the layer's ops read it (``param_gather_groups``), so each
-    edge pays 1 / (the layer's edges from parameters) of the latency and 1 / (its parameter's
-    readers in the layer) of the bytes (exact when the whole layer is stored that way, as ZeRO-3 /
-    FSDP stores it; ``gather_correction`` prices the rest exactly)."""
-    per_layer: dict = {}
-    edges: dict = {}
+def _readers_in_layer(graph) -> dict[tuple[str, str | None], int]:
+    """(parameter, consumer's layer) -> how many of the layer's ops read it: the runtime gathers
+    a split-stored parameter once per layer (``param_gather_groups``), so each reading edge pays
+    that share of the bytes."""
+    readers: dict = {}
     for node in graph.nodes.values():
         for src in node.inputs:
             p = graph.nodes[src]
             if p.op == "placeholder" and p.role == Role.PARAMETER:
-                per_layer[node.layer] = per_layer.get(node.layer, 0) + 1
-                edges[(src, node.layer)] = edges.get((src, node.layer), 0) + 1
-    return {(p, layer): (1.0 / per_layer[layer], 1.0 / n) for (p, layer), n in edges.items()}
+                readers[(src, node.layer)] = readers.get((src, node.layer), 0) + 1
+    return readers
 
 
 def _index(items):
@@ -321,12 +341,12 @@ def _index(items):
 
 
 def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", op_table=None, choices=None,
-                  shared_gathers: bool = True, memo: dict | None = None) -> Built:
-    """The ILP of ``graph`` on ``mesh``. ``shared_gathers``: price a split-stored parameter's
-    gather at its layer's share of the call's latency (exact when the whole layer is stored split,
-    as FSDP stores it), else at a whole latency (exact when it is gathered alone); the true price
-    of a solution is either plus ``gather_correction``. ``memo``: edge matrices already
-    priced for the same ``choices`` (a second build reuses all but the parameters' edges)."""
+                  memo: dict | None = None) -> Built:
+    """The ILP of ``graph`` on ``mesh``. A split-stored parameter read whole is gathered with the
+    rest of its layer's in one call (``cost_model.step.param_gather_groups``): its edge is priced
+    at its bytes, and the call's latency is a cost paid once per (layer, axes) whichever of the
+    layer's parameters are gathered (``ilp.OnceCost``). ``memo``: edge matrices already priced
+    for the same ``choices``."""
     choices = choices or node_choices(graph, mesh, optimizer=optimizer, op_table=op_table)
     grad = needs_grad(graph)
     edges: dict[tuple[str, str], np.ndarray] = {}
@@ -334,28 +354,34 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
     # Nodes with equal signatures share one candidate list (node_choices' memo): their edges share
     # one matrix too. Key on those lists' identities, the input position and what decides the rest.
     memo = {} if memo is None else memo
-    shares = _layer_share(graph) if shared_gathers else {}
+    readers = _readers_in_layer(graph)
     in_place = in_place_reads(graph)
     kept = memory_model.saved_inputs(graph)
     roots = alias_roots(graph)
     held: dict[tuple[str, str], np.ndarray] = {}
+    calls: dict[tuple, list] = {}  # (consumer's layer, axes) -> [latency s, members]
     for node in graph.nodes.values():
         for pos, src in enumerate(node.inputs):
             if src not in choices:
                 continue
             prod, cons = choices[src], choices[node.name]
-            share = shares.get((src, node.layer), (1.0, 1.0))
+            p = graph.nodes[src]
+            param = p.op == "placeholder" and p.role == Role.PARAMETER
+            share = 1.0 / readers[(src, node.layer)] if param else 1.0
             # an output's steps (gathers and all-reduces) have a local backward: its seed is whole
             # on every rank (cost_model.gradients.output_whole_axes)
             backward = src in grad and node.op != "output"
             aliased = (node.name, pos) in in_place
             key = (id(prod.strategies), id(cons.strategies), pos, backward,
                    node.args[1] if node.target == "operator.getitem" else None,
-                   edge_itemsize(graph.nodes[src].meta, node), share, aliased)
+                   edge_itemsize(graph.nodes[src].meta, node), share, aliased, param)
             if key not in memo:
-                memo[key] = edge_matrix(graph, prod, cons, pos, mesh, with_backward=backward, latency_share=share[0],
-                                        in_place=aliased, byte_share=share[1])
-            mat = memo[key]
+                memo[key] = _edge_prices(graph, prod, cons, pos, mesh, backward, aliased, share, param)
+            mat, gathers = memo[key]
+            for axes, (mask, latency) in gathers.items():
+                call = calls.setdefault((node.layer, axes), [0.0, []])
+                call[0] = max(call[0], latency)
+                call[1].append((src, node.name, mask))
             edge_list.append((src, node.name, pos))
             key = (src, node.name)
             edges[key] = edges[key] + mat if key in edges else mat
@@ -377,8 +403,29 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
         edges=edges,
         budget=None if memory_budget is not None and most <= memory_budget else memory_budget,
         edge_memory=held,
+        once=[OnceCost(latency, members) for latency, members in calls.values()],
     )
-    return Built(problem, choices, edge_list, grad, shares)
+    return Built(problem, choices, edge_list, grad)
+
+
+def _edge_prices(graph, prod, cons, pos, mesh, backward: bool, in_place: bool, byte_share: float, param: bool):
+    """(the edge's matrix, axes -> (mask, latency s) of its pairs gathered in a layer's call).
+    A gathered pair is priced as the step model prices its group (``cost_model.step.reshard_s``):
+    its share of the all-gather's bytes and, with a backward, of the reduce-scatter's; the calls'
+    latencies are the group's, paid once."""
+    mat = edge_matrix(graph, prod, cons, pos, mesh, with_backward=backward, in_place=in_place,
+                      byte_share=byte_share if param else 1.0)
+    if not param:
+        return mat, {}
+    kinds = ("all_gather", "reduce_scatter") if backward else ("all_gather",)
+    calls = {}
+    for axes, (mask, nbytes) in gather_masks(graph, prod, cons, pos, mesh).items():
+        latency = sum(mesh_collective_time(k, 0, mesh, axes) for k in kinds)
+        priced = {n: sum(mesh_collective_time(k, n, mesh, axes) for k in kinds) - latency for n in set(nbytes[mask].tolist())}
+        parts = np.vectorize(lambda n: priced.get(n, 0.0), otypes=[float])(nbytes) * byte_share
+        mat = np.where(mask & np.isfinite(mat), parts, mat)
+        calls[axes] = (mask, latency)
+    return mat, calls
 
 
 def planned_edges(graph, built: Built, full: dict[str, int], mesh, sources=None) -> list[EdgePlan]:
@@ -404,11 +451,12 @@ def planned_edges(graph, built: Built, full: dict[str, int], mesh, sources=None)
 
 def gather_correction(graph, built: Built, full: dict[str, int], mesh) -> float:
     """Seconds to add to the ILP's objective of solution ``full`` so that its parameters' reshards
-    cost what the step model prices (``cost_model.step.reshard_s``: one all-gather per group of a
-    layer's split-stored parameters, each parameter once), where the ILP charged each edge its
-    shares of a gather (``_layer_share``, or whole calls). Positive when the ILP under-charged (part
-    of a layer gathered under shared pricing), negative when it over-charged."""
+    cost what the step model prices (``cost_model.step.reshard_s``: one all-gather and one
+    reduce-scatter of a layer's summed bytes per group). The ILP charged each gathered edge its
+    share of the calls' bytes and each group the calls' latency once (``OnceCost``): the same
+    where a collective's time is linear in its bytes; what is left is a profile's curvature."""
     params = {n for n in built.choices if graph.nodes[n].op == "placeholder" and graph.nodes[n].role == Role.PARAMETER}
     edges = planned_edges(graph, built, full, mesh, params)
     charged = sum(float(built.problem.edges[(u, v)][full[u], full[v]]) for u, v in {(e.src, e.dst) for e in edges})
+    charged += sum(oc.cost for oc in built.problem.once if oc.paid(full))
     return reshard_s(graph, edges, mesh) - charged

@@ -8,7 +8,7 @@
    folded into it, c_w[k] += min_j (c_v[j] + R_vw[j, k]); a node between two neighbours becomes an
    edge, R_uw[i, k] = min_j (R_uv[i, j] + c_v[j] + R_vw[j, k]). The optimum is unchanged. Under a
    memory budget only nodes whose memory (their own and their edges') does not depend on their
-   choice are eliminated.
+   choice are eliminated; nodes a once-paid cost reads (``ilp.OnceCost``) are kept.
 Eliminated choices are recovered after solving from the stored argmin tables.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from autopar.solver.ilp import Problem
+from autopar.solver.ilp import OnceCost, Problem
 
 
 def block_ties(graph, choices, period: int = 1) -> dict[str, str]:
@@ -72,6 +72,7 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
         adj[u].add(v)
         adj[v].add(u)
     records: list[Elimination] = []
+    kept = {x for oc in problem.once for x in oc.nodes()}
 
     def mat(u, v):  # R oriented u -> v
         return edges[(u, v)] if (u, v) in edges else edges[(v, u)].T
@@ -98,7 +99,7 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
             adj[w].add(u)
 
     def removable(v) -> bool:
-        if len(adj[v]) > 2 or len(costs) <= 2:
+        if len(adj[v]) > 2 or len(costs) <= 2 or v in kept:
             return False
         if problem.budget is None:
             return True
@@ -133,7 +134,7 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
             records.append(Elimination(v, nbrs, table))
             del costs[v], memory[v], adj[v]
             changed = True
-    return Problem(costs, memory, edges, {}, problem.budget, base_memory, held), records
+    return Problem(costs, memory, edges, {}, problem.budget, base_memory, held, problem.once), records
 
 
 def recover(choice: dict[str, int], records: list[Elimination]) -> dict[str, int]:
@@ -183,5 +184,7 @@ def prune(problem: Problem, max_edge_pairs: int = MAX_EDGE_PAIRS) -> tuple[Probl
         {(u, v): m[np.ix_(keep[u], keep[v])] for (u, v), m in problem.edges.items()},
         {}, problem.budget, problem.base_memory,
         {(u, v): m[np.ix_(keep[u], keep[v])] for (u, v), m in problem.edge_memory.items()},
+        [OnceCost(oc.cost, [(u, v, m[keep[u]] if u == v else m[np.ix_(keep[u], keep[v])]) for u, v, m in oc.members])
+         for oc in problem.once],
     )
     return sub, keep

@@ -161,3 +161,78 @@ def test_prune_only_when_too_big_and_keeps_valid_indices():
         assert int(np.argmin(big.memory[v])) in k  # the smallest-memory candidate survives a budget
     choice = {v: int(keep[v][i]) for v, i in solve(small).choice.items()}
     assert evaluate(big, choice)[0] == pytest.approx(evaluate(small, solve(small).choice)[0])
+
+
+# ---- costs paid once for a group of pairs (a layer's gather call) ---------------------------------
+def _with_once(p: Problem, seed: int) -> Problem:
+    """``p`` with a few once-paid costs over random pairs of its edges (and, sometimes, a node's own
+    choices), as a layer's all-gather call is paid once whichever of its parameters are gathered."""
+    from autopar.solver.ilp import OnceCost
+
+    rng = np.random.default_rng(seed + 1000)
+    once = []
+    edges = list(p.edges)
+    for _ in range(int(rng.integers(1, 4))):
+        members = []
+        for _ in range(int(rng.integers(1, 4))):
+            if rng.random() < 0.2:
+                v = list(p.costs)[int(rng.integers(0, len(p.costs)))]
+                members.append((v, v, rng.random(len(p.costs[v])) < 0.5))
+            else:
+                u, v = edges[int(rng.integers(0, len(edges)))]
+                members.append((u, v, rng.random(p.edges[(u, v)].shape) < 0.4))
+        once.append(OnceCost(float(rng.random()) * 2, members))
+    p.once = once
+    return p
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("budget", [False, True])
+def test_once_paid_costs_equal_brute_force(seed, budget):
+    """A cost paid once when any member takes a pair of its set: the ILP (its y >= e rows), the
+    simplifier (which keeps the nodes such a cost reads) and evaluate agree with brute force."""
+    p = _with_once(random_problem(seed, budget=budget), seed)
+    sol, best = _solved_as_brute_force(p)
+    if sol is None:
+        return
+    assert evaluate(p, sol.choice)[0] == pytest.approx(best, rel=1e-9, abs=1e-12)
+    small, records = eliminate(p)
+    assert {x for oc in p.once for x in oc.nodes()} <= set(small.costs)
+    folded = recover(solve(small).choice, records)
+    assert evaluate(p, folded)[0] == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def test_a_once_paid_cost_is_paid_once_and_only_when_a_member_takes_its_pairs():
+    from autopar.solver.ilp import OnceCost
+
+    # two parameters (p, q) read by two ops (a, b): choice 1 of a parameter is "stored split",
+    # gathered for its reader; the call's latency (3) is paid once if either is gathered
+    gathered = np.array([[False, False], [True, True]])
+    costs = {"p": np.array([2.0, 0.0]), "q": np.array([2.0, 0.0]), "a": np.zeros(2), "b": np.zeros(2)}
+    memory = {v: np.zeros(2) for v in costs}
+    edges = {("p", "a"): np.zeros((2, 2)), ("q", "b"): np.zeros((2, 2))}
+    call = OnceCost(3.0, [("p", "a", gathered), ("q", "b", gathered)])
+    p = Problem(costs, memory, edges, once=[call])
+    assert [evaluate(p, {"p": i, "q": j, "a": 0, "b": 0})[0] for i in (0, 1) for j in (0, 1)] == [4.0, 5.0, 5.0, 3.0]
+    sol = solve(p)
+    assert sol.choice["p"] == sol.choice["q"] == 1 and sol.objective == pytest.approx(3.0)
+    # gathering one alone pays the whole call: with one parameter cheaper kept whole, keep both
+    p.costs["q"] = np.array([0.5, 0.0])
+    sol = solve(p)
+    assert (sol.choice["p"], sol.choice["q"]) == (0, 0) and sol.objective == pytest.approx(2.5)
+
+
+def test_tied_copies_pay_their_calls_as_often_as_there_are_copies():
+    from autopar.solver.ilp import OnceCost
+
+    gathered = np.array([[False, False], [True, True]])
+    costs = {f"{x}{k}": np.array([1.0, 0.0]) if x == "p" else np.zeros(2) for k in range(3) for x in "pa"}
+    memory = {v: np.zeros(2) for v in costs}
+    edges = {(f"p{k}", f"a{k}"): np.zeros((2, 2)) for k in range(3)}
+    once = [OnceCost(0.9, [(f"p{k}", f"a{k}", gathered)]) for k in range(3)]
+    tie = {"p1": "p0", "p2": "p0", "a1": "a0", "a2": "a0"}
+    p = Problem(costs, memory, edges, tie=tie, once=once)
+    red = p.reduced()
+    assert len(red.once) == 1 and red.once[0].cost == pytest.approx(2.7)
+    sol = solve(p)
+    assert all(sol.choice[f"p{k}"] == 1 for k in range(3)) and sol.objective == pytest.approx(2.7)
