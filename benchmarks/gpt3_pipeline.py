@@ -21,7 +21,7 @@ import torch
 
 import autopar
 from autopar import models
-from autopar.solver.pipeline import SCHEDULES
+from autopar.cost_model.schedules import SCHEDULES
 
 GPT3 = dict(layers=96, width=12288, heads=96, seq=2048, vocab=51200, batch=1536)
 
@@ -43,7 +43,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mesh", default="128x8")
     p.add_argument("--budget", default="80GB")
-    p.add_argument("--schedule", default=None, choices=SCHEDULES, help="fix the schedule (default: searched)")
+    p.add_argument("--schedule", default=None, choices=list(SCHEDULES), help="fix the schedule (default: searched)")
     a = p.parse_args()
     warnings.simplefilter("ignore")
     shape = tuple(int(x) for x in a.mesh.split("x"))

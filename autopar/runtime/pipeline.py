@@ -31,6 +31,7 @@ from autopar.codegen import ops
 from autopar.codegen.loss_weights import loss_denominators
 from autopar.codegen.stages import sent_specs
 from autopar.cost_model.ops import needs_grad
+from autopar.cost_model.schedules import schedule_named
 from autopar.errors import ConfigError
 from autopar.ir.blocks import unit_of_nodes
 from autopar.runtime.pipeline_call import PipelineCall, StageSet, microbatch_rows
@@ -38,10 +39,6 @@ from autopar.runtime.process_groups import MeshGroups
 from autopar.runtime.stage_program import StageProgram, loss_weights
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.spec import ShardingSpec
-
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-                    "zero-bubble": "ScheduleInterleavedZeroBubble"}
-MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")  # torch's classes that take a list of stages
 
 
 @dataclasses.dataclass
@@ -269,28 +266,27 @@ class PipelineRunner:
         self.main_set = StageSet(graph, plan, cuts, specs, programs, list(batch_dims), self.grad_values, self.denominators)
         self.calls: dict = {}  # (mode, microbatch shapes) -> its PipelineCall
         self.variants = None  # builds the stages of calls the main ones do not fit (compose.pipeline sets it)
-        if plan.pipeline.schedule == "zero-bubble" and any(st.recompute for st in plan.pipeline.stages):
-            raise ConfigError("this plan recomputes stages under the zero-bubble schedule, whose split backward would "
+        planned = schedule_named(plan.pipeline.schedule)
+        if not planned.recompute and any(st.recompute for st in plan.pipeline.stages):
+            raise ConfigError(f"this plan recomputes stages under the {planned.name} schedule, whose split backward would "
                               "recompute once per group of weights; plan it again (autopar.Pipeline refuses the pair)")
         self.modules, self.pipeline_stages = [], []
         for s in sg.stages:
             cut, last = cuts[s], s == self.stages - 1
             module = StageProgram(pmodel, programs[s], cut, last, bool(plan.pipeline.stages[s].recompute), unit_of,
-                                   split_backward=plan.pipeline.schedule == "zero-bubble")
+                                   split_backward=planned.split_backward)
             inputs = tuple(self._example(v, specs, mesh) for v in cut.receives)
             outputs = tuple(self._example(v, {} if last else specs, mesh)
                             for v in ([out_node.inputs[loss_index]] if last else cut.sends))
             self.modules.append(module)
-            stage_cls = _split_backward_stage() if plan.pipeline.schedule == "zero-bubble" else _chunk_stage()
+            stage_cls = _split_backward_stage() if planned.split_backward else _chunk_stage()
             self.pipeline_stages.append(stage_cls(module, s, self.stages, device, input_args=inputs,
                                                   output_args=outputs, group=sg.pp_group))
         m = self.microbatches
-        schedule = plan.pipeline.schedule
-        if schedule == "1f1b" and m < self.stages:  # GPipe's order (torch's 1F1B refuses fewer microbatches)
-            schedule = "gpipe"
-        if schedule not in SCHEDULE_CLASSES:
-            raise ConfigError(f"schedule {schedule!r} is planned but not run yet; the runtime runs {sorted(SCHEDULE_CLASSES)}")
-        schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
+        schedule = planned
+        if not schedule.takes(self.stages, m) and schedule.fallback:  # (1F1B: GPipe's order for fewer microbatches)
+            schedule = schedule_named(schedule.fallback)
+        schedule_cls = getattr(pipelining, schedule.torch_class)
 
         def loss_fn(output, weight):  # the last stage's (loss,); ``weight``: this microbatch's slice of ``loss_weights``
             out = output[0] if isinstance(output, (tuple, list)) else output
@@ -298,8 +294,8 @@ class PipelineRunner:
 
         chunks = tuple(pipelining.microbatch.TensorChunkSpec(0) if split else pipelining.microbatch._Replicate
                        for split in batch_dims)
-        stages = self.pipeline_stages if schedule in MULTI_STAGE_SCHEDULES else self.pipeline_stages[0]
-        if schedule in ("gpipe", "1f1b") and len(self.modules) == 1:  # its last backward is microbatch m - 1's
+        stages = self.pipeline_stages if schedule.multi_stage else self.pipeline_stages[0]
+        if not schedule.multi_stage and len(self.modules) == 1:  # its last backward is microbatch m - 1's
             self.modules[0].sync_chunk = m - 1
         self.schedule = schedule_cls(stages, m, loss_fn=loss_fn, args_chunk_spec=chunks, scale_grads=False)
 

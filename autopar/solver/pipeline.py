@@ -39,6 +39,7 @@ import numpy as np
 
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
+from autopar.cost_model.schedules import SCHEDULES, SEARCHED, Schedule, listed, schedule_named, simulate_shared
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir import trace as trace_graph
 from autopar.ir.blocks import node_readers, unit_of_nodes
@@ -52,13 +53,10 @@ from autopar.sharding_spec.strategy import needs_lowering
 from autopar.solver.intra_op import plan_one_stage
 from autopar.solver.plan import PipelinePlan, Plan, StagePlan
 from autopar.solver.receives import received_edges
-from autopar.solver.schedule_time import interleaved_time, simulate_shared
-from autopar.solver.stage_dp import solve_stages, step_time
+from autopar.solver.stage_dp import solve_stages
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-SEARCHED_SCHEDULES = ("1f1b", "gpipe", "zero-bubble", "interleaved-1f1b")  # what "auto" tries (interleaved: 2 per rank)
 MEMORY_VARIANTS = (0.25,)  # leaner ILP solutions per sub-mesh, as fractions of the fastest's memory
 MAX_UNITS = 24  # more layers than this are cut only between groups of consecutive layers (``unit_groups``)
 
@@ -75,12 +73,13 @@ class Pipeline:
     layers: tuple[int, ...] | None = None  # layers per stage, in order (e.g. (3, 1)); fixes the stage count
 
     def __post_init__(self):
+        named = SCHEDULES.get(self.schedule) if isinstance(self.schedule, str) else None  # None: searched or unknown
         if self.layers is not None:
             layers = tuple(int(n) for n in self.layers)
             if not layers or min(layers) < 1:
                 raise ConfigError(f"Pipeline(layers={self.layers}): every stage needs at least one layer")
             object.__setattr__(self, "layers", layers)
-            v = self.virtual_stages or (2 if self.schedule == "interleaved-1f1b" else 1)
+            v = self.virtual_stages or (named.virtual_stages if named else 1)
             if len(layers) % v:
                 raise ConfigError(f"Pipeline(layers={self.layers}): {len(layers)} stages do not fill {v} virtual stages per rank")
             if self.stages is not None and self.stages * v != len(layers):
@@ -90,21 +89,23 @@ class Pipeline:
             raise ConfigError(f"Pipeline(stages={self.stages}): need at least one stage")
         if self.microbatches is not None and self.microbatches < 1:
             raise ConfigError(f"Pipeline(microbatches={self.microbatches}): need at least one microbatch")
-        if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise ConfigError(f"Pipeline(schedule={self.schedule!r}): schedules are {list(SCHEDULES)}")
-        if self.schedule == "zero-bubble" and self.recompute:
-            raise ConfigError("Pipeline(schedule='zero-bubble', recompute=True): the zero-bubble schedule splits each "
+        if self.schedule is not None:
+            named = schedule_named(self.schedule)
+        if named is not None and not named.recompute and self.recompute:
+            raise ConfigError(f"Pipeline(schedule={named.name!r}, recompute=True): the {named.name} schedule splits each "
                               "backward into one autograd call per group of weights, and a recomputed layer would run "
-                              "its forward again in each; use recompute with 'gpipe', '1f1b' or 'interleaved-1f1b'")
+                              f"its forward again in each; use recompute with {listed(s for s in SCHEDULES.values() if s.recompute)}")
         if self.virtual_stages is not None and self.virtual_stages < 1:
             raise ConfigError(f"Pipeline(virtual_stages={self.virtual_stages}): need at least one stage per rank")
         if self.virtual_stages is not None and self.virtual_stages > 1:
-            if self.schedule not in (None, "interleaved-1f1b"):
+            interleaving = [s for s in SCHEDULES.values() if s.interleaved]
+            if named is not None and not named.interleaved:
                 raise ConfigError(f"Pipeline(virtual_stages={self.virtual_stages}) runs several stages per rank: only "
-                                  f"schedule='interleaved-1f1b' does that, not {self.schedule!r}")
-            object.__setattr__(self, "schedule", "interleaved-1f1b")
-        if self.schedule == "interleaved-1f1b" and self.virtual_stages in (None, 1):
-            object.__setattr__(self, "virtual_stages", 2)
+                                  f"schedule={listed(interleaving)} does that, not {self.schedule!r}")
+            named = named or interleaving[0]
+            object.__setattr__(self, "schedule", named.name)
+        if named is not None and named.interleaved and self.virtual_stages in (None, 1):
+            object.__setattr__(self, "virtual_stages", named.virtual_stages)
 
 
 @dataclasses.dataclass
@@ -182,19 +183,17 @@ class PipelineChoice:
     def call_step_time_s(self) -> float:
         """The step of a call (``pmodel(...)`` then ``backward()``: ``runtime.pipeline_call``),
         which runs GPipe's order over every stage, each rank its stages in turn: this step with the
-        schedule's core of stage times (``stage_dp.step_time``, ``interleaved_time``, the simulated
-        zero bubble) swapped for GPipe's."""
+        schedule's own step from the stage times (``Schedule.step_time``) swapped for GPipe's."""
         p = self.pipeline
         times = [s.time_per_microbatch_s for s in p.stages]
         blocks = max(1, len(times) // p.virtual_stages)
         m = p.microbatches
         gpipe = sum(times) + (m - 1) * max(sum(times[b::blocks]) for b in range(blocks))
-        if p.virtual_stages > 1:
-            core = interleaved_time(times, blocks, p.virtual_stages, m)
-        elif p.schedule == "zero-bubble":
+        schedule = schedule_named(p.schedule)
+        if schedule.simulated:  # the simulated step, as the plan's bubble gives it
             core = m * max(times) / max(1e-12, 1.0 - p.bubble_fraction)
         else:
-            core = step_time(times, m)
+            core = schedule.step_time(times, m, p.virtual_stages)
         return float(self.step_time_s - core + gpipe)
 
     def to_plan(self) -> Plan:
@@ -451,7 +450,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     batch = batch_size(inputs, example_kwargs)
     budget = math.inf if memory_budget is None else float(memory_budget)
-    schedules = [pipeline.schedule] if pipeline.schedule else list(SEARCHED_SCHEDULES)
+    schedules = [schedule_named(pipeline.schedule)] if pipeline.schedule else list(SEARCHED)
     options = row_options(mesh)
     contention = mesh.resolved_cluster().rank_contention
     if equal_stages:  # only stage sizes that tile the rows (and give the fixed stage count)
@@ -515,7 +514,9 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
         devices = np.array([rows for rows, _ in variants])
         recomputed = np.array([p.recompute for _, p in variants])
         for schedule in schedules:
-            virtual = (pipeline.virtual_stages or 2) if schedule == "interleaved-1f1b" else 1
+            if schedule.interleaved and pipeline.virtual_stages == 1:
+                continue  # searched (Pipeline refuses the pair when asked for): one stage per rank was asked for
+            virtual = schedule.stages_per_rank(pipeline.virtual_stages)
             if virtual > 1 and not equal_stages:
                 if pipeline.schedule is None:
                     continue  # searched, not asked for: it needs equal stages
@@ -523,28 +524,24 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
             for keep, counts in _stage_shapes(devices, mesh.shape[0], pipeline.stages, equal_stages):
                 groups, grouped, time_t, mem_t, act_t = tables_for(
                     next(iter(counts)) * virtual if counts is not None and len(counts) == 1 else None)
-                if schedule == "zero-bubble":  # its split backward does not recompute (see Pipeline)
+                if not schedule.recompute:  # (see Pipeline)
                     keep = keep & ~recomputed
                 if not keep.any():
                     continue
-                if schedule == "1f1b":  # torch's 1F1B runs at least one microbatch per stage
-                    counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if c <= count}
-                if schedule in ("zero-bubble", "interleaved-1f1b"):  # torch's run equal rounds of >= p microbatches
-                    counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if count % max(1, count // c) == 0
-                              and (virtual == 1 or 1 < c <= count)}  # interleaving: 2+ blocks, a microbatch each
-                if counts is not None and not counts:
+                # the stage counts (of ranks) torch's schedule class runs ``count`` microbatches over
+                counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if schedule.takes(c, count)}
+                if not counts:
                     continue
                 if virtual > 1:  # v stages per rank: the DP cuts p * v stages on v copies of the rows
                     counts = {c * virtual for c in counts}
                 sol = solve_stages(time_t[:, :, keep], devices[keep], mesh.shape[0] * virtual, count,
                                    mem=mem_t[:, :, keep], act=act_t[:, :, keep], budget=budget / virtual,
-                                   schedule="1f1b" if virtual > 1 or schedule == "zero-bubble" else schedule,
-                                   stage_counts=counts, tolerance=tolerance)
-                if sol is not None and schedule == "zero-bubble" and not _fits_zero_bubble(
-                        sol, mem_t[:, :, keep], act_t[:, :, keep], count, budget):
+                                   schedule=schedule.name, stage_counts=counts, tolerance=tolerance)
+                if sol is not None and virtual == 1 and not _fits_inflight(
+                        sol, mem_t[:, :, keep], act_t[:, :, keep], schedule, count, budget):
                     sol = None
-                if sol is not None and virtual > 1:
-                    sol.step_time = interleaved_time(sol.stage_times, len(sol.stages) // virtual, virtual, count)
+                if sol is not None:  # the schedule's own step (the DP's objective is GPipe's and 1F1B's)
+                    sol.step_time = schedule.step_time(sol.stage_times, count, virtual)
                 if sol is not None:
                     kept = np.flatnonzero(keep)  # the DP's variant index -> the variants list's
                     per_step = [count * grouped[kept[m]][1].per_step_s[i:j + 1].sum() for i, j, m in sol.stages]
@@ -652,14 +649,14 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
     unit = unit_of_nodes(graph)
     stages, row = [], 0
     per_row = math.prod(mesh.shape[1:])
-    virtual = (pipeline.virtual_stages or 2) if schedule == "interleaved-1f1b" else 1
+    virtual = schedule.stages_per_rank(pipeline.virtual_stages)
     blocks = len(sol.stages) // virtual  # ranks of the pipeline (stage s runs on block s mod blocks)
     for (gi, gj, m), t in zip(sol.stages, sol.stage_times):
         i, j = groups[gi][0], groups[gj][-1]
         rows, prices = variants[m]
         if virtual > 1:
             row = (len(stages) % blocks) * rows
-        inflight = inflight_microbatches(schedule, len(stages) % blocks, blocks, count)
+        inflight = schedule.inflight(len(stages) % blocks, blocks, count)
         mem = prices.held_between(i, j) + inflight * prices.activation_bytes[i:j + 1].sum() + prices.stage_extra_bytes
         nodes = {name for name, u in unit.items() if i <= u <= j}
         if not stages:  # state nothing reads is held by the first stage (as codegen's cut_stages holds it)
@@ -671,7 +668,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
                                 t, float(mem), sub, list(range(i, j + 1)) if prices.recompute else []))
         row += rows
     stages = [dataclasses.replace(s, received=edges) for s, edges in zip(stages, received_edges(graph, stages))]
-    return PipelineChoice(PipelinePlan(schedule, count, stages, virtual), sol.step_time, graph, time.perf_counter() - t0,
+    return PipelineChoice(PipelinePlan(schedule.name, count, stages, virtual), sol.step_time, graph, time.perf_counter() - t0,
                           timing, notes)
 
 
@@ -735,24 +732,17 @@ def step_extras(graph, groups, stages, blocks: int, mesh: Mesh, shared: dict[str
     return total
 
 
-def inflight_microbatches(schedule: str, stage: int, stages: int, count: int) -> int:
-    """Microbatches whose activations stage ``stage`` of ``stages`` holds at its peak: GPipe all;
-    1F1B those its warm-up forwards start (``stages - stage``); zero bubble also those whose weight
-    half it defers (``stage``), so ``stages`` on every stage."""
-    held = {"gpipe": count, "zero-bubble": stages}.get(schedule, stages - stage)
-    return min(held, count)
-
-
-def _fits_zero_bubble(sol, mem_t: np.ndarray, act_t: np.ndarray, count: int, budget: float) -> bool:
-    """The DP checked memory with 1F1B's microbatches in flight; zero bubble holds more on early
-    stages (``inflight_microbatches``)."""
+def _fits_inflight(sol, mem_t: np.ndarray, act_t: np.ndarray, schedule: Schedule, count: int, budget: float) -> bool:
+    """Every stage of the DP's answer (one stage per rank) within ``budget`` with the microbatches
+    the schedule holds in flight there: the DP counted each stage as the first of those from it
+    to the end, short of zero bubble's count (``Schedule.inflight``)."""
     p = len(sol.stages)
-    held = inflight_microbatches("zero-bubble", 0, p, count)
-    return all(mem_t[i, j, m] + held * act_t[i, j, m] <= budget for i, j, m in sol.stages)
+    return all(mem_t[i, j, m] + schedule.inflight(pos, p, count) * act_t[i, j, m] <= budget
+               for pos, (i, j, m) in enumerate(sol.stages))
 
 
 def shared_core_time(sol, devices: np.ndarray, count: int, contention: float, total_rows: int,
-                     schedule: str = "1f1b", per_step=None) -> float:
+                     schedule: Schedule | str = "1f1b", per_step=None) -> float:
     """A pipeline's step time where ranks share CPU cores (``rank_contention`` c > 1: an op runs c
     times slower while every rank computes). Stage prices assume every rank busy; in a pipeline
     fewer are at times (fill, drain, a stage waiting for its neighbour), and the busy ones run
@@ -762,18 +752,15 @@ def shared_core_time(sol, devices: np.ndarray, count: int, contention: float, to
     optimizer; the DP spreads it over the microbatches): on shared cores it runs after the
     schedule, every rank at once, so it joins the simulated step as the slowest stage's, at the
     all-busy price (measured on the 10M GPT and LLaMA, 2 stages x dp2: 1F1B priced 2-4% off its
-    step this way, 5-12% under with it spread and sped up with the tasks). Zero bubble
-    is always simulated (the DP prices stages as 1F1B); interleaved schedules, and GPipe and 1F1B at
-    c = 1 (a device per rank), keep the DP's time."""
-    if schedule == "zero-bubble":
-        c = max(1.0, contention)
-        capacity = total_rows / c if c > 1.0 else math.inf
-    elif contention <= 1.0 or schedule not in ("1f1b", "gpipe"):
+    step this way, 5-12% under with it spread and sped up with the tasks). At c = 1 (a device per
+    rank), and for interleaved schedules (which the simulation does not order), ``sol.step_time``:
+    the schedule's own step (``Schedule.step_time``)."""
+    schedule = schedule_named(schedule)
+    if contention <= 1.0 or schedule.interleaved:
         return sol.step_time
-    else:
-        c, capacity = contention, total_rows / contention
+    c, capacity = contention, total_rows / contention
     rows = [int(devices[m]) for _, _, m in sol.stages]
-    tail = [float(x) for x in per_step] if per_step is not None and c > 1.0 else [0.0] * len(sol.stages)
+    tail = [float(x) for x in per_step] if per_step is not None else [0.0] * len(sol.stages)
     alone = [(t - once / count) / c for t, once in zip(sol.stage_times, tail)]
     return simulate_shared(alone, rows, count, schedule, capacity) + max(tail)
 

@@ -11,12 +11,12 @@ from collections import Counter
 from pathlib import Path
 
 from autopar.cost_model.gradients import whole_on
+from autopar.cost_model.schedules import bubble_fraction
 from autopar.errors import AutoparError, PlanError
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.solver.diff import diff as diff_plans
 from autopar.solver.explain import axis_roles, explain as explain_plan
-from autopar.solver.schedule_time import bubble_fraction
 
 # 2: pipeline stages (version-1 files load as one-stage plans); 3: identical-gradient axes (an
 # older reader would run such a plan with the wrong gradient convention, so it must refuse it);
@@ -172,7 +172,7 @@ class PipelinePlan:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of a step (``schedule_time.bubble_fraction``)."""
+        """Idle share of a step (``schedules.bubble_fraction``)."""
         return bubble_fraction([s.time_per_microbatch_s for s in self.stages], self.microbatches, self.schedule,
                                self.virtual_stages)
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import html
 import math
 
+from autopar.cost_model.schedules import schedule_named, simulate_shared
 from autopar.solver.explain import (
     _is_plumbing, _memory_line, _step_line, collapsed_rows, costliest_collectives, layout_words,
 )
 from autopar.sharding_spec.spec import spec_str
 from autopar.solver.plan import Plan
-from autopar.solver.schedule_time import simulate_shared
 from autopar.solver.units import fmt_bytes, fmt_s
 
 _COLORS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_states": "#e15759", "activations": "#76b7b2",
@@ -94,8 +94,8 @@ def _memory_svg(plan: Plan) -> str:
 
 def timeline(times: list[float], microbatches: int, schedule: str) -> list[list[tuple[str, int, float, float]]]:
     """Per stage, (task, microbatch, start, end) of each of its tasks, a device per rank: the
-    schedule's own order and simulation (``schedule_time``; forward a third of a stage's time,
-    backward two, or input and weight halves under zero bubble)."""
+    schedule's own order and simulation (``schedules``; forward a third of a stage's time,
+    backward two, or input and weight halves under a split backward)."""
     trace: list = []
     simulate_shared(times, [1] * len(times), microbatches, schedule, math.inf, trace)
     placed = [[] for _ in times]
@@ -112,7 +112,7 @@ def _timeline_svg(plan: Plan) -> str:
     end = max((op[3] for ops in placed for op in ops), default=1.0) or 1.0
     width, row = 900, 22
     out = [f"<p class='muted'>{_e(p.schedule)}, {shown} of {p.microbatches} microbatches drawn; blue forward, "
-           "orange backward" + (" (input half), green weight half" if p.schedule == "zero-bubble" else "") + "</p>",
+           "orange backward" + (" (input half), green weight half" if schedule_named(p.schedule).split_backward else "") + "</p>",
            f"<svg xmlns='http://www.w3.org/2000/svg' width='{width + 90}' height='{row * len(placed) + 10}'>"]
     for s, ops in enumerate(placed):
         y = 4 + s * row

@@ -18,9 +18,12 @@ each runs the DP
 
     G[s][k][d] = min over j >= k, option m:  t[k, j, m] + G[s-1][j+1][d - units(m)]
 
-where the stage that starts at layer k is the s-th from the end, so under 1F1B it holds
-``min(s, B)`` microbatches of activations (GPipe: all B). Device counts are in units of the
-options' greatest common divisor. Which sub-mesh options tile the mesh, and the tables themselves,
+where the stage that starts at layer k is the s-th from the end, so it holds what the first of s
+stages holds under the schedule (``Schedule.inflight(0, s, B)``): under 1F1B ``min(s, B)``
+microbatches of activations, under GPipe all B. That is exact where a stage's count depends on its
+place from the end alone; otherwise (zero bubble: ``min(p, B)`` on every stage of p) it is a lower
+bound, which the caller checks on the answer. Device counts are in units of the options' greatest
+common divisor. Which sub-mesh options tile the mesh, and the tables themselves,
 are the orchestration's business (``autopar.solver.pipeline``); this module sees only arrays.
 """
 from __future__ import annotations
@@ -32,10 +35,7 @@ from functools import reduce
 
 import numpy as np
 
-SCHEDULES_INFLIGHT = {
-    "gpipe": lambda s, b: b,
-    "1f1b": lambda s, b: min(s, b),
-}
+from autopar.cost_model.schedules import fill_drain_time, schedule_named
 
 
 @dataclasses.dataclass
@@ -50,12 +50,7 @@ class StageSolution:
         return len(self.stages)
 
 
-def step_time(stage_times, microbatches: int) -> float:
-    """GPipe / 1F1B step time from per-microbatch stage times."""
-    return float(sum(stage_times) + (microbatches - 1) * max(stage_times))
-
-
-def _check(time, devices, total, microbatches, mem, act, schedule):
+def _check(time, devices, total, microbatches, mem, act):
     time = np.asarray(time, dtype=float)
     if time.ndim != 3 or time.shape[0] != time.shape[1]:
         raise ValueError(f"time must be (layers, layers, options), got shape {time.shape}")
@@ -64,12 +59,16 @@ def _check(time, devices, total, microbatches, mem, act, schedule):
         raise ValueError(f"devices must give a positive count per option ({time.shape[2]}), got {devices}")
     if microbatches < 1 or total < 1:
         raise ValueError(f"microbatches and total devices must be >= 1, got {microbatches}, {total}")
-    if schedule not in SCHEDULES_INFLIGHT:
-        raise ValueError(f"schedule {schedule!r}: the DP knows {sorted(SCHEDULES_INFLIGHT)}")
     zeros = np.zeros_like(time)
     mem = zeros if mem is None else np.asarray(mem, dtype=float)
     act = zeros if act is None else np.asarray(act, dtype=float)
     return time, devices, mem, act
+
+
+def _inflight(schedule):
+    """(stages from the end, microbatches) -> what the DP counts in flight (see the module docstring)."""
+    record = schedule_named(schedule)
+    return lambda s, b: record.inflight(0, s, b)
 
 
 def solve_stages(time, devices, total_devices: int, microbatches: int, *, mem=None, act=None,
@@ -82,7 +81,7 @@ def solve_stages(time, devices, total_devices: int, microbatches: int, *, mem=No
     mem / act: bytes held for good / per microbatch in flight, same shape as ``time``.
     stage_counts: the allowed numbers of stages (None: any).
     tolerance: skip a t_max within this relative distance of the last one tried (0: exact)."""
-    time, devices, mem, act = _check(time, devices, total_devices, microbatches, mem, act, schedule)
+    time, devices, mem, act = _check(time, devices, total_devices, microbatches, mem, act)
     n_layers, _, n_opt = time.shape
     unit = reduce(math.gcd, devices.tolist())
     if total_devices % unit:
@@ -92,7 +91,7 @@ def solve_stages(time, devices, total_devices: int, microbatches: int, *, mem=No
     allowed = set(range(1, max_stages + 1)) if stage_counts is None else {s for s in stage_counts if 1 <= s <= max_stages}
     if not allowed:
         return None
-    inflight = SCHEDULES_INFLIGHT[schedule]
+    inflight = _inflight(schedule)
     upper = np.triu(np.ones((n_layers, n_layers), dtype=bool))[:, :, None]
     # Per number of stages from the end (s): the stage costs with the memory budget applied, then
     # reduced to the cheapest option per device count (the DP only needs that one; ``pick`` says
@@ -135,7 +134,7 @@ def solve_stages(time, devices, total_devices: int, microbatches: int, *, mem=No
         stages.append((k, int(j), m))
         k, d = int(j) + 1, d - int(sizes[g])
     times = [float(time[i, j, m]) for i, j, m in stages]
-    return StageSolution(stages, step_time(times, microbatches), float(max(times)), times)
+    return StageSolution(stages, fill_drain_time(times, microbatches), float(max(times)), times)
 
 
 def _dp_sum(per_s, t_max, units, n_units, allowed, keep_choice=False):
@@ -183,9 +182,9 @@ def _dp_sum(per_s, t_max, units, n_units, allowed, keep_choice=False):
 def brute_force(time, devices, total_devices: int, microbatches: int, *, mem=None, act=None,
                 budget: float = math.inf, schedule: str = "1f1b", stage_counts=None) -> StageSolution | None:
     """Every split into contiguous stages and every option per stage: the reference for tests."""
-    time, devices, mem, act = _check(time, devices, total_devices, microbatches, mem, act, schedule)
+    time, devices, mem, act = _check(time, devices, total_devices, microbatches, mem, act)
     n_layers, _, n_opt = time.shape
-    inflight = SCHEDULES_INFLIGHT[schedule]
+    inflight = _inflight(schedule)
     best = None
     for n_stages in range(1, n_layers + 1):
         if stage_counts is not None and n_stages not in stage_counts:
@@ -205,7 +204,7 @@ def brute_force(time, devices, total_devices: int, microbatches: int, *, mem=Non
                     times.append(float(time[i, j, m]))
                 if not ok:
                     continue
-                value = step_time(times, microbatches)
+                value = fill_drain_time(times, microbatches)
                 if best is None or value < best.step_time - 1e-12:
                     best = StageSolution([(i, j, m) for (i, j), m in zip(ranges, opts)], value, max(times), times)
     return best

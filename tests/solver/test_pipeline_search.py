@@ -10,12 +10,12 @@ import torch
 
 import autopar
 from autopar import ir, models
+from autopar.cost_model.schedules import SCHEDULES, bubble_fraction, interleaved_time, schedule_orders, simulate_shared
 from autopar.errors import ConfigError, PlanError
 from autopar.solver.pipeline import (
-    SCHEDULES, Pipeline, _search_counts, layer_groups, microbatch_candidates, row_options, search, shared_core_time, step_extras,
+    Pipeline, _search_counts, layer_groups, microbatch_candidates, row_options, search, shared_core_time, step_extras,
     sub_mesh, unit_of_nodes, unit_prices,
 )
-from autopar.solver.schedule_time import bubble_fraction, interleaved_time, schedule_orders, simulate_shared
 from autopar.solver.stage_dp import StageSolution
 
 
@@ -97,6 +97,24 @@ def test_pipeline_options_are_checked():
         Pipeline(schedule="zero-bubble", virtual_stages=2)
     with pytest.raises(ConfigError, match="at least one stage"):
         Pipeline(stages=0)
+    with pytest.raises(ConfigError) as err:
+        Pipeline(schedule="zero-bubble", recompute=True)
+    assert str(err.value).endswith("use recompute with 'gpipe', '1f1b' or 'interleaved-1f1b'")
+    with pytest.raises(ConfigError) as err:
+        Pipeline(schedule="1f1b", virtual_stages=2)
+    assert str(err.value).endswith("only schedule='interleaved-1f1b' does that, not '1f1b'")
+    # several stages per rank: the interleaved schedule, two per rank unless given
+    assert (Pipeline(virtual_stages=3).schedule, Pipeline(virtual_stages=3).virtual_stages) == ("interleaved-1f1b", 3)
+    assert Pipeline(schedule="interleaved-1f1b").virtual_stages == Pipeline(schedule="interleaved-1f1b", virtual_stages=1).virtual_stages == 2
+    assert Pipeline(schedule="interleaved-1f1b", layers=(1, 1, 1, 1)).stages == 2 and Pipeline(layers=(1, 1, 1, 1)).stages == 4
+
+
+def test_one_stage_per_rank_asked_for_searches_without_interleaving():
+    """``Pipeline(virtual_stages=1)`` fixes one stage per rank: the searched interleaved schedule
+    is left out (it used to reach the stage DP with one stage per rank, which refused it)."""
+    model, inputs = models.build("gpt", layers=4, batch=8)
+    choice = search(model, autopar.Mesh((2,), cluster="a100-80g"), inputs, pipeline=Pipeline(virtual_stages=1))
+    assert choice.pipeline.virtual_stages == 1 and choice.schedule != "interleaved-1f1b"
 
 
 def test_units_and_attribution():
@@ -160,7 +178,7 @@ def _check_choice(choice, mesh, n_layers, budget):
     assert all(s.memory_bytes <= budget for s in choice.stages)
     times = [s.time_per_microbatch_s for s in choice.stages]
     if choice.schedule == "zero-bubble":  # its step is simulated (the weight halves fill the drain)
-        from autopar.solver.schedule_time import SPLIT_BACKWARD_EXTRA
+        from autopar.cost_model.schedules import SPLIT_BACKWARD_EXTRA
 
         want = simulate_shared(times, [1] * len(times), choice.microbatches, "zero-bubble", math.inf)
         # never more than 1F1B's with every backward split
@@ -487,9 +505,9 @@ def test_zero_bubble_orders_are_torchs(p, count):
 @pytest.fixture
 def free_split(monkeypatch):
     """Zero bubble's split backward priced as the whole one (the papers' model)."""
-    from autopar.solver import schedule_time
+    import autopar.cost_model.schedules as schedules
 
-    monkeypatch.setattr(schedule_time, "SPLIT_BACKWARD_EXTRA", 0.0)
+    monkeypatch.setattr(schedules, "SPLIT_BACKWARD_EXTRA", 0.0)
 
 
 def test_zero_bubble_hand_worked(free_split):
@@ -505,7 +523,7 @@ def test_zero_bubble_prices_the_split_backward():
     # As above, but a split backward's weight half costs a tenth of the backward (2) more on the
     # stages that split it (not stage 0, whose whole backward is its weight task): s1's W0 [5, 6.2],
     # W1 [6.2, 7.4]; s0 ends at 7 as before.
-    from autopar.solver.schedule_time import SPLIT_BACKWARD_EXTRA
+    from autopar.cost_model.schedules import SPLIT_BACKWARD_EXTRA
 
     assert SPLIT_BACKWARD_EXTRA == 0.1
     assert simulate_shared([3.0, 3.0], [1, 1], 2, "zero-bubble", math.inf) == pytest.approx(7.4)
@@ -595,8 +613,6 @@ def test_step_extras_price_the_loss_broadcast_and_tied_parameters():
 
 
 def test_interleaved_time_is_never_below_one_microbatch_through_every_stage():
-    from autopar.solver.schedule_time import interleaved_time
-
     # 2 ranks x 2 stages of 1 s: 4 microbatches take (4 + 1/2) x 2 s (Narayanan et al.)
     assert interleaved_time([1.0] * 4, 2, 2, 4) == pytest.approx(9.0)
     # one microbatch still passes all 4 stages in turn: 4 s, not the formula's 3 s

@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from autopar.solver.stage_dp import brute_force, solve_stages, step_time
+from autopar.cost_model.schedules import fill_drain_time
+from autopar.solver.stage_dp import brute_force, solve_stages
 
 
 def _table(rng, n_layers, n_opt, inf_fraction=0.1):
@@ -48,7 +49,7 @@ def test_dp_equals_brute_force(seed):
     assert got is not None
     assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
     _valid(got, n_layers, devices, total)
-    assert got.step_time == pytest.approx(step_time(got.stage_times, microbatches), rel=1e-12)
+    assert got.step_time == pytest.approx(fill_drain_time(got.stage_times, microbatches), rel=1e-12)
     if counts is not None:
         assert got.n_stages in counts
 
