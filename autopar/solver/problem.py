@@ -247,18 +247,14 @@ def produced_spec(strategy: Strategy, consumer, position: int, graph):
 
 
 def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool,
-                in_place: bool = False, byte_share: float = 1.0) -> np.ndarray:
+                in_place: bool = False) -> np.ndarray:
     """Seconds of every (producer strategy, consumer strategy) pair's reshard (and its backward
-    dual). ``byte_share`` < 1 prices only that share of its bytes (a parameter gathered once for
-    several readers). ``in_place``: the consumer writes into the value, or views it on the way to
-    a write (``ir.aliasing``): a reshard would write into a copy, so only pairs that read the
-    producer's spec itself are allowed."""
+    dual). ``in_place``: the consumer writes into the value, or views it on the way to a write
+    (``ir.aliasing``): a reshard would write into a copy, so only pairs that read the producer's
+    spec itself are allowed."""
     consumer = graph.nodes[cons.name]
     itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
     table = _reshard_table(graph, prod, cons, position, mesh, itemsize, with_backward)
-    if byte_share < 1.0:
-        latency = _reshard_table(graph, prod, cons, position, mesh, 0, with_backward)
-        table = latency + (table - latency) * byte_share
     if in_place:
         srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
         dsts = [cs.inputs[position] if position < len(cs.inputs) else None for cs in cons.strategies]
@@ -411,10 +407,10 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
 def _edge_prices(graph, prod, cons, pos, mesh, backward: bool, in_place: bool, byte_share: float, param: bool):
     """(the edge's matrix, axes -> (mask, latency s) of its pairs gathered in a layer's call).
     A gathered pair is priced as the step model prices its group (``cost_model.step.reshard_s``):
-    its share of the all-gather's bytes and, with a backward, of the reduce-scatter's; the calls'
-    latencies are the group's, paid once."""
-    mat = edge_matrix(graph, prod, cons, pos, mesh, with_backward=backward, in_place=in_place,
-                      byte_share=byte_share if param else 1.0)
+    ``byte_share`` of the all-gather's bytes and, with a backward, of the reduce-scatter's (the
+    parameter is gathered once for all its readers in the layer); the calls' latencies are the
+    group's, paid once. Other reshards of a parameter run per reading edge, at their full price."""
+    mat = edge_matrix(graph, prod, cons, pos, mesh, with_backward=backward, in_place=in_place)
     if not param:
         return mat, {}
     kinds = ("all_gather", "reduce_scatter") if backward else ("all_gather",)
