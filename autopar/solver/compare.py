@@ -49,6 +49,35 @@ def parse_config(text: str) -> dict:
     return out
 
 
+def config_grid(devices: int, *, layers: int | None = None, batch: int | None = None, tp_max: int | None = None,
+                microbatches=(1, 2, 4, 8), zero=(0, 1, 2, 3)) -> list[str]:
+    """Every hand-written configuration of ``devices``: tp x pp x dp over the divisors (pp at most
+    ``layers``, tp at most ``tp_max``), each ZeRO stage where dp > 1, the vocabulary-parallel loss
+    on or off where tp > 1, and with pp > 1 each of ``microbatches`` that splits ``batch`` evenly
+    over dp and is at least pp (what torch's 1F1B runs)."""
+    def divisors(n):
+        return [d for d in range(1, n + 1) if n % d == 0]
+
+    out = []
+    for tp in divisors(devices):
+        if tp_max is not None and tp > tp_max:
+            continue
+        for pp in divisors(devices // tp):
+            dp = devices // (tp * pp)
+            if layers is not None and pp > layers:
+                continue
+            mbs = [None] if pp == 1 else [m for m in microbatches if m >= pp and (
+                batch is None or (batch % m == 0 and (batch // m) % dp == 0))]
+            for z in zero:
+                if z and dp == 1:
+                    continue
+                for vocab in ((0, 1) if tp > 1 else (0,)):
+                    for mb in mbs:
+                        parts = [f"tp={tp}", f"pp={pp}", f"dp={dp}"] + ([f"mb={mb}"] if mb else [])
+                        out.append(",".join(parts + [f"zero={z}", f"vocab={vocab}"]))
+    return out
+
+
 def config_of(plan) -> str | None:
     """The plan's own layout as a configuration (``"dp=4,zero=2,vocab=0"``) when it is one a
     hand-written configuration can state - each mesh axis either data or tensor parallel, at most

@@ -90,8 +90,7 @@ def planning_mesh(mesh: Mesh, cluster, memory_budget) -> tuple[Mesh, float | Non
 def one_stage(graph, mesh, call: dict, budget, budget_from, force, op_table, reuse_blocks, simplify, time_limit_s,
                solver, optimizer_sharding, idle_axes, identical_axes, bucket_bytes, microbatches,
                objective_cutoff_s) -> Plan:
-    """The plan of the whole batch in one stage: the cheapest over the idle-axis candidates, kept
-    against data parallel's on a one-axis mesh (``_data_parallel_solved``)."""
+    """The plan of the whole batch in one stage: the cheapest over the idle-axis candidates."""
     optimizer = call["optimizer"]
     t0 = time.perf_counter()
     if graph is None:
@@ -133,15 +132,6 @@ def one_stage(graph, mesh, call: dict, budget, budget_from, force, op_table, reu
     best_plan = _made(graph, mesh, solved, idle, identical_axes, bucket_bytes, total_s=time.perf_counter() - t0, **stats)
     log.info("planned %s on %s: objective %.3g s, %d ILP variables (%.1f s)", graph.model_name, mesh,
              best_plan.solver["objective_s"], best_plan.solver.get("ilp_variables", 0), best_plan.solver["total_s"])
-    if force is None and microbatches == 1 and (idle_axes == "auto" or not idle):
-        solved = _data_parallel_solved(graph, mesh, budget, optimizer, op_table, reuse_blocks, simplify, time_limit_s,
-                                       solver, bucket_bytes)
-        ddp = None if solved is None else _made(graph, mesh, solved, (), identical_axes, bucket_bytes,
-                                                total_s=time.perf_counter() - t0, data_parallel_kept=True, **stats)
-        if ddp is not None and ddp.predicted["step_time_s"] < best_plan.predicted["step_time_s"]:
-            log.info("data parallel, predicted %.3g s a step, beats the ILP's plan (%.3g s): kept instead",
-                     ddp.predicted["step_time_s"], best_plan.predicted["step_time_s"])
-            return ddp
     return best_plan
 
 
@@ -152,28 +142,6 @@ def _made(graph, mesh, solved, idle, identical_axes, bucket_bytes, **stats) -> P
     solver_stats.update(idle_axes=list(idle), **stats)
     plan = make_plan(graph, view, built, full, memory, solver_stats, real_mesh=mesh, idle_axes=idle, bucket_bytes=bucket_bytes)
     return with_identical_axes(plan, graph, view, identical_axes, bucket_bytes)
-
-
-def _data_parallel_solved(graph, mesh, budget, optimizer, op_table, reuse_blocks, simplify, time_limit_s, solver,
-                          bucket_bytes):
-    """DDP's layout on a mesh with one active axis (batch split, parameters whole), solved as
-    ``_plan_on`` answers; None on other meshes or where it does not fit.
-
-    The ILP ranks plans by an additive objective; the step model prices what the runtime runs
-    (whole bucket latencies, grouped gathers, overlap), and the plan is judged by it. Where the
-    two disagree near a tie the ILP's pick can be predicted, and run, slower than data parallel:
-    LLaMA on 4 gloo ranks stored its embedding and head split and gathered (objective 0.14%
-    under data parallel, step 0.4% over; measured 1.05x). Data parallel is what a user would
-    run without autopar, so ``plan`` keeps it where it is predicted faster."""
-    act = active_axes(mesh)
-    if len(act) != 1:
-        return None
-    force = layout_force(graph, mesh, Layout(dp=mesh.shape[act[0]]))
-    try:
-        return _plan_on(graph, mesh, budget, optimizer, op_table, False, force, reuse_blocks, simplify, time_limit_s,
-                        solver, bucket_bytes)
-    except (PlanError, ConfigError):
-        return None
 
 
 def with_identical_axes(plan: Plan, graph, mesh: Mesh, identical_axes="auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
