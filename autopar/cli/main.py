@@ -245,7 +245,7 @@ def _stage_programs(plan, model, inputs, kwargs):
     import autopar
     from autopar import ir
     from autopar.codegen.stages import cut_stages, lower_stage, sent_specs
-    from autopar.solver.pipeline import microbatch_inputs
+    from autopar.solver.microbatches import microbatch_inputs
     from autopar.solver.receives import with_received
 
     mb_args, mb_kwargs = microbatch_inputs(inputs, kwargs, plan.pipeline.microbatches)

@@ -190,7 +190,7 @@ def calibrated(model, graph, example, mesh: Mesh, device, *, directory=None) -> 
     profile. A collective; ``mesh`` unchanged where nothing can be timed (a meta model, a model on
     another device, no batch to split evenly, no output that needs gradients)."""
     from autopar.solver.layout import Layout
-    from autopar.solver.pipeline import batch_size, microbatch_inputs
+    from autopar.solver.microbatches import batch_size, microbatch_inputs
 
     cluster = mesh.resolved_cluster()
     device = torch.device(device)

@@ -27,7 +27,7 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
     from autopar.ir import trace
     from autopar.runtime.materialize import local_state
     from autopar.runtime.module import ParallelModule
-    from autopar.solver.pipeline import microbatch_inputs
+    from autopar.solver.microbatches import microbatch_inputs
     from autopar.solver.receives import with_received
 
     count = plan.pipeline.microbatches

@@ -6,7 +6,7 @@ microbatches of the same batch. ``class_means`` finds such means behind a loss, 
 is one of them itself (``direct``: through casts and views) or adds them to other terms;
 ``state_weighing`` says whether a mean's targets or class weights come from model state rather than
 from the inputs. ``autopar.codegen.loss_weights`` weighs a pipelined step's microbatches from
-this; the pipeline search (``solver.pipeline.batch_mixing``) keeps one microbatch where it cannot.
+this; the pipeline search (``solver.microbatches.batch_mixing``) keeps one microbatch where it cannot.
 
 A mean over a batch split across ranks needs the whole batch's count; ``counted_from_inputs`` says
 whether every rank can count it from the user inputs it is handed whole (a program then recomputes

@@ -10,7 +10,7 @@ import torch.nn as nn
 import autopar
 from autopar import ir
 from autopar.ir.rewrites import keep_leading_dims
-from autopar.solver.pipeline import batch_mixing
+from autopar.solver.microbatches import batch_mixing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import models_zoo  # noqa: E402

@@ -13,7 +13,7 @@ from autopar.codegen.stages import cut_stages, sent_specs, shared_params
 from autopar.errors import ConfigError
 from autopar.ir.graph import Role
 from autopar.ir.losses import loss_position
-from autopar.solver.pipeline import microbatch_inputs
+from autopar.solver.microbatches import microbatch_inputs
 
 
 def _pipelined(model, inputs, mesh, pipeline, **kw):

@@ -12,11 +12,13 @@ import autopar
 from autopar import ir, models
 from autopar.cost_model.schedules import SCHEDULES, bubble_fraction, interleaved_time, schedule_orders, simulate_shared
 from autopar.errors import ConfigError, PlanError
+from autopar.ir.blocks import unit_of_nodes
+from autopar.solver.microbatches import microbatch_candidates
 from autopar.solver.pipeline import (
-    Pipeline, _search_counts, layer_groups, microbatch_candidates, row_options, search, shared_core_time, step_extras,
-    sub_mesh, unit_of_nodes, unit_prices,
+    Pipeline, _search_counts, layer_groups, row_options, search, shared_core_time, sub_mesh,
 )
 from autopar.solver.stage_dp import StageSolution
+from autopar.solver.stage_prices import step_extras, unit_prices
 
 
 def test_microbatch_candidates():
@@ -690,7 +692,7 @@ class _MaskByIndex(torch.nn.Module):
 def test_batch_mixing_reads_masks_indexed_per_sample():
     """An index by an arange over the batch reads each sample's own row (microbatches trace their
     own arange); a reversed arange or an index from the inputs reads other samples' rows."""
-    from autopar.solver.pipeline import batch_mixing
+    from autopar.solver.microbatches import batch_mixing
 
     x, mask = torch.randn(4, 6, 8), (torch.rand(4, 6) > 0.3).long()
     assert batch_mixing(ir.trace(_MaskByIndex("arange"), (x, mask)), 4) is None
@@ -706,7 +708,7 @@ def test_batch_mixing_reads_masks_indexed_per_sample():
 
 
 def test_batch_mixing_finds_where_samples_meet():
-    from autopar.solver.pipeline import batch_mixing
+    from autopar.solver.microbatches import batch_mixing
 
     zoo = _zoo()
     # the ViT's nn.MultiheadAttention merges (time, batch) rows, kept apart by ir/rewrites.py
@@ -741,6 +743,7 @@ def test_lean_plans_are_cut_off_without_changing_the_search():
     on 1 / s of the rows runs at least 1 / s of the work): the search finds what it finds solving
     them whole; and a cutoff below a lean plan's cost drops it, one above it keeps it unchanged."""
     import autopar.solver.pipeline as pipeline_search
+    import autopar.solver.stage_prices as stage_prices
     from autopar.solver.intra_op import plan_one_stage
 
     model, inputs = models.build("gpt", device="meta", layers=8, width=1024, heads=16, seq=256, vocab=8192, batch=16)
@@ -748,7 +751,7 @@ def test_lean_plans_are_cut_off_without_changing_the_search():
     free = search(model, mesh, inputs)
     budget = 0.6 * max(s.memory_bytes for s in free.stages)  # tight enough that lean plans are kept
     solved = []
-    leaner = pipeline_search._leaner
+    leaner = stage_prices.leaner_prices
 
     def recorded(model, sm, graph, intra_op_plan, kwargs, fastest, cutoff_s):
         out = leaner(model, sm, graph, intra_op_plan, kwargs, fastest, cutoff_s)
@@ -757,10 +760,10 @@ def test_lean_plans_are_cut_off_without_changing_the_search():
 
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(pipeline_search, "MEMORY_VARIANTS", (0.8,))  # lean plans that fit here
-        mp.setattr(pipeline_search, "_leaner", recorded)
+        mp.setattr(stage_prices, "MEMORY_VARIANTS", (0.8,))  # lean plans that fit here
+        mp.setattr(pipeline_search, "leaner_prices", recorded)  # the search's own name for it
         with_cutoff = search(model, mesh, inputs, memory_budget=budget)
-        mp.setattr(pipeline_search, "_leaner", lambda *a: leaner(*a[:-1], None))
+        mp.setattr(pipeline_search, "leaner_prices", lambda *a: leaner(*a[:-1], None))
         reference = search(model, mesh, inputs, memory_budget=budget)
         assert with_cutoff.step_time_s == pytest.approx(reference.step_time_s, rel=1e-12)
         assert [(s.layers, s.rows) for s in with_cutoff.stages] == [(s.layers, s.rows) for s in reference.stages]
@@ -783,15 +786,15 @@ def test_the_batch_check_reads_a_graph_the_search_evaluates():
     """``batch_mixing`` reads the first microbatch shape the count search evaluates (no trace for
     the check alone), or the whole batch where a microbatch holds one sample or an input that is
     not cut has its rows; every shape is traced once."""
-    from autopar.solver.pipeline import _mixing_probe
+    from autopar.solver.microbatches import mixing_probe
 
     counts = microbatch_candidates(1536, None)
-    assert _mixing_probe(counts, 1536, (torch.zeros(1536, 4),), None) == 6
-    assert _mixing_probe(counts, 1536, (torch.zeros(1536, 4), torch.zeros(256, 256)), None) == 1  # a (256, 256) mask
-    assert _mixing_probe(counts, 1536, (torch.zeros(1536, 4),), {"mask": torch.zeros(256, 1)}) == 1
-    assert _mixing_probe([4], 8, (torch.zeros(8, 4),), None) == 4
-    assert _mixing_probe([4], 4, (torch.zeros(4, 4),), None) == 1  # one sample each: nothing to split
-    assert _mixing_probe([1, 2], 2, (torch.zeros(2, 4),), None) == 1
+    assert mixing_probe(counts, 1536, (torch.zeros(1536, 4),), None) == 6
+    assert mixing_probe(counts, 1536, (torch.zeros(1536, 4), torch.zeros(256, 256)), None) == 1  # a (256, 256) mask
+    assert mixing_probe(counts, 1536, (torch.zeros(1536, 4),), {"mask": torch.zeros(256, 1)}) == 1
+    assert mixing_probe([4], 8, (torch.zeros(8, 4),), None) == 4
+    assert mixing_probe([4], 4, (torch.zeros(4, 4),), None) == 1  # one sample each: nothing to split
+    assert mixing_probe([1, 2], 2, (torch.zeros(2, 4),), None) == 1
 
     import autopar.solver.pipeline as pipeline_module
 
@@ -830,8 +833,7 @@ class _LossAndLogits(torch.nn.Module):
 def test_stage_prices_leave_out_outputs_a_pipelined_step_does_not_read():
     """The last stage returns the loss alone (runtime.pipeline), so the logits' gather to a whole
     output, which a data-parallel plan prices, is left out of the unit prices, and nothing else."""
-    import autopar.solver.pipeline as pipeline_search
-    from autopar.ir.blocks import unit_of_nodes
+    import autopar.solver.stage_prices as stage_prices
 
     model, inputs = _LossAndLogits(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
     mesh = autopar.Mesh((2,), cluster="cpu-gloo")
@@ -840,12 +842,12 @@ def test_stage_prices_leave_out_outputs_a_pipelined_step_does_not_read():
     out = next(n for n in graph.nodes.values() if n.op == "output")
     gather = [e for e in plan.edges if e.dst == out.name and e.position == 1]
     assert gather and gather[0].cost_s > 0 and [s.kind for s in gather[0].steps] == ["all_gather"]
-    assert pipeline_search._unread_outputs(graph) == {(out.name, 1)}
-    priced = pipeline_search.unit_prices(plan, graph, mesh)
+    assert stage_prices._unread_outputs(graph) == {(out.name, 1)}
+    priced = unit_prices(plan, graph, mesh)
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(pipeline_search, "_unread_outputs", lambda graph: set())
-        every = pipeline_search.unit_prices(plan, graph, mesh)
+        mp.setattr(stage_prices, "_unread_outputs", lambda graph: set())
+        every = unit_prices(plan, graph, mesh)
     finally:
         mp.undo()
     last = unit_of_nodes(graph)[out.name]
@@ -857,7 +859,6 @@ def test_stage_prices_leave_out_outputs_a_pipelined_step_does_not_read():
 def test_a_stage_holds_a_tied_weight_once():
     """A tied embedding and head in one stage is one parameter: the units' state between the first
     and the last unit is the plan's state, the tied weight once; two stages each hold it."""
-    from autopar.solver.pipeline import unit_prices
 
     model, inputs = models.build("gpt", layers=4, width=64, heads=4, seq=16, vocab=512, batch=8)
     mesh = autopar.Mesh((2,))
