@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-BENCHES = ["plan_time.py", "gpt3_pipeline.py", "hybrid.py", "fidelity.py", "memory_fidelity.py"]
+BENCHES = ["plan_time.py", "gpt3_pipeline.py", "whatif_grid.py", "hybrid.py", "fidelity.py", "memory_fidelity.py"]
 
 for name in BENCHES:
     print(f"== {name}", flush=True)

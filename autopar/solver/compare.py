@@ -16,6 +16,7 @@ import dataclasses
 import math
 
 from autopar.errors import ConfigError, PlanError
+from autopar.solver.mesh_views import config_mesh
 from autopar.solver.units import fmt_bytes, fmt_s
 
 KEYS = ("dp", "tp", "pp", "mb", "zero", "vocab")
@@ -103,35 +104,6 @@ def config_of(plan) -> str | None:
     vocab = int("vocabulary-parallel loss" in words)
     parts = ([f"dp={dp}"] if dp > 1 else []) + ([f"tp={tp}"] if tp > 1 else [])
     return ",".join(parts + ([f"zero={zero}"] if zero else []) + [f"vocab={vocab}"])
-
-
-def config_mesh(mesh, rows: int, tp: int):
-    """The devices of ``mesh`` viewed as (pipeline x data rows, tensor) - the shape a hand-written
-    configuration names - unless ``mesh`` has that shape already. The view keeps the hardware: the
-    tensor axis takes the innermost ``tp`` devices (the slowest link among the axes it spans), the
-    rows axis the rest (the slowest link among the axes it spans)."""
-    from autopar.cost_model.comm import group_link
-    from autopar.sharding_spec.mesh import Mesh
-
-    want = tuple(d for d in (rows, tp) if d > 1) or (1,)
-    active = tuple(s for s in mesh.shape if s > 1) or (1,)
-    if active == want:
-        return mesh
-    cluster = mesh.resolved_cluster()
-    if cluster.axis_links is None:  # the cluster's node rule places the view's axes itself
-        return Mesh(want, cluster=mesh.cluster)
-    links = mesh.links()
-    inner, p = [], 1
-    for a in reversed(range(mesh.ndim)):
-        if p >= tp:
-            break
-        inner.append(a)
-        p *= mesh.shape[a]
-    outer = [a for a in range(mesh.ndim) if a not in inner or p > tp]
-    tp_link = group_link([links[a] for a in inner]) if inner else links[-1]
-    rows_link = group_link([links[a] for a in outer if mesh.shape[a] > 1] or [links[0]])
-    view_links = [link for d, link in ((rows, rows_link), (tp, tp_link)) if d > 1] or [links[0]]
-    return Mesh(want, cluster=mesh.resolved_cluster().with_axis_links(view_links))
 
 
 def _bytes_moved(plan) -> float:

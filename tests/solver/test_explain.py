@@ -164,7 +164,7 @@ def test_the_auto_plans_own_configuration_prices_the_same(gpt):
 
 
 def test_what_if_views_keep_the_hardware_and_pipelines_count_every_microbatch():
-    from autopar.solver.compare import config_mesh
+    from autopar.solver.mesh_views import config_mesh
     from autopar.solver.explain import bytes_per_step
 
     mesh = autopar.Mesh((4, 4), cluster="h100-80g")
