@@ -17,7 +17,6 @@ import warnings
 
 import torch
 
-import autopar
 from autopar import models
 from autopar.solver.compare import compare
 from gpt3_pipeline import GPT3, plan_gpt3

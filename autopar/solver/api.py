@@ -10,7 +10,8 @@ from autopar.sharding_spec.mesh import Mesh
 from autopar.solver.explain import pipeline_words
 from autopar.solver.intra_op import call_facts, one_stage, planning_mesh
 from autopar.solver.layout import Layout
-from autopar.solver.pipeline import Pipeline, batch_size, search
+from autopar.solver.microbatches import batch_size
+from autopar.solver.pipeline import Pipeline, search
 from autopar.solver.plan import Plan
 from autopar.solver.units import fmt_s
 

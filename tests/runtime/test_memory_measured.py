@@ -48,7 +48,7 @@ def rank_cases(rank, world):
         del model
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
 
-        def step():
+        def step(pm=pm, opt=opt):
             pm.train_step(idx, targets)
             opt.step()
             opt.zero_grad(set_to_none=True)
