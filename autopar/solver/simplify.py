@@ -8,7 +8,9 @@
    folded into it, c_w[k] += min_j (c_v[j] + R_vw[j, k]); a node between two neighbours becomes an
    edge, R_uw[i, k] = min_j (R_uv[i, j] + c_v[j] + R_vw[j, k]). The optimum is unchanged. Under a
    memory budget only nodes whose memory (their own and their edges') does not depend on their
-   choice are eliminated; nodes a once-paid cost reads (``ilp.OnceCost``) are kept.
+   choice are eliminated. A node a once-paid cost reads (``ilp.OnceCost``) is kept, but a leaf
+   among them folds its choices into one label per pattern of the cost's masks (exact, see
+   ``fold_into_labels``), after which the neighbour it read through may fold away.
 Eliminated choices are recovered after solving from the stored argmin tables.
 """
 from __future__ import annotations
@@ -72,7 +74,10 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
         adj[u].add(v)
         adj[v].add(u)
     records: list[Elimination] = []
-    kept = {x for oc in problem.once for x in oc.nodes()}
+    once = [OnceCost(oc.cost, list(oc.members)) for oc in problem.once]  # members change as leaves fold
+
+    def kept() -> set[str]:
+        return {x for oc in once for x in oc.nodes()}
 
     def mat(u, v):  # R oriented u -> v
         return edges[(u, v)] if (u, v) in edges else edges[(v, u)].T
@@ -98,17 +103,62 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
             adj[u].add(w)
             adj[w].add(u)
 
+    def memory_fixed(v) -> bool:  # v's choice moves no memory (or there is no budget to hold)
+        return problem.budget is None or (np.ptp(memory[v]) == 0 and all(
+            np.ptp(m) == 0 for (a, b), m in held.items() if v in (a, b) and m.size))
+
     def removable(v) -> bool:
-        if len(adj[v]) > 2 or len(costs) <= 2 or v in kept:
+        return len(adj[v]) <= 2 and len(costs) > 2 and v not in protected and memory_fixed(v)
+
+    def fold_into_labels(v) -> bool:
+        """A leaf ``v`` that once-paid costs read (a parameter and the op reading it): its choices
+        become labels, one per pattern of the costs' masks it can take with its neighbour's
+        choice, each at the cheapest choice of that pattern. Exact: given the labels (which decide
+        the once-paid costs) and the neighbour's choice, the rest of v's price is a minimum. The
+        costs then read v's labels alone, and the neighbour is free to fold."""
+        if len(adj[v]) != 1 or not memory_fixed(v):
             return False
-        if problem.budget is None:
-            return True
-        return np.ptp(memory[v]) == 0 and all(
-            np.ptp(m) == 0 for (a, b), m in held.items() if v in (a, b) and m.size)
+        (w,) = adj[v]
+        reads = [(g, t) for g, oc in enumerate(once) for t, (a, b, _) in enumerate(oc.members) if v in (a, b)]
+        if any(once[g].members[t][:2] not in ((v, w), (w, v), (v, v)) for g, t in reads):
+            return False
+        r = costs[v][:, None] + mat(v, w)  # (j, k)
+        masks = []
+        for g, t in reads:
+            a, b, m = once[g].members[t]
+            masks.append(np.broadcast_to(m[:, None], r.shape) if a == b else (m if a == v else m.T))
+        pattern = np.stack(masks, axis=-1) if masks else np.zeros(r.shape + (0,), dtype=bool)
+        labels = sorted({tuple(x) for x in pattern[np.isfinite(r)].reshape(-1, len(masks))})
+        if len(labels) >= len(costs[v]):
+            return False
+        folded = np.full((len(labels), r.shape[1]), np.inf)
+        table = np.zeros((len(labels), r.shape[1]), dtype=int)
+        for lab, bits in enumerate(labels):
+            inside = np.all(pattern == np.array(bits, dtype=bool), axis=-1) & np.isfinite(r)
+            cand = np.where(inside, r, np.inf)
+            table[lab] = np.argmin(cand, axis=0)
+            folded[lab] = np.min(cand, axis=0)
+        for n, (g, t) in enumerate(reads):
+            once[g].members[t] = (v, v, np.array([bits[n] for bits in labels], dtype=bool))
+        records.append(Elimination(v, (v, w), table))
+        edges.pop((w, v), None)
+        edges[(v, w)] = folded
+        for key in ((v, w), (w, v)):  # constant under a budget (``memory_fixed``)
+            if key in held:
+                m = held.pop(key)
+                held[(v, w)] = np.full(folded.shape, float(m.flat[0]) if m.size else 0.0)
+        costs[v] = np.zeros(len(labels))
+        memory[v] = np.full(len(labels), float(memory[v][0]))
+        return True
 
     changed = True
     while changed:
         changed = False
+        protected = kept()
+        for v in list(costs):
+            if v in protected and v in costs and len(adj[v]) == 1 and fold_into_labels(v):
+                protected = kept()
+                changed = True
         for v in list(costs):
             if v not in costs or not removable(v):
                 continue
@@ -134,7 +184,7 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
             records.append(Elimination(v, nbrs, table))
             del costs[v], memory[v], adj[v]
             changed = True
-    return Problem(costs, memory, edges, {}, problem.budget, base_memory, held, problem.once), records
+    return Problem(costs, memory, edges, {}, problem.budget, base_memory, held, once), records
 
 
 def recover(choice: dict[str, int], records: list[Elimination]) -> dict[str, int]:

@@ -190,14 +190,17 @@ def _with_once(p: Problem, seed: int) -> Problem:
 @pytest.mark.parametrize("budget", [False, True])
 def test_once_paid_costs_equal_brute_force(seed, budget):
     """A cost paid once when any member takes a pair of its set: the ILP (its y >= e rows), the
-    simplifier (which keeps the nodes such a cost reads) and evaluate agree with brute force."""
+    simplifier (which keeps the nodes such a cost reads, or folds a leaf into labels of its
+    choices) and evaluate agree with brute force."""
     p = _with_once(random_problem(seed, budget=budget), seed)
     sol, best = _solved_as_brute_force(p)
     if sol is None:
         return
     assert evaluate(p, sol.choice)[0] == pytest.approx(best, rel=1e-9, abs=1e-12)
     small, records = eliminate(p)
-    assert {x for oc in p.once for x in oc.nodes()} <= set(small.costs)
+    # what the costs read survives (a leaf they read as labels of its choices)
+    assert {x for oc in small.once for x in oc.nodes()} <= set(small.costs)
+    assert len(small.once) == len(p.once)
     folded = recover(solve(small).choice, records)
     assert evaluate(p, folded)[0] == pytest.approx(best, rel=1e-9, abs=1e-12)
 
@@ -236,3 +239,30 @@ def test_tied_copies_pay_their_calls_as_often_as_there_are_copies():
     assert len(red.once) == 1 and red.once[0].cost == pytest.approx(2.7)
     sol = solve(p)
     assert all(sol.choice[f"p{k}"] == 1 for k in range(3)) and sol.objective == pytest.approx(2.7)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_leaf_read_by_once_paid_costs_folds_into_labels_exactly(seed):
+    """A parameter (a leaf: one reader) whose gathers a layer's call pays for: the simplifier
+    folds its choices into one label per pattern of the masks, exactly, and its reader may fold."""
+    from autopar.solver.ilp import OnceCost
+
+    rng = np.random.default_rng(seed)
+    p = random_problem(seed, infinite=False)
+    names = list(p.costs)
+    once = []
+    for g in range(int(rng.integers(1, 3))):
+        members = []
+        for r in range(int(rng.integers(1, 4))):  # parameters: leaves with several choices
+            leaf, reader = f"p{g}_{r}", names[int(rng.integers(0, len(names)))]
+            k = int(rng.integers(2, 7))
+            p.costs[leaf], p.memory[leaf] = rng.random(k), np.zeros(k)
+            p.edges[(leaf, reader)] = rng.random((k, len(p.costs[reader])))
+            members.append((leaf, reader, rng.random((k, len(p.costs[reader]))) < 0.4))
+        once.append(OnceCost(float(rng.random()) * 2, members))
+    p.once = once
+    _, best = brute_force(p)
+    small, records = eliminate(p)
+    assert sum(map(len, small.costs.values())) < sum(map(len, p.costs.values()))
+    choice = recover(solve(small).choice, records)
+    assert evaluate(p, choice)[0] == pytest.approx(best, rel=1e-9, abs=1e-12)
