@@ -41,7 +41,9 @@ def rank_cases(rank, world):
     warnings.simplefilter("ignore")
     out = {}
     for name, (shape, fields, pipe) in PLANS.items():
-        before = set(live_storages())  # what earlier plans left is not this plan's
+        # what earlier plans left is not this plan's; held alive until measured, so no tensor of this
+        # plan takes a freed one's address and is left out for it
+        before = live_storages()
         model, (idx, targets) = models.build("gpt", **MODEL)
         pm = autopar.parallelize(model, autopar.Mesh(shape), (idx, targets), force=autopar.Layout(**fields),
                                  pipeline=autopar.Pipeline(**pipe) if pipe else False)
@@ -56,13 +58,14 @@ def rank_cases(rank, world):
         for _ in range(2):
             step()
         held = [t for ptr, t in live_storages().items() if ptr not in before]
-        peak = tracked_peak(step, held)
+        peaks = [tracked_peak(step, held) for _ in range(2)]  # the same, step after step
+        peak = max(peaks)
         plan = pm.plan
         stages = plan.pipeline.stages if plan.pipeline is not None and len(plan.pipeline.stages) > 1 else None
         predicted = (sum(s.memory_bytes for s in stages if rank in s.ranks) if stages
                      else plan.predicted["memory_bytes_per_device"])
-        out[name] = dict(measured=int(peak), predicted=float(predicted))
-        del held, pm, opt
+        out[name] = dict(measured=int(peak), predicted=float(predicted), steps=[int(x) for x in peaks])
+        del held, pm, opt, before
     return out
 
 
@@ -75,7 +78,7 @@ def measured():
 def test_the_measured_peak_is_the_predicted_one(measured, name):
     for rank, res in enumerate(measured):
         m, p = res[name]["measured"], res[name]["predicted"]
-        assert abs(m / p - 1) <= TOLERANCE, f"{name} rank {rank}: measured {m / 2**20:.2f} MiB, predicted {p / 2**20:.2f}"
+        assert abs(m / p - 1) <= TOLERANCE, f"{name} rank {rank}: measured {m / 2**20:.2f} MiB (steps {res[name]['steps']}), predicted {p / 2**20:.2f}"
 
 
 def test_zero_holds_less_than_data_parallel_by_about_what_it_predicts(measured):
