@@ -74,7 +74,9 @@ def make_stage_groups(plan, mesh: Mesh, shared_blocks, timeout=None) -> StageGro
     me = dist.get_rank()
     mine = None
     for b, ranks in enumerate(blocks):
-        g = MeshGroups(Mesh(tuple(stages[b].mesh_shape), mesh.axis_names, mesh.cluster), ranks=ranks, timeout=timeout)
+        shape = tuple(stages[b].mesh_shape)  # the stage's own view of its devices (the search may reshape them)
+        names = mesh.axis_names if len(shape) == mesh.ndim else None
+        g = MeshGroups(Mesh(shape, names, mesh.cluster), ranks=ranks, timeout=timeout)
         if g.member:
             mine = (b, g)
     if mine is None:

@@ -38,6 +38,7 @@ from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role
 from autopar.sharding_spec.mesh import Mesh
 from autopar.solver.intra_op import plan_one_stage
+from autopar.solver.mesh_views import narrower_views
 from autopar.solver.microbatches import batch_mixing, batch_size, microbatch_candidates, microbatch_inputs, mixing_probe
 from autopar.solver.plan import PipelinePlan, Plan, StagePlan
 from autopar.solver.receives import received_edges
@@ -471,11 +472,12 @@ class _Search:
             if self.equal_stages and mesh.shape[0] // rows > len(graph.layers):
                 continue  # more stages of this size than layers
             share = rows / mesh.shape[0] if self.equal_stages else None  # of the layers a stage holds
-            fastest = fastest_prices(self.model, sub_mesh(mesh, rows), graph, plan_one_stage, kwargs)
+            sm = sub_mesh(mesh, rows)
+            fastest = fastest_prices(self.model, sm, graph, plan_one_stage, kwargs)
             if fastest is not None:
                 variants += [(rows, p) for p in _recompute_variants(fastest, self.pipeline.recompute)]
                 if held_bytes(fastest, share) > self.budget:
-                    lean.append((rows, fastest))
+                    lean.append((rows, sm, fastest))
         self.timing["intra_op_s"] += time.perf_counter() - t_ilp
         return variants, lean
 
@@ -487,13 +489,40 @@ class _Search:
         t_ilp = time.perf_counter()
         before = len(variants)
         rows_total = self.mesh.shape[0]
-        for rows, fastest in lean:
+        for rows, sm, fastest in lean:
             cutoff = (found.sol.step_time * max(1.0, self.contention) * rows_total / (rows * count)
                       if found is not None and self.equal_stages else None)
-            for p in leaner_prices(self.model, sub_mesh(self.mesh, rows), graph, plan_one_stage, kwargs, fastest, cutoff):
+            for p in leaner_prices(self.model, sm, graph, plan_one_stage, kwargs, fastest, cutoff):
                 variants += [(rows, q) for q in _recompute_variants(p, self.pipeline.recompute)]
         self.timing["intra_op_s"] += time.perf_counter() - t_ilp
         return len(variants) > before
+
+    def widen(self, best: Found | None) -> Found | None:
+        """``best`` again with narrower tensor-parallel views of the sub-meshes its stages run on
+        (``mesh_views.narrower_views``: a stage of r rows of nodes of 8 also as (2r, 4), (4r, 2),
+        (8r,)), the widths a hand-written configuration can name. Only at the best count and
+        stage size: each view is a whole intra-op plan, and the sub-mesh's own shape decides the
+        count and the stage size before the width does. A forced layout fixes the widths."""
+        if best is None or self.plan_kwargs.get("force") is not None:
+            return best
+        t_ilp = time.perf_counter()
+        kwargs = {**self.plan_kwargs, "microbatches": best.count}
+        variants, lean = list(best.variants), []
+        for rows in sorted({best.variants[m][0] for _, _, m in best.sol.stages}):
+            share = rows / self.mesh.shape[0] if self.equal_stages else None
+            for view in narrower_views(sub_mesh(self.mesh, rows)):
+                fastest = fastest_prices(self.model, view, best.graph, plan_one_stage, kwargs)
+                if fastest is not None:
+                    variants += [(rows, p) for p in _recompute_variants(fastest, self.pipeline.recompute)]
+                    if held_bytes(fastest, share) > self.budget:
+                        lean.append((rows, view, fastest))
+        self.timing["intra_op_s"] += time.perf_counter() - t_ilp
+        if len(variants) == len(best.variants):
+            return best
+        found = self.best_stages(variants, best.count, best.graph)
+        if lean and self._add_leaner(variants, lean, found or best, best.count, best.graph, kwargs):
+            found = self.best_stages(variants, best.count, best.graph)
+        return found if found is not None and found.sol.step_time < best.sol.step_time - 1e-15 else best
 
     # ---- the stage DP ----
     def _schedules(self):
@@ -573,7 +602,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
     run = _Search(model, mesh, example_inputs, example_kwargs, pipeline, memory_budget, plan_kwargs, tolerance,
                   equal_stages)
     counts, notes = run.microbatch_counts()
-    best = run.best(counts)
+    best = run.widen(run.best(counts))
     if best is None:
         raise run.nothing_fits()
     virtual = best.schedule.stages_per_rank(pipeline.virtual_stages)
@@ -603,7 +632,7 @@ def _stage_plans(found: Found, mesh: Mesh, virtual: int, budget: float) -> list[
                       if node.op == "placeholder" and node.role != Role.INPUT and not node.users}
         sub = restrict(prices.plan, graph, nodes, t, float(mem), budget)
         stages.append(StagePlan((i, j), (graph.layers[i], graph.layers[j]), (row, row + rows - 1),
-                                list(range(row * per_row, (row + rows) * per_row)), (rows, *mesh.shape[1:]),
+                                list(range(row * per_row, (row + rows) * per_row)), tuple(prices.plan.mesh["shape"]),
                                 t, float(mem), sub, list(range(i, j + 1)) if prices.recompute else []))
         row += rows
     return [dataclasses.replace(s, received=edges) for s, edges in zip(stages, received_edges(graph, stages))]

@@ -438,12 +438,39 @@ def saved_plan_meta_case(path):
     return run_case("saved plan, meta model", go)
 
 
+def viewed_stage_case():
+    """A stage whose intra-op plan runs on another view of its devices than the mesh's rows (the
+    search's ``narrower_views``: a (2, 2) block planned as (4,)): its process groups follow the
+    stage's own shape, and it trains as one process does."""
+    def go():
+        import dataclasses
+
+        from autopar.solver.microbatches import microbatch_inputs
+
+        warnings.simplefilter("ignore")
+        net, inputs = models.build("gpt", layers=4)
+        mesh = autopar.Mesh((2, 2))
+        plan = autopar.plan(net, mesh, inputs, pipeline=autopar.Pipeline(stages=1, microbatches=2))
+        micro, _ = microbatch_inputs(inputs, None, 2)
+        viewed = autopar.plan(net, autopar.Mesh((4,)), micro, pipeline=False, force=autopar.Layout(tp=4), microbatches=2)
+        stage = dataclasses.replace(plan.pipeline.stages[0], plan=viewed, mesh_shape=(4,))
+        plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, stages=[stage]))
+        ref = copy.deepcopy(net)
+        pm = autopar.parallelize(net, mesh, inputs, plan=plan)
+        loss_err, state_err = train_next_to(pm, ref, inputs, 2)
+        shapes = [s["mesh_shape"] for s in pm.plan.summary()["pipeline"]["stages"]]
+        return {"tag": "stage on a view of its devices", "loss_err": loss_err, "state_err": state_err, "shapes": shapes}
+
+    return run_case("stage on a view of its devices", go)
+
+
 def _rank_main(rank, world, path):
     out = [pipeline_case(tag, shape, autopar.Pipeline(**pipe), **kw) for tag, shape, pipe, kw in CASES]
     out += [plain_case(tag, shape, autopar.Pipeline(**pipe), **kw) for tag, shape, pipe, kw in PLAIN_CASES]
     out.append(errors_case())
     out.append(default_case())
     out.append(saved_plan_meta_case(path))
+    out.append(viewed_stage_case())
     return out
 
 
@@ -586,3 +613,10 @@ def test_weight_groups_are_made_disjoint():
     nodes, saved, inters = out[0]
     assert set(nodes) == {w1, w2} and len(nodes) == 2
     assert inters == [x1, x2] and saved == [g1, g2]
+
+
+def test_a_stage_runs_on_a_view_of_its_devices(results):
+    for r in results["stage on a view of its devices"]:
+        assert "error" not in r, r.get("error")
+        assert r["shapes"] == [[4]], r
+        assert r["loss_err"] <= TOL and r["state_err"] <= STATE_TOL, r
