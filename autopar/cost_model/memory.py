@@ -50,6 +50,7 @@ from autopar.cost_model.ops import (
     workspace_bytes,
 )
 from autopar.errors import ConfigError
+from autopar.ir.graph import per_graph
 
 # fp32 optimizer values kept per parameter element.
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "momentum": 1}
@@ -128,7 +129,8 @@ def _saves(graph):
         yield node, tin, idx, saves_output
 
 
-def saved_for_backward(graph) -> set[str]:
+@per_graph
+def saved_for_backward(graph) -> frozenset[str]:
     """Names of the storage-owning values (never views: a saved view keeps its source alive, so
     the source is listed) that some op's backward reads. Parameters, buffers and constants are
     left out: they are alive anyway."""
@@ -139,10 +141,11 @@ def saved_for_backward(graph) -> set[str]:
             saved |= roots[tin[k][1]]
         if saves_output:
             saved |= roots[node.name]
-    return {n for n in saved if str(graph.nodes[n].role) not in STATIC_ROLES}
+    return frozenset(n for n in saved if str(graph.nodes[n].role) not in STATIC_ROLES)
 
 
-def saved_inputs(graph) -> set[tuple[str, int]]:
+@per_graph
+def saved_inputs(graph) -> frozenset[tuple[str, int]]:
     """(consumer, position in its ``inputs``) of every value a backward keeps as the consumer reads
     it: the op saves that input (``ops.SAVE_RULES``), or the consumer is a view of a value kept so.
     Where the plan reshards such an edge (a ZeRO-3 parameter gathered whole for a matmul, an
@@ -159,7 +162,7 @@ def saved_inputs(graph) -> set[tuple[str, int]]:
             for pos, name in tensor_inputs(node, graph):
                 out.add((node.name, pos))
                 kept.add(name)
-    return out
+    return frozenset(out)
 
 
 def held_reshard_bytes(src_static: bool, src_spec, dst_spec, mesh, itemsize: int) -> int:

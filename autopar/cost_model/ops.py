@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from typing import Callable
 
 import torch
 
-from autopar.ir.graph import NodeRef
+from autopar.ir.graph import NodeRef, per_graph
 
 VIEW_OPS = frozenset(
     f"aten.{op}"
@@ -279,17 +278,11 @@ def tensor_metas(meta) -> list:
 
 
 # ---- gradient flow ---------------------------------------------------------------------------------
-_NEEDS_GRAD: "weakref.WeakKeyDictionary[object, frozenset[str]]" = weakref.WeakKeyDictionary()
-
-
+@per_graph
 def needs_grad(graph) -> frozenset[str]:
     """Names of the nodes whose value needs a gradient in backward: every floating-point parameter
     (all parameters are assumed trainable), and every floating-point value computed from one.
-    User inputs, buffers and constants need none. Cached per graph (graphs are read-only)."""
-    try:
-        return _NEEDS_GRAD[graph]
-    except (KeyError, TypeError):
-        pass
+    User inputs, buffers and constants need none."""
     out: set[str] = set()
     for node in graph.nodes.values():
         floating = any(is_floating(m.dtype) for m in tensor_metas(node.meta))
@@ -298,12 +291,7 @@ def needs_grad(graph) -> frozenset[str]:
                 out.add(node.name)
         elif node.op == "call_function" and floating and any(i in out for i in node.inputs):
             out.add(node.name)
-    result = frozenset(out)
-    try:
-        _NEEDS_GRAD[graph] = result
-    except TypeError:
-        pass
-    return result
+    return frozenset(out)
 
 
 def tensor_inputs(node, graph) -> list[tuple[int, str]]:
@@ -316,6 +304,7 @@ def tensor_inputs(node, graph) -> list[tuple[int, str]]:
     return out
 
 
+@per_graph
 def alias_roots(graph) -> dict[str, frozenset[str]]:
     """For every node, the storage-owning nodes its value aliases: itself for ops that allocate,
     its source's roots for views. A getitem of a multi-output op aliases the whole op (the op's

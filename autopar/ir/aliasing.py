@@ -24,6 +24,8 @@ import functools
 
 import torch
 
+from autopar.ir.graph import per_graph
+
 # in-place ops that change no values (only autograd metadata)
 _METADATA_ONLY = frozenset({"aten.detach_.default"})
 
@@ -119,6 +121,7 @@ def write_paths(graph) -> dict[str, list[tuple[str, int]]]:
     return out
 
 
+@per_graph
 def in_place_reads(graph) -> frozenset[tuple[str, int]]:
     """(reader, input position) of every read that must see its producer's memory itself: a
     written argument, and each view between it and the tensor that owns the memory."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -155,6 +157,23 @@ def _stable(value: Any) -> Any:
 
 OUTSIDE = "(outside)"
 """Key of ``Graph.flops_per_layer()`` for nodes that belong to no layer."""
+
+
+def per_graph(analysis):
+    """``analysis(graph)`` computed once per graph (a traced graph is read-only): the planner asks
+    for the same reads of one graph in every ILP it builds (a GPT-3 search builds ~60). Callers
+    must not change what it returns."""
+    results: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    @functools.wraps(analysis)
+    def cached(graph):
+        try:
+            return results[graph]
+        except KeyError:
+            out = results[graph] = analysis(graph)
+            return out
+
+    return cached
 
 
 class Graph:

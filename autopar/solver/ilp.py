@@ -176,11 +176,13 @@ def _prune_infinite(problem: Problem) -> dict[str, list[int]]:
 
 def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = None, msg: bool = False,
           cutoff_s: float | None = None) -> Solution:
-    """Solve with pulp: HiGHS when highspy is installed (or ``solver="highs"``), else CBC.
+    """Solve with HiGHS when highspy is installed (or ``solver="highs"``), else CBC (through pulp).
     ``cutoff_s``: the caller needs no assignment costing more (it has a better option elsewhere):
     HiGHS stops as soon as its bound proves none costs less, and a result above it raises
     ``NoCheaperPlan`` (a PlanError)."""
     t0 = time.perf_counter()
+    if solver not in SOLVERS:
+        raise ConfigError(f"unknown ILP solver {solver!r}; use 'highs' (needs highspy), 'cbc', or None for the best available")
     red = problem.reduced()
     alive = _prune_infinite(red)
     for v, idx in alive.items():
@@ -188,103 +190,186 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
             raise PlanError(f"node {v} has no strategy with a finite cost")
     if problem.budget is not None and min_memory(problem) > problem.budget:
         raise _budget_error(problem)
-    lp = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
-    var = _variable_factory(lp)
-    s = {v: {i: var(f"s_{n}_{i}", cat="Binary") for i in idx} for n, (v, idx) in enumerate(alive.items())}
-    objective = []
-    for n, (v, vars_) in enumerate(s.items()):
-        lp += pulp.lpSum(vars_.values()) == 1, f"one_strategy_{n}"
-        objective += [_round(red.costs[v][i]) * x for i, x in vars_.items() if _round(red.costs[v][i])]
-    held = []  # memory terms of the edges (bytes a pair's reshard keeps)
-    pairs = {}  # (u, v) -> the pair variables e[i, j], or None where one side is fixed (no e)
-    for n, ((u, v), mat) in enumerate(red.edges.items()):
-        su, sv = s[u], s[v]
-        hmat = _oriented(red.edge_memory, u, v) if problem.budget is not None else None
-        pairs[(u, v)] = None
-        if len(su) == 1 or len(sv) == 1:
-            # One side is fixed: the edge cost is linear in the other side's choice.
-            for i, xi in su.items():
-                for j, xj in sv.items():
-                    c = _round(mat[i, j])
-                    if math.isinf(c):
-                        lp += (xi + xj <= 1), f"forbid_{n}_{i}_{j}"
-                    elif c:
-                        objective.append(c * (xj if len(su) == 1 else xi))
-                    if hmat is not None and hmat[i, j] and not math.isinf(c):
-                        held.append(float(hmat[i, j]) * (xj if len(su) == 1 else xi))
-            continue
-        e = {}
-        for i in su:
-            for j in sv:
-                c = _round(mat[i, j])
-                if math.isinf(c):
-                    continue  # no variable: the pair cannot be chosen together
-                e[i, j] = var(f"e_{n}_{i}_{j}", lowBound=0, upBound=1)
-                if c:
-                    objective.append(c * e[i, j])
-                if hmat is not None and hmat[i, j]:
-                    held.append(float(hmat[i, j]) * e[i, j])
-        for i, xi in su.items():
-            lp += pulp.lpSum(e[i, j] for j in sv if (i, j) in e) == xi, f"edge_src_{n}_{i}"
-        for j, xj in sv.items():
-            lp += pulp.lpSum(e[i, j] for i in su if (i, j) in e) == xj, f"edge_dst_{n}_{j}"
-        pairs[(u, v)] = e
-    for g, oc in enumerate(red.once):
-        y = var(f"y_{g}", lowBound=0, upBound=1)  # 0/1 at the optimum: the s are
-        objective.append(_round(oc.cost) * y)
-        for t, (u, v, m) in enumerate(oc.members):
-            lp += y >= pulp.lpSum(_member_terms(s, pairs, u, v, m)), f"once_{g}_{t}"
-    if problem.budget is not None:
-        lp += (
-            pulp.lpSum(float(red.memory[v][i]) * x for v, vars_ in s.items() for i, x in vars_.items())
-            + pulp.lpSum(held) <= problem.budget - problem.base_memory,
-            "memory_budget",
-        )
-    lp += pulp.lpSum(objective)
+    program, s = _formulate(red, alive, problem.budget)
+    run = _run_highs if solver in (None, "highs") and _highspy() is not None else _run_cbc
+    if solver == "highs" and _highspy() is None:
+        raise PlanError("solver 'highs' needs the highspy package: pip install 'autopar[highs]'")
     with _quiet(not msg):
-        status = lp.solve(_solver(solver, time_limit_s, msg, cutoff_s))
-    status_name = pulp.LpStatus[status]
-    if cutoff_s is not None and (not _has_solution(s) or evaluate(problem, _picked(problem, s))[0] > cutoff_s):
+        status_name, x = run(program, time_limit_s, msg, cutoff_s)
+    found = x is not None and _has_solution(s, x)
+    if cutoff_s is not None and (not found or evaluate(problem, _picked(problem, s, x))[0] > cutoff_s):
         raise NoCheaperPlan(f"no assignment costs under the cutoff of {cutoff_s:.3g} s")
-    if status_name != "Optimal" and not _has_solution(s):
+    if not found:
         if status_name == "Infeasible" and problem.budget is not None:
             raise _budget_error(problem)
         raise PlanError(
             f"the ILP solver stopped with status {status_name!r} before it found a plan (time limit "
             f"{time_limit_s:g} s); raise time_limit_s, or plan on a smaller mesh or model"
         )
-    full = _picked(problem, s)
+    full = _picked(problem, s, x)
     obj, mem = evaluate(problem, full)
     if problem.budget is not None and mem > problem.budget * (1 + 1e-9):
         raise _budget_error(problem)
-    return Solution(full, obj, mem, status_name, time.perf_counter() - t0, lp.numVariables(), lp.numConstraints())
+    return Solution(full, obj, mem, status_name, time.perf_counter() - t0, len(program.cost), len(program.rows))
 
 
-def _member_terms(s, pairs, u, v, mask) -> list:
-    """The variables (or constants) that are 1 when a once-paid cost's member takes a pair of
-    ``mask``: a node's own choices, an edge's pair variables, or the free side's choices of an
-    edge whose other side is fixed."""
+@dataclasses.dataclass
+class _Program:
+    """The ILP as plain arrays (min cost . x over the rows' bounds), which HiGHS takes whole: a
+    modelling layer's objects cost more than the solve itself at GPT-3 scale."""
+
+    cost: list = dataclasses.field(default_factory=list)
+    upper: list = dataclasses.field(default_factory=list)
+    integer: list = dataclasses.field(default_factory=list)
+    rows: list = dataclasses.field(default_factory=list)  # (columns, coefficients, lower, upper)
+
+    def column(self, cost: float = 0.0, integer: bool = False) -> int:
+        self.cost.append(cost)
+        self.upper.append(1.0)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def row(self, columns, coefficients, lower: float, upper: float) -> None:
+        self.rows.append((list(columns), list(coefficients), lower, upper))
+
+
+def _formulate(red: Problem, alive: dict, budget) -> tuple[_Program, dict]:
+    """The program of ``red`` (see the module docstring) and, per node, strategy -> its column."""
+    prog = _Program()
+    s = {v: {i: prog.column(_round(red.costs[v][i]), integer=True) for i in idx} for v, idx in alive.items()}
+    for vars_ in s.values():
+        prog.row(vars_.values(), [1.0] * len(vars_), 1.0, 1.0)  # one strategy
+    memory = {x: float(red.memory[v][i]) for v, vars_ in s.items() for i, x in vars_.items()} if budget is not None else {}
+    pairs = {}  # (u, v) -> the pair columns e[i, j], or None where one side is fixed (no e)
+    for (u, v), mat in red.edges.items():
+        su, sv = s[u], s[v]
+        hmat = _oriented(red.edge_memory, u, v) if budget is not None else None
+        pairs[(u, v)] = None
+        if len(su) == 1 or len(sv) == 1:
+            # One side is fixed: the edge cost is linear in the other side's choice.
+            for i, xi in su.items():
+                for j, xj in sv.items():
+                    c = _round(mat[i, j])
+                    free = xj if len(su) == 1 else xi
+                    if math.isinf(c):
+                        prog.row((xi, xj), (1.0, 1.0), -math.inf, 1.0)  # the pair is forbidden
+                        continue
+                    prog.cost[free] += c
+                    if hmat is not None and hmat[i, j]:
+                        memory[free] = memory.get(free, 0.0) + float(hmat[i, j])
+            continue
+        e = {}
+        for i in su:
+            for j in sv:
+                c = _round(mat[i, j])
+                if math.isinf(c):
+                    continue  # no column: the pair cannot be chosen together
+                e[i, j] = prog.column(c)
+                if hmat is not None and hmat[i, j]:
+                    memory[e[i, j]] = float(hmat[i, j])
+        for i, xi in su.items():
+            cols = [e[i, j] for j in sv if (i, j) in e]
+            prog.row(cols + [xi], [1.0] * len(cols) + [-1.0], 0.0, 0.0)  # the edge agrees with its source
+        for j, xj in sv.items():
+            cols = [e[i, j] for i in su if (i, j) in e]
+            prog.row(cols + [xj], [1.0] * len(cols) + [-1.0], 0.0, 0.0)  # and with its target
+        pairs[(u, v)] = e
+    for oc in red.once:
+        y = prog.column(_round(oc.cost))  # 0/1 at the optimum: the s are
+        for u, v, m in oc.members:
+            cols, always = _member_terms(s, pairs, u, v, m)
+            prog.row([y] + cols, [1.0] + [-1.0] * len(cols), 1.0 if always else 0.0, math.inf)
+    if budget is not None:
+        prog.row(list(memory), list(memory.values()), -math.inf, budget - red.base_memory)
+    return prog, s
+
+
+def _highspy():
+    try:
+        import highspy
+
+        return highspy
+    except ImportError:
+        return None
+
+
+def _run_highs(prog: _Program, time_limit_s: float, msg: bool, cutoff_s: float | None):
+    """(status, column values or None) from HiGHS, the program passed whole."""
+    highspy = _highspy()
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", bool(msg))
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("mip_rel_gap", MIP_GAP)
+    if cutoff_s is not None:  # HiGHS drops every branch whose bound is above it
+        h.setOptionValue("objective_bound", cutoff_s * OBJECTIVE_SCALE)
+    lp = highspy.HighsLp()
+    n = len(prog.cost)
+    lp.num_col_, lp.num_row_ = n, len(prog.rows)
+    lp.col_cost_ = np.asarray(prog.cost, dtype=float)
+    lp.col_lower_, lp.col_upper_ = np.zeros(n), np.asarray(prog.upper, dtype=float)
+    lp.row_lower_ = np.array([r[2] for r in prog.rows], dtype=float)
+    lp.row_upper_ = np.array([r[3] for r in prog.rows], dtype=float)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.cumsum([0] + [len(r[0]) for r in prog.rows]).astype(np.int32)
+    lp.a_matrix_.index_ = np.array([c for r in prog.rows for c in r[0]], dtype=np.int32)
+    lp.a_matrix_.value_ = np.array([a for r in prog.rows for a in r[1]], dtype=float)
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in prog.integer]
+    h.passModel(lp)
+    h.run()
+    status = h.getModelStatus()
+    name = {highspy.HighsModelStatus.kOptimal: "Optimal", highspy.HighsModelStatus.kInfeasible: "Infeasible"}.get(
+        status, h.modelStatusToString(status))
+    has = h.getInfo().primal_solution_status == 2  # a feasible point (kSolutionStatusFeasible)
+    return name, np.asarray(h.getSolution().col_value) if has else None
+
+
+def _run_cbc(prog: _Program, time_limit_s: float, msg: bool, cutoff_s: float | None):
+    """(status, column values or None) from CBC, through pulp (CBC takes no objective bound)."""
+    lp = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
+    var = _variable_factory(lp)
+    x = [var(f"x_{k}", lowBound=0, upBound=up, cat="Binary" if integer else "Continuous")
+         for k, (up, integer) in enumerate(zip(prog.upper, prog.integer))]
+    for n, (cols, coefs, lo, hi) in enumerate(prog.rows):
+        expr = pulp.lpSum(a * x[c] for c, a in zip(cols, coefs))
+        if lo == hi:
+            lp += expr == lo, f"r{n}"
+        elif math.isinf(hi):
+            lp += expr >= lo, f"r{n}"
+        else:
+            lp += expr <= hi, f"r{n}"
+    lp += pulp.lpSum(c * x[k] for k, c in enumerate(prog.cost) if c)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # pulp 3.3 nudges towards pulp[cbc]
+        status = lp.solve(pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s, gapRel=MIP_GAP))
+    values = [v.value() for v in x]
+    return pulp.LpStatus[status], None if any(v is None for v in values) else np.asarray(values, dtype=float)
+
+
+def _member_terms(s, pairs, u, v, mask) -> tuple[list[int], bool]:
+    """(the columns that are 1 when a once-paid cost's member takes a pair of ``mask``, whether
+    it always does): a node's own choices, an edge's pair columns, or the free side's choices
+    of an edge whose other side is fixed."""
     if u == v:
-        return [x for i, x in s[u].items() if mask[i]]
+        return [x for i, x in s[u].items() if mask[i]], False
     if (u, v) not in pairs:
         u, v, mask = v, u, mask.T
     e = pairs[(u, v)]
     if e is not None:
-        return [x for (i, j), x in e.items() if mask[i, j]]
-    (su, sv) = s[u], s[v]
+        return [x for (i, j), x in e.items() if mask[i, j]], False
+    su, sv = s[u], s[v]
     if len(su) == 1 and len(sv) == 1:
         (i,), (j,) = su, sv
-        return [1] if mask[i, j] else []
+        return [], bool(mask[i, j])
     if len(su) == 1:
         (i,) = su
-        return [x for j, x in sv.items() if mask[i, j]]
+        return [x for j, x in sv.items() if mask[i, j]], False
     (j,) = sv
-    return [x for i, x in su.items() if mask[i, j]]
+    return [x for i, x in su.items() if mask[i, j]], False
 
 
-def _picked(problem: Problem, s) -> dict[str, int]:
-    """The strategy each node's variables chose (tied nodes: their representative's)."""
-    choice = {v: max(vars_, key=lambda i: vars_[i].value() or 0.0) for v, vars_ in s.items()}
+def _picked(problem: Problem, s, x) -> dict[str, int]:
+    """The strategy each node's columns chose (tied nodes: their representative's)."""
+    choice = {v: max(cols, key=lambda i: x[cols[i]]) for v, cols in s.items()}
     return {v: choice[problem.rep(v)] for v in problem.costs}
 
 
@@ -331,8 +416,8 @@ def min_memory(problem: Problem) -> float:
             + sum(float(np.min(m)) for m in red.edge_memory.values()))
 
 
-def _has_solution(s) -> bool:
-    return all(any((x.value() or 0) > 0.5 for x in vars_.values()) for vars_ in s.values())
+def _has_solution(s, x) -> bool:
+    return all(any(x[c] > 0.5 for c in cols.values()) for cols in s.values())
 
 
 def _round(c: float) -> float:
@@ -343,24 +428,6 @@ def _round(c: float) -> float:
 
 
 SOLVERS = (None, "highs", "cbc")
-
-
-def _solver(name: str | None, time_limit_s: float, msg: bool, cutoff_s: float | None = None):
-    if name not in SOLVERS:
-        raise ConfigError(f"unknown ILP solver {name!r}; use 'highs' (needs highspy), 'cbc', or None for the best available")
-    if name in (None, "highs"):
-        try:
-            import highspy  # noqa: F401
-
-            # objective_bound: HiGHS drops every branch whose bound is above it (CBC runs without)
-            bound = {} if cutoff_s is None else {"objective_bound": cutoff_s * OBJECTIVE_SCALE}
-            return pulp.HiGHS(msg=msg, timeLimit=time_limit_s, gapRel=MIP_GAP, **bound)
-        except ImportError:
-            if name == "highs":
-                raise PlanError("solver 'highs' needs the highspy package: pip install 'autopar[highs]'") from None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # pulp 3.3 nudges towards pulp[cbc]
-        return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s, gapRel=MIP_GAP)
 
 
 def brute_force(problem: Problem) -> tuple[dict[str, int], float]:

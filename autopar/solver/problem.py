@@ -298,7 +298,11 @@ def held_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh
     itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
     srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
     dsts = [cs.inputs[position] if position < len(cs.inputs) else None for cs in cons.strategies]
-    return np.array([[memory_model.held_reshard_bytes(static, a, b, mesh, itemsize) for b in dsts] for a in srcs], dtype=float)
+    src_ids, src_keys = _index(srcs)  # many strategies share specs: each distinct pair once
+    dst_ids, dst_keys = _index(dsts)
+    table = np.array([[memory_model.held_reshard_bytes(static, a, b, mesh, itemsize) for b in dst_keys] for a in src_keys],
+                     dtype=float).reshape(len(src_keys), len(dst_keys))
+    return table[np.ix_(src_ids, dst_ids)]
 
 
 def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backward: bool) -> np.ndarray:
