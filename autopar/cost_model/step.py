@@ -51,6 +51,27 @@ def bucket_sizes(total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[i
     return sizes
 
 
+def assign_buckets(items, bucket_bytes: int = DEFAULT_BUCKET_BYTES, first_bucket_bytes: int = FIRST_BUCKET_BYTES
+                   ) -> list[tuple[object, list[int], int]]:
+    """The reducer's buckets (``runtime.reducer.GradReducer``) and the step model's: ``items`` are
+    (key, bytes) in the order backward finishes them (the reverse of the forward's first reads);
+    each key (collective, axes, dtype, device) fills buckets of its own, a parameter never split
+    across two; the first bucket made holds at most ``first_bucket_bytes`` (its collective starts
+    early in backward), every other ``bucket_bytes``. Returns (key, item indices, bytes) per
+    bucket, in the order they are made."""
+    open_: dict = {}
+    made: list[list] = []
+    for i, (key, nbytes) in enumerate(items):
+        cap = min(first_bucket_bytes, bucket_bytes) if not made else bucket_bytes
+        cur = open_.get(key)
+        if cur is None or (cur[2] + nbytes > cur[3] and cur[1]):
+            cur = open_[key] = [key, [], 0, cap]
+            made.append(cur)
+        cur[1].append(i)
+        cur[2] += nbytes
+    return [(key, members, total) for key, members, total, _ in made]
+
+
 def bucket_count(total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
     """``len(bucket_sizes(total, bucket_bytes))``, without the list (a 175B model fills ~13,000)."""
     if total <= 0:
@@ -138,29 +159,38 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
                  for n in plan.nodes.values() if needs_lowering(n.family))
     in_ops += grad_sum_s(plan, graph, mesh, identical)
 
-    synced: dict[tuple, int] = {}  # (collective, axes) -> gradient bytes the reducer buckets
-    gathered: dict[tuple, int] = {}  # the same for ZeRO-2's parameter all-gathers
+    order = {n: t for t, n in enumerate(graph.nodes)}
+    first_use = {name: min((order[u] for u in node.users), default=len(order)) for name, node in graph.nodes.items()
+                 if node.op == "placeholder"}
+    synced = []  # (first use, (collective, axes, dtype), bytes, ZeRO-2's all-gathers after the step)
     elements = tensors = 0
     accumulate = 0.0
     for p in plan.params.values():
         if p.buffer:
             continue
         accumulate += p.accumulate_s
-        itemsize = graph.nodes[p.node].meta.itemsize
-        local = p.grad_sync[2] if p.grad_sync is not None else local_bytes(p.storage, mesh.shape, itemsize)
+        meta = graph.nodes[p.node].meta
+        local = p.grad_sync[2] if p.grad_sync is not None else local_bytes(p.storage, mesh.shape, meta.itemsize)
         if p.grad_sync is not None:
             kind, axes, nbytes = p.grad_sync
             first, *rest = kind.split("+")
-            synced[(first, tuple(axes))] = synced.get((first, tuple(axes)), 0) + int(nbytes)
-            for k in rest:  # ZeRO-2: the updated chunks all-gathered, in the same buckets, before the next forward
-                gathered[(k, tuple(axes))] = gathered.get((k, tuple(axes)), 0) + int(nbytes)
+            synced.append((first_use.get(p.node, 0), (first, tuple(axes), str(meta.dtype), tuple(rest)), int(nbytes), rest))
             if kind.startswith("reduce_scatter"):
                 local = nbytes / math.prod(mesh.shape[a] for a in axes)
-        elements += local / itemsize
+        elements += local / meta.itemsize
         tensors += 1
-    buckets = _bucket_times(synced, mesh, bucket_bytes)
+    # the reducer's buckets (``assign_buckets``), in backward's order; ZeRO-2's updated chunks are
+    # all-gathered in the same buckets before the next forward
+    synced.sort(key=lambda x: -x[0])
+    buckets, gathers = [], 0.0
+    priced: dict = {}
+    for (kind, axes, _, _), members, nbytes in assign_buckets([(key, n) for _, key, n, _ in synced], bucket_bytes):
+        for k in [kind] + list(synced[members[0]][3]):
+            if (k, axes, nbytes) not in priced:
+                priced[(k, axes, nbytes)] = mesh_collective_time(k, nbytes, mesh, axes)
+        buckets.append(priced[(kind, axes, nbytes)])
+        gathers += sum(priced[(k, axes, nbytes)] for k in synced[members[0]][3])
     sync = sum(buckets)
-    gathers = sum(_bucket_times(gathered, mesh, bucket_bytes))
     exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0
     optimizer = elements * cluster.optimizer_s_per_element + tensors * cluster.optimizer_s_per_tensor
     total = compute + overhead + reshard + in_ops + exposed + gathers + optimizer + accumulate
@@ -178,14 +208,3 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         "step_time_s": total,
         "buckets": len(buckets),
     }
-
-
-def _bucket_times(totals: dict, mesh, bucket_bytes: int) -> list[float]:
-    """Seconds of each bucket the reducer makes of ``{(collective, axes): bytes}`` (each size priced
-    once: a model of 175B parameters fills thousands of equal buckets)."""
-    out = []
-    for (kind, axes), total in totals.items():
-        sizes = bucket_sizes(total, bucket_bytes)
-        priced = {b: mesh_collective_time(kind, b, mesh, axes) for b in set(sizes)}
-        out.extend(priced[b] for b in sizes)
-    return out

@@ -54,7 +54,7 @@ import torch.distributed as dist
 # One source for the bucket sizes: the cost model prices these buckets.
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
 from autopar.cost_model.step import FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES
-from autopar.cost_model.step import SCATTERS_IN_FLIGHT
+from autopar.cost_model.step import SCATTERS_IN_FLIGHT, assign_buckets
 from autopar.errors import ConfigError
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -295,20 +295,11 @@ class GradReducer:
 
     def _make_buckets(self, entries: list[SyncEntry]) -> list[_Bucket]:
         order = sorted(entries, key=lambda e: -e.first_use)  # the order backward finishes them
-        open_: dict = {}
-        plans: list[tuple] = []  # (key, [entries]) in creation order
-        for e in order:
-            key = (e.kind, tuple(e.axes), e.param.dtype, e.param.device)
-            cap = min(self.first_bucket_bytes, self.bucket_bytes) if not plans else self.bucket_bytes
-            nbytes = (e.full if e.kind == "reduce_scatter" else e.param).numel() * e.param.element_size()
-            cur = open_.get(key)
-            if cur is None or (cur[2] + nbytes > cur[3] and cur[1]):
-                cur = [key, [], 0, cap]
-                open_[key] = cur
-                plans.append(cur)
-            cur[1].append(e)
-            cur[2] += nbytes
-        return [_Bucket(i, key[0], self.groups.handle(key[1]), es) for i, (key, es, _, _) in enumerate(plans)]
+        items = [((e.kind, tuple(e.axes), e.param.dtype, e.param.device),
+                  (e.full if e.kind == "reduce_scatter" else e.param).numel() * e.param.element_size()) for e in order]
+        made = assign_buckets(items, self.bucket_bytes, self.first_bucket_bytes)  # as the step model prices them
+        return [_Bucket(i, key[0], self.groups.handle(key[1]), [order[k] for k in members])
+                for i, (key, members, _) in enumerate(made)]
 
     # ---- forward ------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -111,6 +111,7 @@ class PipelineChoice:
     search_s: float
     timing: dict = dataclasses.field(default_factory=dict)
     notes: list = dataclasses.field(default_factory=list)  # what the search had to give up, and why
+    mesh: Mesh | None = None  # the mesh searched (a stage's own may view its devices otherwise)
 
     @property
     def stages(self) -> list[StagePlan]:
@@ -147,9 +148,11 @@ class PipelineChoice:
 
     def to_plan(self) -> Plan:
         """A Plan holding these stages (see ``Plan.pipeline``)."""
-        mesh_dict = self.stages[0].plan.mesh
-        full_rows = max(s.rows[1] for s in self.stages) + 1
-        mesh = dict(mesh_dict, shape=[full_rows, *mesh_dict["shape"][1:]])
+        if self.mesh is not None:
+            mesh = self.mesh.to_dict()
+        else:
+            mesh_dict = self.stages[0].plan.mesh
+            mesh = dict(mesh_dict, shape=[max(s.rows[1] for s in self.stages) + 1, *mesh_dict["shape"][1:]])
         compute = sum(s.plan.predicted.get("compute_s", 0.0) for s in self.stages)
         predicted = {
             "step_time_s": self.step_time_s,
@@ -608,7 +611,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: 
     virtual = best.schedule.stages_per_rank(pipeline.virtual_stages)
     stages = _stage_plans(best, mesh, virtual, run.budget)
     return PipelineChoice(PipelinePlan(best.schedule.name, best.count, stages, virtual), best.sol.step_time, best.graph,
-                          time.perf_counter() - t0, run.timing, notes)
+                          time.perf_counter() - t0, run.timing, notes, mesh)
 
 
 def _stage_plans(found: Found, mesh: Mesh, virtual: int, budget: float) -> list[StagePlan]:

@@ -160,6 +160,7 @@ def accumulation_case(tag, mesh, groups, *, micro=4, last_no_sync=False, resync=
         state = pm.full_state_dict()
         state_err = max(rel(state[k], v) for k, v in ref.state_dict().items())
         return {"tag": tag, "grad_err": grad_err, "state_err": state_err, "buckets": len(pm.reducer.buckets),
+                "predicted_buckets": pm.plan.predicted["buckets"],
                 "launched": pm.reducer.launched - launched0, "pending": pm.reducer.pending(),
                 "same_buffers": buffers[0] == buffers[1]}
 
@@ -274,6 +275,18 @@ def test_tiny_buckets_make_many_collectives_and_stay_exact(two_ranks):
     case = _ok(two_ranks["tiny-buckets-2"])
     assert case["buckets"] > 10
     assert case["launched"] == 2 * case["buckets"]
+
+
+@pytest.mark.multirank
+def test_the_step_model_prices_the_reducers_buckets(two_ranks, four_ranks):
+    """The reducer and the step model make buckets with one function (``step.assign_buckets``): the
+    plan predicts as many collectives as the runtime launches, tiny buckets and ZeRO-2 included."""
+    checked = 0
+    for case in list(two_ranks.values()) + list(four_ranks.values()):
+        if "predicted_buckets" in case:
+            assert case["predicted_buckets"] == case["buckets"], case["tag"]
+            checked += 1
+    assert checked >= 6
 
 
 @pytest.mark.multirank
