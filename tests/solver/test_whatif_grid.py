@@ -12,7 +12,7 @@ CASES = [
     # the bench GPT's width and vocabulary on A100s: where whole-layer ZeRO-3 wins by 1.3%, which an
     # ILP pricing each gather's latency apart from its layer's call missed
     ("gpt", dict(vocab=8192, width=256, layers=2, heads=8, seq=128, batch=16), "a100-80g"),
-    ("llama", dict(vocab=512, width=64, layers=4, heads=4, kv_heads=2, hidden=176, seq=32, batch=8), "cpu-gloo"),
+    ("llama", dict(vocab=512, width=64, layers=2, heads=4, kv_heads=2, hidden=176, seq=32, batch=8), "cpu-gloo"),
 ]
 
 
@@ -22,7 +22,7 @@ def test_no_configuration_of_the_grid_beats_the_plan(name, shape, cluster):
     mesh = autopar.Mesh((4,), cluster=cluster)
     plan = autopar.plan(model, mesh, inputs)
     configs = config_grid(4, layers=shape["layers"], batch=shape["batch"])
-    assert len(configs) >= 25
+    assert len(configs) >= 20
     rows = compare(model, mesh, inputs, configs)
     priced = [r for r in rows if r.step_time_s is not None]
     assert len(priced) >= len(configs) - 2, [r.note for r in rows if r.step_time_s is None]
