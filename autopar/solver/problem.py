@@ -246,6 +246,14 @@ def produced_spec(strategy: Strategy, consumer, position: int, graph):
     return out
 
 
+def _pair_specs(graph, prod: NodeChoices, cons: NodeChoices, position: int) -> tuple[list, list]:
+    """(the spec each producer strategy hands the consumer's input ``position``, the spec each
+    consumer strategy reads there; None where it reads none)."""
+    consumer = graph.nodes[cons.name]
+    return ([produced_spec(ps, consumer, position, graph) for ps in prod.strategies],
+            [cs.inputs[position] if position < len(cs.inputs) else None for cs in cons.strategies])
+
+
 def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool,
                 in_place: bool = False) -> np.ndarray:
     """Seconds of every (producer strategy, consumer strategy) pair's reshard (and its backward
@@ -256,8 +264,7 @@ def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh
     itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
     table = _reshard_table(graph, prod, cons, position, mesh, itemsize, with_backward)
     if in_place:
-        srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
-        dsts = [cs.inputs[position] if position < len(cs.inputs) else None for cs in cons.strategies]
+        srcs, dsts = _pair_specs(graph, prod, cons, position)
         same = np.array([[d is None or s == d for d in dsts] for s in srcs], dtype=bool)
         table = np.where(same, table, np.inf)
     return table
@@ -270,8 +277,7 @@ def gather_masks(graph, prod: NodeChoices, cons: NodeChoices, position: int, mes
     (``cost_model.step.param_gather_groups``)."""
     consumer = graph.nodes[cons.name]
     itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
-    srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
-    dsts = [cs.inputs[position] if position < len(cs.inputs) else None for cs in cons.strategies]
+    srcs, dsts = _pair_specs(graph, prod, cons, position)
     src_ids, src_keys = _index(srcs)
     dst_ids, dst_keys = _index(dsts)
     axes_of = np.full((len(src_keys), len(dst_keys)), None, dtype=object)
@@ -296,8 +302,7 @@ def held_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh
     on an edge whose value the consumer's backward keeps (``memory.held_reshard_bytes``)."""
     consumer = graph.nodes[cons.name]
     itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
-    srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
-    dsts = [cs.inputs[position] if position < len(cs.inputs) else None for cs in cons.strategies]
+    srcs, dsts = _pair_specs(graph, prod, cons, position)
     src_ids, src_keys = _index(srcs)  # many strategies share specs: each distinct pair once
     dst_ids, dst_keys = _index(dsts)
     table = np.array([[memory_model.held_reshard_bytes(static, a, b, mesh, itemsize) for b in dst_keys] for a in src_keys],
@@ -306,11 +311,9 @@ def held_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh
 
 
 def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backward: bool) -> np.ndarray:
-    consumer = graph.nodes[cons.name]
     factor = 2.0 if with_backward else 1.0
     # Many strategies share specs: price each distinct (source, target) pair once.
-    srcs = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
-    dsts = [cs.inputs[position] if position < len(cs.inputs) else None for cs in cons.strategies]
+    srcs, dsts = _pair_specs(graph, prod, cons, position)
     src_ids, src_keys = _index(srcs)
     dst_ids, dst_keys = _index(dsts)
     table = np.zeros((len(src_keys), len(dst_keys)))
