@@ -454,10 +454,10 @@ class _Search:
         unit_of_nodes(graph)  # a graph without layers cannot be cut: PlanError
         unit_groups(len(graph.layers), None, self.pipeline.layers)  # fixed layers must cover the model: ConfigError
         kwargs = {**self.plan_kwargs, "microbatches": count}
-        variants, lean = self._fastest_variants(graph, kwargs)
-        found = self.best_stages(variants, count, graph)
-        if lean and self._add_leaner(variants, lean, found, count, graph, kwargs):
-            found = self.best_stages(variants, count, graph)
+        rows = [r for r in self.options  # not more stages of a size than layers
+                if not (self.equal_stages and self.mesh.shape[0] // r > len(graph.layers))]
+        variants, lean = self._fastest_variants(graph, kwargs, [(r, sub_mesh(self.mesh, r)) for r in rows])
+        found = self._stages_over(variants, lean, count, graph, kwargs)
         self.results[count] = found
         log.info("pipeline search, %d microbatches: %s (%d sub-mesh options, %.1f s)", count,
                  "nothing fits" if found is None else
@@ -465,17 +465,14 @@ class _Search:
                  len(variants), time.perf_counter() - t_trace)
         return found
 
-    def _fastest_variants(self, graph, kwargs: dict):
-        """(rows, UnitPrices) of the fastest intra-op plan per sub-mesh (and recomputed, per
-        ``Pipeline.recompute``); and (rows, those prices) of the sub-meshes where it does not fit."""
+    def _fastest_variants(self, graph, kwargs: dict, meshes):
+        """(rows, UnitPrices) of the fastest intra-op plan on each (rows, sub-mesh) of ``meshes``
+        (and recomputed, per ``Pipeline.recompute``); and (rows, sub-mesh, those prices) where it
+        does not fit."""
         t_ilp = time.perf_counter()
-        mesh = self.mesh
         variants, lean = [], []
-        for rows in self.options:
-            if self.equal_stages and mesh.shape[0] // rows > len(graph.layers):
-                continue  # more stages of this size than layers
-            share = rows / mesh.shape[0] if self.equal_stages else None  # of the layers a stage holds
-            sm = sub_mesh(mesh, rows)
+        for rows, sm in meshes:
+            share = rows / self.mesh.shape[0] if self.equal_stages else None  # of the layers a stage holds
             fastest = fastest_prices(self.model, sm, graph, plan_one_stage, kwargs)
             if fastest is not None:
                 variants += [(rows, p) for p in _recompute_variants(fastest, self.pipeline.recompute)]
@@ -483,6 +480,14 @@ class _Search:
                     lean.append((rows, sm, fastest))
         self.timing["intra_op_s"] += time.perf_counter() - t_ilp
         return variants, lean
+
+    def _stages_over(self, variants: list, lean: list, count: int, graph, kwargs: dict, floor: Found | None = None):
+        """The stage DP over ``variants``, then again with leaner plans of the ``lean`` sub-meshes
+        where any could still win (``_add_leaner``; cut off at what was found, or ``floor``)."""
+        found = self.best_stages(variants, count, graph)
+        if lean and self._add_leaner(variants, lean, found or floor, count, graph, kwargs):
+            found = self.best_stages(variants, count, graph)
+        return found
 
     def _add_leaner(self, variants: list, lean: list, found: Found | None, count: int, graph, kwargs: dict) -> bool:
         """Leaner plans of the sub-meshes whose fastest does not fit, added to ``variants``, each cut
@@ -508,23 +513,13 @@ class _Search:
         count and the stage size before the width does. A forced layout fixes the widths."""
         if best is None or self.plan_kwargs.get("force") is not None:
             return best
-        t_ilp = time.perf_counter()
         kwargs = {**self.plan_kwargs, "microbatches": best.count}
-        variants, lean = list(best.variants), []
-        for rows in sorted({best.variants[m][0] for _, _, m in best.sol.stages}):
-            share = rows / self.mesh.shape[0] if self.equal_stages else None
-            for view in narrower_views(sub_mesh(self.mesh, rows)):
-                fastest = fastest_prices(self.model, view, best.graph, plan_one_stage, kwargs)
-                if fastest is not None:
-                    variants += [(rows, p) for p in _recompute_variants(fastest, self.pipeline.recompute)]
-                    if held_bytes(fastest, share) > self.budget:
-                        lean.append((rows, view, fastest))
-        self.timing["intra_op_s"] += time.perf_counter() - t_ilp
-        if len(variants) == len(best.variants):
+        views = [(rows, view) for rows in sorted({best.variants[m][0] for _, _, m in best.sol.stages})
+                 for view in narrower_views(sub_mesh(self.mesh, rows))]
+        added, lean = self._fastest_variants(best.graph, kwargs, views)
+        if not added:
             return best
-        found = self.best_stages(variants, best.count, best.graph)
-        if lean and self._add_leaner(variants, lean, found or best, best.count, best.graph, kwargs):
-            found = self.best_stages(variants, best.count, best.graph)
+        found = self._stages_over(list(best.variants) + added, lean, best.count, best.graph, kwargs, floor=best)
         return found if found is not None and found.sol.step_time < best.sol.step_time - 1e-15 else best
 
     # ---- the stage DP ----
