@@ -25,7 +25,7 @@ import math
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s, whole_on
 from autopar.cost_model.lowered import lowered_comm_s
-from autopar.ir.graph import Role, edge_itemsize
+from autopar.ir.graph import Role, edge_itemsize, per_graph
 from autopar.ir.losses import counted_from_inputs
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
@@ -133,6 +133,15 @@ def reshard_s(graph, edges, mesh, identical=()) -> float:
     return total
 
 
+@per_graph
+def first_reads(graph) -> dict[str, int]:
+    """Placeholder -> the forward position of its first reader (its gradient is finished in the
+    reverse order; the reducer orders its buckets so)."""
+    order = {n: t for t, n in enumerate(graph.nodes)}
+    return {name: min((order[u] for u in node.users), default=len(order)) for name, node in graph.nodes.items()
+            if node.op == "placeholder"}
+
+
 def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     """Seconds of one training step per rank under ``plan`` (see the module docstring), by part.
     ``mesh``: the mesh the plan was priced on (its cluster gives links, overheads and overlap)."""
@@ -159,10 +168,8 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
                  for n in plan.nodes.values() if needs_lowering(n.family))
     in_ops += grad_sum_s(plan, graph, mesh, identical)
 
-    order = {n: t for t, n in enumerate(graph.nodes)}
-    first_use = {name: min((order[u] for u in node.users), default=len(order)) for name, node in graph.nodes.items()
-                 if node.op == "placeholder"}
-    synced = []  # (first use, (collective, axes, dtype), bytes, ZeRO-2's all-gathers after the step)
+    first_use = first_reads(graph)
+    synced = []  # (first use, (collective, axes, dtype, ZeRO-2's all-gathers after the step), bytes)
     elements = tensors = 0
     accumulate = 0.0
     for p in plan.params.values():
@@ -174,7 +181,7 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         if p.grad_sync is not None:
             kind, axes, nbytes = p.grad_sync
             first, *rest = kind.split("+")
-            synced.append((first_use.get(p.node, 0), (first, tuple(axes), str(meta.dtype), tuple(rest)), int(nbytes), rest))
+            synced.append((first_use.get(p.node, 0), (first, tuple(axes), str(meta.dtype), tuple(rest)), int(nbytes)))
             if kind.startswith("reduce_scatter"):
                 local = nbytes / math.prod(mesh.shape[a] for a in axes)
         elements += local / meta.itemsize
@@ -184,12 +191,12 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     synced.sort(key=lambda x: -x[0])
     buckets, gathers = [], 0.0
     priced: dict = {}
-    for (kind, axes, _, _), members, nbytes in assign_buckets([(key, n) for _, key, n, _ in synced], bucket_bytes):
-        for k in [kind] + list(synced[members[0]][3]):
+    for (kind, axes, _, after), _, nbytes in assign_buckets([(key, n) for _, key, n in synced], bucket_bytes):
+        for k in (kind, *after):
             if (k, axes, nbytes) not in priced:
                 priced[(k, axes, nbytes)] = mesh_collective_time(k, nbytes, mesh, axes)
         buckets.append(priced[(kind, axes, nbytes)])
-        gathers += sum(priced[(k, axes, nbytes)] for k in synced[members[0]][3])
+        gathers += sum(priced[(k, axes, nbytes)] for k in after)
     sync = sum(buckets)
     exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0
     optimizer = elements * cluster.optimizer_s_per_element + tensors * cluster.optimizer_s_per_tensor
