@@ -1,7 +1,7 @@
 """autopar: a compiler-style auto-parallel planner for PyTorch.
 
-``autopar.plan`` and ``autopar.parallelize`` are the functions themselves (``help()`` shows their
-options). The subpackages are attributes of the package after a plain ``import autopar``
+``autopar.plan`` and ``autopar.parallelize`` are the functions themselves; both take the planning
+options of ``autopar.PlanConfig`` (``help(autopar.PlanConfig)`` lists them). The subpackages are attributes of the package after a plain ``import autopar``
 (``autopar.models.build("gpt")``); each is imported on first access (PEP 562), so ``import
 autopar`` stays light and never loads the runtime (process groups, pipelining) or codegen until a
 model is parallelized.
@@ -22,7 +22,7 @@ from autopar.errors import (
 )
 from autopar.compose.parallelize import parallelize
 from autopar.sharding_spec import Mesh, Partial, Replicate, Shard, ShardingSpec
-from autopar.solver import Layout, Pipeline, Plan, plan, plan_reshard
+from autopar.solver import Layout, Pipeline, Plan, PlanConfig, plan, plan_reshard
 from autopar.solver.compare import compare_plan as compare
 
 
@@ -87,6 +87,7 @@ __all__ = [
     "Partial",
     "Pipeline",
     "Plan",
+    "PlanConfig",
     "PlanError",
     "RankError",
     "ReshardError",

@@ -18,13 +18,13 @@ import hand_tuned as ht
 
 
 class AutoparVariant:
-    def __init__(self, model, args: tuple, kwargs: dict, mesh, *, layout=None, plan_kwargs=None, pipeline=False,
+    def __init__(self, model, args: tuple, kwargs: dict, mesh, *, layout=None, pipeline=False, options=None,
                  lr: float = ht.LR):
         import autopar
 
         self.args, self.kwargs = tuple(args), dict(kwargs)
         self.pm = autopar.parallelize(model, mesh, self.args, example_kwargs=self.kwargs or None, force=layout,
-                                      plan_kwargs=plan_kwargs, pipeline=pipeline)
+                                      pipeline=pipeline, **(options or {}))
         self.plan = self.pm.plan
         self.predicted_s = self.plan.predicted["step_time_s"]
         self.opt = torch.optim.AdamW(self.pm.parameters(), lr=lr)

@@ -67,32 +67,51 @@ def test_the_documented_entry_points_are_unchanged():
     assert out.strip() == "ok"
 
 
-def test_plan_and_parallelize_show_their_options_and_share_them():
-    """``help()`` and editors see real signatures; the planning options are the same keywords with
-    the same defaults in ``plan``, ``parallelize`` and the CLI's flags."""
+def test_plan_parallelize_and_the_cli_share_one_config():
+    """``plan``, ``parallelize`` and the CLI take one ``PlanConfig``: as ``config=`` or its fields as
+    keywords; the CLI's flags build one whose defaults are the config's; an unknown option or a
+    bad value is a ConfigError naming what to use."""
+    import dataclasses
     import inspect
 
     import autopar
-    from autopar.cli.main import build_parser, planning_options
-    from autopar.solver.api import PLANNING_OPTIONS
+    from autopar.cli.main import build_parser, planning_config
+    from autopar.solver.config import OPTION_NAMES, USER_OPTIONS
 
-    plan_sig, par_sig = inspect.signature(autopar.plan), inspect.signature(autopar.parallelize)
-    for name in PLANNING_OPTIONS:
-        assert plan_sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
-        assert par_sig.parameters[name].default == plan_sig.parameters[name].default, name
-    assert "memory_budget" in autopar.parallelize.__doc__ and "pipeline" in autopar.plan.__doc__
+    for fn in (autopar.plan, autopar.parallelize):
+        params = inspect.signature(fn).parameters
+        assert params["config"].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params["options"].kind is inspect.Parameter.VAR_KEYWORD
+        assert not set(params) & set(OPTION_NAMES), "an option spelled twice"
+    assert all(f.kw_only for f in dataclasses.fields(autopar.PlanConfig))
+    assert "memory_budget" in autopar.PlanConfig.__doc__ and "PlanConfig" in autopar.parallelize.__doc__
+    defaults = autopar.PlanConfig()
     args = build_parser().parse_args(["plan", "gpt", "--mesh", "4", "-o", "p.json"])
-    options = planning_options(args)
-    assert set(options) == set(PLANNING_OPTIONS)
-    for name in PLANNING_OPTIONS:  # the CLI's defaults are the functions' defaults
-        assert options[name] == plan_sig.parameters[name].default, name
+    assert planning_config(args) == defaults  # the CLI's defaults are the config's
     args = build_parser().parse_args(["plan", "gpt", "--mesh", "2x2", "-o", "p.json", "--layout", "dp=2,tp=2,zero=2",
                                       "--pipeline", "stages=2,schedule=1f1b", "--idle-axes", "none",
-                                      "--memory-budget", "40GB", "--bucket-size", "4MiB"])
-    options = planning_options(args)
-    assert options["force"] == autopar.Layout(dp=2, tp=2, zero=2)
-    assert options["pipeline"] == autopar.Pipeline(stages=2, schedule="1f1b")
-    assert options["idle_axes"] == () and options["memory_budget"] == "40GB" and options["bucket_bytes"] == 4 << 20
+                                      "--memory-budget", "40GB", "--bucket-size", "4MiB", "--optimizer", "sgd"])
+    config = planning_config(args)
+    assert config == autopar.PlanConfig(force=autopar.Layout(dp=2, tp=2, zero=2), pipeline=autopar.Pipeline(
+        stages=2, schedule="1f1b"), idle_axes=(), memory_budget="40GB", bucket_bytes=4 << 20, optimizer="sgd")
+    flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["plan"]._actions}
+    assert len(USER_OPTIONS) == 10 and {"layout", "bucket_size", "time_limit"} <= flags  # every user option has a flag
+    # a keyword is the same option as the config's field, applied over a given config
+    assert autopar.PlanConfig.of(config, pipeline=False).pipeline is None
+    assert autopar.PlanConfig.of(config, solver="cbc").replace(idle_axes=[0]) == dataclasses.replace(
+        config, solver="cbc", idle_axes=(0,))
+    with pytest.raises(autopar.ConfigError, match="unknown planning option.*memory_bugdet.*memory_budget"):
+        autopar.PlanConfig.of(memory_bugdet="40GB")
+    with pytest.raises(autopar.ConfigError, match="unknown planning option.*pipline"):
+        autopar.plan(None, autopar.Mesh((2,)), (), pipline=False)
+    for bad, match in ((dict(optimizer="lion"), "unknown optimizer 'lion'"), (dict(pipeline="yes"), "pipeline='yes'"),
+                       (dict(solver="gurobi"), "unknown ILP solver"), (dict(bucket_bytes=0), "bucket_bytes=0"),
+                       (dict(idle_axes=1), "idle_axes=1"), (dict(force="tp"), "force='tp'"),
+                       (dict(microbatches=0), "microbatches=0"), (dict(time_limit_s=0), "time_limit_s=0")):
+        with pytest.raises(autopar.ConfigError, match=match):
+            autopar.PlanConfig(**bad)
+    with pytest.raises(autopar.ConfigError, match="config must be an autopar.PlanConfig"):
+        autopar.plan(None, autopar.Mesh((2,)), (), config={"pipeline": False})
 
 
 def test_an_unknown_attribute_raises_a_helpful_attribute_error():

@@ -40,15 +40,15 @@ def _is_plan_file(model: str) -> bool:
 
 
 def _make_plan(args):
-    """(plan, graph or None, model, inputs, kwargs, mesh, op_table) for ``explain``/``plan``'s arguments."""
+    """(plan, graph or None, model, inputs, kwargs, mesh with its cluster, PlanConfig) for
+    ``explain``/``plan``'s arguments."""
     import autopar
     from autopar import ir
 
     if args.mesh is None:
         raise ConfigError("--mesh is required to plan a model (e.g. --mesh 2x4)")
     model, inputs, kwargs = load_model(args.model)
-    options = planning_options(args)
-    op_table = None
+    config = planning_config(args)
     if getattr(args, "profiled", False):
         from autopar.cost_model.profile_comm import load_profile
         from autopar.cost_model.profile_ops import load_op_table
@@ -57,16 +57,19 @@ def _make_plan(args):
         if prof is None:
             raise ConfigError(f"no cached profile for mesh {'x'.join(map(str, args.mesh))}; run `autopar profile --mesh "
                               f"{'x'.join(map(str, args.mesh))}` first, or drop --profiled")
-        options["cluster"], op_table = prof.cluster, load_op_table("cpu")
-    _warn_cpu_pricing(args.model, options["cluster"])
+        config = config.replace(cluster=prof.cluster, op_table=load_op_table("cpu"))
+    _warn_cpu_pricing(args.model, config.cluster)
     mesh = autopar.Mesh(args.mesh)
-    graph = ir.trace(model, inputs, kwargs) if options["pipeline"] is None else None
-    plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, op_table=op_table, graph=graph, **options)
-    return plan, graph, model, inputs, kwargs, mesh.with_cluster(options["cluster"]) if options["cluster"] else mesh, op_table
+    graph = ir.trace(model, inputs, kwargs) if config.pipeline is None else None
+    plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, graph=graph, config=config)
+    if config.cluster is not None:
+        mesh = mesh.with_cluster(config.cluster)
+    return plan, graph, model, inputs, kwargs, mesh, config.replace(cluster=None)
 
 
-def planning_options(args) -> dict:
-    """``autopar.plan``'s planning options (``PLANNING_OPTIONS``) from the command line's flags."""
+def planning_config(args):
+    """The ``autopar.PlanConfig`` of the command line's flags (every ``USER_OPTIONS`` field)."""
+    from autopar.solver.config import PlanConfig
     from autopar.solver.layout import Layout
 
     force = None
@@ -76,23 +79,23 @@ def planning_options(args) -> dict:
         if unknown:
             raise ConfigError(f"--layout takes dp=, tp= and zero=, e.g. dp=2,tp=4,zero=2; got {', '.join(unknown)}")
         force = Layout(**{k: int(v) for k, v in degrees.items()})
-    return {
-        "memory_budget": args.memory_budget if args.memory_budget is not None else "auto",
-        "cluster": args.cluster,
-        "pipeline": _pipeline_option(args.pipeline),
-        "force": force,
-        "optimizer": args.optimizer,
-        "idle_axes": _axes_option(args.idle_axes, "--idle-axes"),
-        "identical_axes": _axes_option(args.identical_axes, "--identical-axes"),
-        "bucket_bytes": int(parse_bytes(args.bucket_size)),
-        "time_limit_s": args.time_limit,
-        "solver": args.solver,
-    }
+    return PlanConfig(
+        memory_budget=args.memory_budget if args.memory_budget is not None else "auto",
+        cluster=args.cluster,
+        pipeline=_pipeline_option(args.pipeline),
+        force=force,
+        optimizer=args.optimizer,
+        idle_axes=_axes_option(args.idle_axes, "--idle-axes"),
+        identical_axes=_axes_option(args.identical_axes, "--identical-axes"),
+        bucket_bytes=int(parse_bytes(args.bucket_size)),
+        time_limit_s=args.time_limit,
+        solver=args.solver,
+    )
 
 
 def _pipeline_option(text: str):
     """"auto", "off" or fixed fields such as "stages=4,schedule=1f1b,microbatches=8"."""
-    from autopar.solver.pipeline import Pipeline
+    from autopar.solver.config import Pipeline
 
     if text in ("auto", "off"):
         return "auto" if text == "auto" else None
@@ -153,7 +156,7 @@ def cmd_explain(args) -> int:
         from autopar.solver.compare import check_configs
 
         check_configs(args.compare, autopar.Mesh(args.mesh))
-    plan, graph, model, inputs, kwargs, mesh, op_table = _make_plan(args)
+    plan, graph, model, inputs, kwargs, mesh, config = _make_plan(args)
     print(plan.explain(all=args.all))
     if args.code and plan.pipeline is not None:
         for st, stage, lowered in _stage_programs(plan, model, inputs, kwargs):
@@ -172,7 +175,7 @@ def cmd_explain(args) -> int:
         from autopar.solver.compare import compare, table
 
         rows = compare(model, mesh, inputs, args.compare, plan=plan, example_kwargs=kwargs,
-                       memory_budget=plan.solver.get("memory_budget"), op_table=op_table)
+                       memory_budget=plan.solver.get("memory_budget"), plan_config=config)
         print("\nwhat-ifs, priced by the same cost model:")
         print(table(rows))
     if args.html:
@@ -258,7 +261,7 @@ def _stage_programs(plan, model, inputs, kwargs):
 
 
 def _planning_arguments(parser) -> None:
-    """The flags of ``autopar.plan``'s planning options (``planning_options`` reads them)."""
+    """The flags of ``autopar.PlanConfig``'s options (``planning_config`` reads them)."""
     parser.add_argument("--mesh", type=parse_mesh, default=None, help="mesh shape, e.g. 8 or 2x4 (needed unless MODEL is a plan file)")
     parser.add_argument("--cluster", default=None, help="preset (a100-80g, h100-80g, cpu-gloo; default cpu-gloo) or JSON file")
     parser.add_argument("--memory-budget", default=None,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from autopar.compose.live_profile import calibrated, is_live, live_cluster, live_op_table
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.sharding_spec.mesh import Mesh
-from autopar.solver.api import DEFAULT_BUCKET_BYTES
+from autopar.solver.config import PlanConfig
 
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_MAX_PROGRAMS = 8
@@ -40,16 +40,7 @@ def parallelize(
     example_inputs=(),
     *,
     example_kwargs: dict | None = None,
-    memory_budget="auto",
-    cluster=None,
-    pipeline="auto",
-    force=None,
-    optimizer: str = "adamw",
-    idle_axes="auto",
-    identical_axes="auto",
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    time_limit_s: float = 60.0,
-    solver: str | None = None,
+    config: PlanConfig | None = None,
     plan=None,
     state_dict: dict | None = None,
     init_fn=None,
@@ -58,19 +49,20 @@ def parallelize(
     profile: bool = True,
     timeout=None,
     max_programs: int = DEFAULT_MAX_PROGRAMS,
-    plan_kwargs: dict | None = None,
+    **options,
 ):
     """This rank's part of ``model`` parallelized on ``mesh``: an ``nn.Module`` called like the
     original (the same inputs, whole on every rank; the same output structure), whose
     ``parameters()`` are this rank's shards. Call it on every rank (torchrun, ``autopar.launch``).
 
     example_inputs / example_kwargs: what the model is traced with (a full batch).
-    The planning options are ``autopar.plan``'s (``autopar.solver.api.PLANNING_OPTIONS``):
-        memory_budget ("auto": a GPU preset's device memory), cluster (the cluster to price with;
-        default: the mesh's, else a profile of the live groups when ``profile``, else cpu-gloo),
-        pipeline ("auto", False, or ``autopar.Pipeline(...)``), force (an ``autopar.Layout`` or
-        node -> family), optimizer, idle_axes, identical_axes, bucket_bytes (also the runtime's
-        gradient bucket size), time_limit_s, solver.
+    config: an ``autopar.PlanConfig``, the planning options ``autopar.plan`` takes (memory_budget,
+        cluster, pipeline, force, optimizer, idle_axes, identical_axes, bucket_bytes, time_limit_s,
+        solver; its docstring says what each does). Here the cluster defaults to the mesh's, else a
+        profile of the live groups when ``profile``, else cpu-gloo; ``bucket_bytes`` is also the
+        runtime's gradient bucket size.
+    options: any ``PlanConfig`` field as a keyword, applied over ``config``
+        (``parallelize(model, mesh, x, pipeline=False)``).
     plan: a Plan (or a path to a plan JSON) to run instead of planning; checked against the model.
     state_dict: full (unsharded) tensors to load, original keys; else the model's own values, or
         for a meta-device model its modules' ``reset_parameters()`` then ``init_fn(module)``.
@@ -83,7 +75,6 @@ def parallelize(
         creates the default group from torchrun's, SLURM's or OpenMPI's environment).
     max_programs: how many programs calls in another mode or with other input shapes may build
         (each costs a trace and a plan on first use; see ``autopar.compose.programs``).
-    plan_kwargs: further keywords for ``autopar.plan`` (its callers' options, e.g. ``op_table``).
 
     The module trains in the plain loop (``loss = pmodel(...).loss; loss.backward();
     opt.step()``, clipping, ``no_sync()`` accumulation, ``eval()``); ``pmodel.train_step(...)``
@@ -97,12 +88,10 @@ def parallelize(
     from autopar.runtime.process_groups import MeshGroups
     from autopar.solver.plan import Plan
 
-    from autopar.solver.pipeline import Pipeline
 
+    config = PlanConfig.of(config, **options)
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
-    if pipeline not in (None, False, "auto") and not isinstance(pipeline, Pipeline):
-        raise ConfigError(f"pipeline={pipeline!r}: use None/False (one stage), 'auto' or autopar.Pipeline(...)")
     on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     trace_inputs, trace_kwargs = tuple(inputs), dict(example_kwargs or {})
@@ -132,37 +121,31 @@ def parallelize(
     rank = dist.get_rank()
     _check_same_inputs(graph)
     groups = groups if groups is not None else MeshGroups(mesh, timeout=timeout)
-    plan_kwargs = dict(plan_kwargs or {})
-    if bucket_bytes is None:  # (None: the default, as before it was spelled out)
-        bucket_bytes = DEFAULT_BUCKET_BYTES
-    for key, value in (("optimizer", optimizer), ("idle_axes", idle_axes), ("identical_axes", identical_axes),
-                       ("bucket_bytes", bucket_bytes), ("time_limit_s", time_limit_s), ("solver", solver)):
-        plan_kwargs.setdefault(key, value)
+    bucket_bytes = config.bucket_bytes
     if plan is None:
-        plan_mesh = _pricing_mesh(mesh, cluster, groups, profile, device)
-        if plan_mesh.cluster is not None and is_live(plan_mesh) and "op_table" not in plan_kwargs:
-            plan_kwargs["op_table"] = live_op_table(graph, plan_mesh, device, force)
+        plan_mesh = _pricing_mesh(mesh, config.cluster, groups, profile, device)
+        pricing = config.replace(cluster=None)  # the pricing mesh carries the cluster
+        if plan_mesh.cluster is not None and is_live(plan_mesh) and config.op_table is None:
+            pricing = pricing.replace(op_table=live_op_table(graph, plan_mesh, device, config.force))
             plan_mesh = calibrated(model, graph, (trace_inputs, trace_kwargs), plan_mesh, device)
-        main_kwargs = dict(plan_kwargs)
-        if pipeline not in (None, False):
-            main_kwargs.update(pipeline=pipeline, example_inputs=trace_inputs, example_kwargs=trace_kwargs or None)
-        plan = plan_on_rank0(model, plan_mesh, graph, memory_budget, force, main_kwargs, rank)
+        plan = plan_on_rank0(model, plan_mesh, graph, pricing, (trace_inputs, trace_kwargs or None))
         check_plan(plan, graph, mesh)
     else:
-        plan_mesh = mesh.with_cluster(cluster) if cluster is not None else mesh
+        plan_mesh = mesh.with_cluster(config.cluster) if config.cluster is not None else mesh
+        pricing = config.replace(cluster=None)
     if plan.pipeline is not None:
         from autopar.compose.pipeline import build_stage
 
         return build_stage(model, graph, plan, mesh, (trace_inputs, trace_kwargs), (inputs, example_kwargs or {}),
                            device=device, timeout=timeout, state_dict=state_dict, init_fn=init_fn,
                            bucket_bytes=bucket_bytes, signature=_signature(model), requires_grad=_requires_grad,
-                           plan_kwargs=plan_kwargs)
+                           plan_config=pricing)
 
     lowered = lower(graph, plan, mesh, device=device)
     shards = local_state(model, graph, plan, mesh, rank, state_dict=state_dict, init_fn=init_fn, device=device)
     requires_grad = {ph: _requires_grad(model, fqn, graph) for fqn, ph in graph.params.items()}
     constants = constants_of(graph, device)
-    builder = VariantBuilder(weightless(model), plan, mesh, plan_mesh, plan_kwargs, force, device, max_programs)
+    builder = VariantBuilder(weightless(model), plan, mesh, plan_mesh, pricing, device, max_programs)
     order = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     return ParallelModule(
         graph=graph, plan=plan, lowered=lowered, groups=groups, shards=shards,

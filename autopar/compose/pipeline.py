@@ -19,7 +19,7 @@ from autopar.sharding_spec.mesh import Mesh
 
 
 def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, device, timeout, state_dict, init_fn,
-                bucket_bytes, signature, requires_grad, plan_kwargs=None):
+                bucket_bytes, signature, requires_grad, plan_config):
     """This rank's ``ParallelModule`` of a pipelined ``plan``: its stages' programs and shards,
     with a ``PipelineRunner`` for ``train_step``. ``graph`` is the whole batch's trace (to tell
     which inputs the microbatches split); the stages run on the microbatch graph, traced here."""
@@ -77,7 +77,7 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
     pm._ap.plan_full = plan
     pm._ap.all_state_keys = all_keys
     pm._ap.pipeline = PipelineRunner(pm, micro, plan, programs, cuts, sg, shared, device, loss_index, batch_dims)
-    pm._ap.pipeline.variants = PipelineVariants(weightless(model), plan, micro, pm, device, plan_kwargs or {})
+    pm._ap.pipeline.variants = PipelineVariants(weightless(model), plan, micro, pm, device, plan_config)
     return pm
 
 
@@ -90,7 +90,7 @@ class PipelineVariants:
     micro: object  # the plan's microbatch graph
     pmodel: object
     device: object
-    plan_kwargs: dict
+    config: object  # the PlanConfig the plan was made under (its cluster is the plan mesh's)
 
     def build(self, training: bool, flat: list, rows: int):
         """A ``StageSet`` for a call in mode ``training`` on ``flat`` (the user inputs, flattened)
@@ -156,9 +156,9 @@ class PipelineVariants:
                     node = (graph.buffers if pp.buffer else graph.params).get(fqn)
                     if node is not None:
                         pins[node] = _pin(pp.storage, pp.family)
-                kw = {k2: v for k2, v in self.plan_kwargs.items() if k2 not in ("force", "graph", "idle_axes", "identical_axes")}
-                whole = make_plan(self.skeleton, Mesh.from_dict(st.plan.mesh), graph=graph, force=pins, pipeline=False,
-                                  memory_budget=None, idle_axes=tuple(st.plan.idle_axes), identical_axes=(), **kw)
+                config = self.config.replace(force=pins, pipeline=None, memory_budget=None,
+                                             idle_axes=tuple(st.plan.idle_axes), identical_axes=())
+                whole = make_plan(self.skeleton, Mesh.from_dict(st.plan.mesh), graph=graph, config=config)
                 nodes = {n for n, u in unit.items() if st.layers[0] <= u <= st.layers[1]}
                 if k == 0:  # state nothing reads is held by the first stage (as cut_stages holds it)
                     nodes |= {n for n, node in graph.nodes.items()

@@ -63,11 +63,12 @@ def fake_inputs(skeleton: nn.Module, tree):
     return pytree.tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, tree)
 
 
-def plan_on_rank0(model, mesh, graph, memory_budget, force, plan_kwargs, rank):
-    """Rank 0 plans; every rank receives the same Plan (as JSON), or rank 0's error."""
+def plan_on_rank0(model, mesh, graph, config, example=((), None)):
+    """Rank 0 plans ``graph`` (the trace of ``model`` called on ``example``: (inputs, kwargs)) under
+    ``config``; every rank receives the same Plan (as JSON), or rank 0's error."""
     from autopar.solver import plan as make_plan
 
-    return on_rank0(lambda: make_plan(model, mesh, graph=graph, memory_budget=memory_budget, force=force, **plan_kwargs))
+    return on_rank0(lambda: make_plan(model, mesh, example[0], example_kwargs=example[1], graph=graph, config=config))
 
 
 def on_rank0(make):
@@ -116,8 +117,7 @@ class VariantBuilder:
     main_plan: object
     mesh: object  # the mesh the programs run on
     pricing_mesh: object  # the mesh (with its cluster) the main plan was priced on
-    plan_kwargs: dict
-    force: object
+    config: object  # the PlanConfig the main plan was made under (its cluster is the pricing mesh's)
     device: object
     max_programs: int  # built programs allowed beyond the main one (``parallelize(max_programs=)``)
 
@@ -163,37 +163,36 @@ class VariantBuilder:
     def _plan(self, graph):
         """The variant's plan: with the user's force where it still applies, else pins alone (a
         forced layout may not split the new shapes)."""
-        rank = dist.get_rank()
         user = self._user_force(graph)
         if user:
             try:
-                plan = plan_on_rank0(self.skeleton, self.pricing_mesh, graph, None, {**user, **self._pins(graph)},
-                                     self._plan_kwargs(), rank)
+                plan = plan_on_rank0(self.skeleton, self.pricing_mesh, graph, self._config({**user, **self._pins(graph)}))
                 self._check_same_storage(plan)
                 return plan
             except (PlanError, ConfigError):
                 pass
-        plan = plan_on_rank0(self.skeleton, self.pricing_mesh, graph, None, self._pins(graph), self._plan_kwargs(), rank)
+        plan = plan_on_rank0(self.skeleton, self.pricing_mesh, graph, self._config(self._pins(graph)))
         self._check_same_storage(plan)
         return plan
 
-    def _plan_kwargs(self) -> dict:
-        # (the gradient convention is the variant's own: lower(synced_as=) hands each parameter's
-        # gradient to the main plan's reducer the way it syncs it)
-        kw = {k: v for k, v in self.plan_kwargs.items() if k not in ("idle_axes", "identical_axes", "force", "graph")}
-        kw["idle_axes"] = tuple(self.main_plan.idle_axes)
-        return kw
+    def _config(self, force: dict):
+        """The variant's config: one stage on the main plan's idle axes, no budget, ``force``.
+        (The gradient convention is the variant's own: lower(synced_as=) hands each parameter's
+        gradient to the main plan's reducer the way it syncs it.)"""
+        return self.config.replace(force=force, pipeline=None, memory_budget=None,
+                                   idle_axes=tuple(self.main_plan.idle_axes), identical_axes="auto")
 
     def _user_force(self, graph) -> dict:
         from autopar.solver.layout import Layout, layout_force
 
-        if isinstance(self.force, Layout):
+        force = self.config.force
+        if isinstance(force, Layout):
             try:
-                return layout_force(graph, self.pricing_mesh, self.force)
+                return layout_force(graph, self.pricing_mesh, force)
             except (PlanError, ConfigError):
                 return {}
-        if isinstance(self.force, dict):
-            return {k: v for k, v in self.force.items() if k in graph.nodes}
+        if isinstance(force, dict):
+            return {k: v for k, v in force.items() if k in graph.nodes}
         return {}
 
     def _pins(self, graph) -> dict:

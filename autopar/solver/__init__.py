@@ -4,8 +4,8 @@ torch.distributed is never needed here: plans are made without processes.
 """
 from autopar.solver.api import plan
 from autopar.solver.layout import Layout
-from autopar.solver.pipeline import Pipeline
+from autopar.solver.config import Pipeline, PlanConfig
 from autopar.solver.plan import Plan
 from autopar.solver.reshard_search import plan_reshard
 
-__all__ = ["Layout", "Pipeline", "Plan", "plan", "plan_reshard"]
+__all__ = ["Layout", "Pipeline", "Plan", "PlanConfig", "plan", "plan_reshard"]

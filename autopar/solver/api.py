@@ -4,103 +4,47 @@ from __future__ import annotations
 
 import logging
 
-from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.sharding_spec.mesh import Mesh
+from autopar.solver.config import PlanConfig
 from autopar.solver.explain import pipeline_words
 from autopar.solver.intra_op import call_facts, one_stage, planning_mesh
 from autopar.solver.layout import Layout
 from autopar.solver.microbatches import batch_size
-from autopar.solver.pipeline import Pipeline, search
+from autopar.solver.pipeline import search
 from autopar.solver.plan import Plan
 from autopar.solver.units import fmt_s
 
 log = logging.getLogger(__name__)
 
-# The options ``autopar.plan``, ``autopar.parallelize`` and the CLI all take (the rest of ``plan``'s
-# keywords serve its own callers).
-PLANNING_OPTIONS = ("memory_budget", "cluster", "pipeline", "force", "optimizer", "idle_axes", "identical_axes",
-                    "bucket_bytes", "time_limit_s", "solver")
 
-
-def plan(
-    model,
-    mesh: Mesh,
-    example_inputs=(),
-    *,
-    example_kwargs=None,
-    memory_budget="auto",
-    cluster=None,
-    pipeline="auto",
-    force=None,
-    optimizer: str = "adamw",
-    idle_axes="auto",
-    identical_axes="auto",
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    time_limit_s: float = 60.0,
-    solver: str | None = None,
-    graph=None,
-    op_table=None,
-    reuse_blocks: bool = True,
-    simplify: bool = True,
-    optimizer_sharding: bool = True,
-    microbatches: int = 1,
-    objective_cutoff_s: float | None = None,
-) -> Plan:
+def plan(model, mesh: Mesh, example_inputs=(), *, example_kwargs=None, config: PlanConfig | None = None,
+         graph=None, **options) -> Plan:
     """The cheapest plan of ``model`` on ``mesh``, called as ``model(*example_inputs,
     **example_kwargs)`` (no processes needed: a mesh of 1024 GPUs plans on a laptop).
 
-    The planning options (``PLANNING_OPTIONS``; ``autopar.parallelize`` and the CLI take the same):
+    config: an ``autopar.PlanConfig``, the planning options ``autopar.parallelize`` and the CLI
+        share (its docstring lists them: memory_budget, cluster, pipeline, force, optimizer,
+        idle_axes, identical_axes, bucket_bytes, time_limit_s, solver); default: every option at
+        its default.
+    options: any ``PlanConfig`` field as a keyword, applied over ``config``
+        (``plan(model, mesh, x, pipeline=False, memory_budget="40GB")``).
+    graph: an already traced ``autopar.ir.Graph`` of the call (skips tracing).
 
-    memory_budget: bytes per device (int/float) or a string like "40GB"/"512MiB"; None: no limit;
-        "auto" (default): the cluster's device memory where that is a hard limit (the GPU presets:
-        80 GB; ``plan.solver["memory_budget_from"]`` says so), else no limit (cpu-gloo).
-    cluster: a preset name ("a100-80g", "h100-80g", "cpu-gloo"), a JSON file or a ClusterSpec to
-        price with, instead of the mesh's own (``Mesh(..., cluster=)``; default cpu-gloo).
-    pipeline: "auto" (default): search pipeline stages too (``autopar.solver.pipeline``), one
-        stage allowed; it plans one stage where no pipeline can be searched (``can_pipeline``: no
-        batch among the example inputs, a mesh whose slowest axis has one row, a forced
-        ``Layout``, a model with no layers to cut). An ``autopar.Pipeline``: search with its given
-        fields fixed. None / False: one stage. A plan of more than one stage (or microbatch) has
-        ``plan.pipeline`` set.
-    force: an ``autopar.Layout`` (e.g. ``Layout(dp=2, tp=2, zero=2)``): the plan of that
-        hand-style layout, on every mesh axis; or node name -> family label (e.g. ``{"linear":
-        "1d-row", "p_fc_weight": "sharded"}``) or -> a predicate on a ``Strategy``: restricts that
-        node's candidates (hand-written plans, tests).
-    optimizer: the optimizer whose states are priced: "adamw" / "adam" (2 fp32 values a parameter),
-        "sgd_momentum" / "momentum" (1), "sgd" (0).
-    idle_axes: mesh axes the plan may leave unused (every rank along them computes the same thing
-        and needs no gradient sync there): "auto" tries the candidates of ``idle_candidates`` and
-        keeps the cheapest; a tuple fixes them (``()``: use every axis).
-    identical_axes: mesh axes on which gradients of replicated values are kept whole on every rank
-        (Megatron's tensor-parallel convention; ``autopar.cost_model.gradients``): "auto" prices
-        every set the plan can run and keeps the cheapest; a tuple fixes it (``()``: none).
-    bucket_bytes: the runtime's gradient bucket size, for pricing the gradient sync.
-    time_limit_s, solver: the ILP solver's time limit and name ("highs" / "cbc"; default HiGHS
-        where installed).
-
-    For the planner's own callers (the pipeline search, tests): ``graph`` (an already traced
-    ``autopar.ir.Graph``: skips tracing), ``op_table`` (profiled op times), ``reuse_blocks`` (tie
-    structurally identical layers: solve one block, reuse it), ``simplify`` (eliminate chain nodes
-    exactly before solving), ``optimizer_sharding`` (allow ZeRO-2 choices), ``microbatches`` (how
-    many times a step runs the traced graph: gradient sync and optimizer are priced at 1 /
-    microbatches of a run), ``objective_cutoff_s`` (a plan whose ILP objective is above this is
-    of no use: ``ilp.NoCheaperPlan`` instead, found quickly).
+    A plan of more than one stage (or microbatch) has ``plan.pipeline`` set; ``plan.solver["decided"]``
+    says why it was chosen over one stage.
     """
-    mesh, budget, budget_from = planning_mesh(mesh, cluster, memory_budget)
-    call = dict(model=model, example_inputs=example_inputs, example_kwargs=example_kwargs, optimizer=optimizer)
-    if pipeline == "auto" and not can_pipeline(model, mesh, example_inputs, example_kwargs, force):
+    config = PlanConfig.of(config, **options)
+    mesh, budget, budget_from = planning_mesh(mesh, config.cluster, config.memory_budget)
+    call = dict(model=model, example_inputs=example_inputs, example_kwargs=example_kwargs, optimizer=config.optimizer)
+    pipeline = config.pipeline
+    if pipeline == "auto" and not can_pipeline(model, mesh, example_inputs, example_kwargs, config.force):
         pipeline = None
     pipelined, search_notes = None, []
-    if pipeline not in (None, False):
-        if pipeline != "auto" and not isinstance(pipeline, Pipeline):
-            raise ConfigError(f"pipeline={pipeline!r}: use None/False (one stage), 'auto' or autopar.Pipeline(...)")
-        kw = dict(optimizer=optimizer, op_table=op_table, reuse_blocks=reuse_blocks, simplify=simplify,
-                  time_limit_s=time_limit_s, solver=solver, optimizer_sharding=optimizer_sharding, bucket_bytes=bucket_bytes,
-                  force=force, idle_axes=idle_axes, identical_axes=())  # stages keep the dual convention
-        try:
-            choice = search(model, mesh, example_inputs, example_kwargs, pipeline=None if pipeline == "auto" else pipeline,
-                            memory_budget=budget, plan_kwargs=kw)
+    if pipeline is not None:
+        try:  # (stages keep the dual gradient convention)
+            choice = search(model, mesh, example_inputs, example_kwargs, memory_budget=budget,
+                            config=config.replace(identical_axes=()))
         except (PlanError, TraceError) as err:
             if pipeline != "auto":
                 raise
@@ -120,16 +64,14 @@ def plan(
             log.info("traced %s: %d nodes, %d layers (in the pipeline search)", graph.model_name, len(graph.nodes),
                      len(graph.layers))
     try:
-        one = one_stage(graph, mesh, call, budget, budget_from, force, op_table, reuse_blocks, simplify, time_limit_s,
-                        solver, optimizer_sharding, idle_axes, identical_axes, bucket_bytes, microbatches,
-                        objective_cutoff_s)
+        one = one_stage(graph, mesh, call, budget, budget_from, config)
     except (PlanError, ConfigError) as err:
         if pipelined is None:
             raise
         pipelined.solver["decided"] = f"a pipeline: one stage cannot be planned ({str(err).splitlines()[0].split('. ')[0]})"
         one = None
     chosen = pipelined if one is None else one if pipelined is None else simpler_unless_faster(one, pipelined, mesh)
-    if pipeline not in (None, False) and search_notes:  # said once, in the plan explain prints
+    if pipeline is not None and search_notes:  # said once, in the plan explain prints
         chosen.solver["call"]["notes"] = list(chosen.solver["call"].get("notes", [])) + list(search_notes)
     return chosen
 

@@ -16,6 +16,7 @@ import dataclasses
 import math
 
 from autopar.errors import ConfigError, PlanError
+from autopar.solver.config import Pipeline, PlanConfig
 from autopar.solver.mesh_views import config_mesh
 from autopar.solver.units import fmt_bytes, fmt_s
 
@@ -113,26 +114,23 @@ def _bytes_moved(plan) -> float:
 
 
 def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memory_budget="auto",
-          **plan_kwargs) -> WhatIf:
-    """One configuration, priced (see the module docstring): planned without a budget, then held
-    against ``memory_budget`` (as ``autopar.plan`` reads it)."""
+          plan_config: PlanConfig | None = None, **options) -> WhatIf:
+    """One configuration, priced (see the module docstring) under ``plan_config`` and ``options``
+    (``PlanConfig`` fields): planned without a budget, then held against ``memory_budget`` (as
+    ``autopar.plan`` reads it)."""
     from autopar.solver.api import plan as make_plan
     from autopar.solver.intra_op import default_budget
     from autopar.solver.layout import Layout
-    from autopar.solver.pipeline import Pipeline
 
     c, dp, tp, pp = _degrees(config, mesh)
     vocab = c.get("vocab")
     budget = default_budget(memory_budget, mesh)[0] or math.inf
     mesh = config_mesh(mesh, pp * dp, tp)
-    plan_kwargs = {**plan_kwargs, "memory_budget": None}
     try:
         layout = Layout(dp=dp, tp=tp, zero=c.get("zero", 0), vocab_parallel=None if vocab is None else bool(vocab))
-        if pp == 1:
-            plan = make_plan(model, mesh, example_inputs, example_kwargs=example_kwargs, force=layout, **plan_kwargs)
-        else:
-            plan = make_plan(model, mesh, example_inputs, example_kwargs=example_kwargs, force=layout,
-                             pipeline=Pipeline(stages=pp, microbatches=c.get("mb")), **plan_kwargs)
+        pipeline = Pipeline(stages=pp, microbatches=c.get("mb")) if pp > 1 else None
+        config_of_plan = PlanConfig.of(plan_config, **options).replace(memory_budget=None, force=layout, pipeline=pipeline)
+        plan = make_plan(model, mesh, example_inputs, example_kwargs=example_kwargs, config=config_of_plan)
     except (PlanError, ConfigError) as err:
         return WhatIf(config, None, None, None, False, f"cannot be planned: {err}")
     memory = plan.predicted["memory_bytes_per_device"]
@@ -159,7 +157,7 @@ def check_configs(configs, mesh) -> None:
 
 
 def compare(model, mesh, example_inputs, configs, *, plan=None, example_kwargs=None, memory_budget="auto",
-            **plan_kwargs) -> list[WhatIf]:
+            plan_config: PlanConfig | None = None, **options) -> list[WhatIf]:
     """autopar's ``plan`` (first, when given) and each configuration, priced alike."""
     check_configs(configs, mesh)
     rows = []
@@ -169,17 +167,17 @@ def compare(model, mesh, example_inputs, configs, *, plan=None, example_kwargs=N
                            _bytes_moved(plan), True, "", plan))
     for config in configs:
         rows.append(price(model, mesh, example_inputs, config, example_kwargs=example_kwargs,
-                          memory_budget=memory_budget, **plan_kwargs))
+                          memory_budget=memory_budget, plan_config=plan_config, **options))
     return rows
 
 
 def compare_plan(plan, model, example_inputs, *configs, example_kwargs=None, memory_budget=None,
-                 **plan_kwargs) -> list[WhatIf]:
+                 plan_config: PlanConfig | None = None, **options) -> list[WhatIf]:
     """``plan`` beside hand-written configurations (``"tp=8,dp=16"``, ``"tp=8,pp=4,dp=4,mb=16"``)
     priced by the same cost model on the plan's mesh: ``WhatIf`` rows, the plan first (``table(rows)``
     prints them). ``autopar.compare``."""
     return compare(model, plan.mesh_obj, example_inputs, configs, plan=plan, example_kwargs=example_kwargs,
-                   memory_budget=memory_budget, **plan_kwargs)
+                   memory_budget=memory_budget, plan_config=plan_config, **options)
 
 
 def table(rows: list[WhatIf]) -> str:

@@ -21,6 +21,7 @@ from autopar.ir.graph import Role
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.strategy import active_axes
 import autopar.solver.ilp as ilp
+from autopar.solver.config import PlanConfig
 from autopar.solver.layout import Layout, layout_force
 from autopar.solver.plan import NodePlan, ParamPlan, Plan
 from autopar.solver.problem import (build_problem, bucketed_collective_time, gather_correction, node_choices,
@@ -65,17 +66,15 @@ def default_budget(memory_budget, mesh: Mesh) -> tuple[float | None, str | None]
     return parse_bytes(memory_budget), "memory_budget"
 
 
-def plan_one_stage(model, mesh: Mesh, example_inputs=(), *, example_kwargs=None, memory_budget="auto", cluster=None,
-                   force=None, optimizer: str = "adamw", idle_axes="auto", identical_axes="auto",
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, time_limit_s: float = 60.0, solver: str | None = None,
-                   graph=None, op_table=None, reuse_blocks: bool = True, simplify: bool = True,
-                   optimizer_sharding: bool = True, microbatches: int = 1, objective_cutoff_s: float | None = None) -> Plan:
-    """``autopar.plan(..., pipeline=False)``: the cheapest one-stage plan, with ``autopar.plan``'s
-    options (``solver.api.plan`` says what each does); the pipeline search plans each sub-mesh so."""
-    mesh, budget, budget_from = planning_mesh(mesh, cluster, memory_budget)
-    call = dict(model=model, example_inputs=example_inputs, example_kwargs=example_kwargs, optimizer=optimizer)
-    return one_stage(graph, mesh, call, budget, budget_from, force, op_table, reuse_blocks, simplify, time_limit_s,
-                     solver, optimizer_sharding, idle_axes, identical_axes, bucket_bytes, microbatches, objective_cutoff_s)
+def plan_one_stage(model, mesh: Mesh, example_inputs=(), *, example_kwargs=None, config: PlanConfig | None = None,
+                   graph=None, **options) -> Plan:
+    """``autopar.plan(..., pipeline=False)``: the cheapest one-stage plan under ``config`` (and
+    ``options``, ``PlanConfig`` fields; its ``pipeline`` is not read); the pipeline search plans
+    each sub-mesh so."""
+    config = PlanConfig.of(config, **options)
+    mesh, budget, budget_from = planning_mesh(mesh, config.cluster, config.memory_budget)
+    call = dict(model=model, example_inputs=example_inputs, example_kwargs=example_kwargs, optimizer=config.optimizer)
+    return one_stage(graph, mesh, call, budget, budget_from, config)
 
 
 def planning_mesh(mesh: Mesh, cluster, memory_budget) -> tuple[Mesh, float | None, str | None]:
@@ -87,11 +86,8 @@ def planning_mesh(mesh: Mesh, cluster, memory_budget) -> tuple[Mesh, float | Non
     return (mesh, *default_budget(memory_budget, mesh))
 
 
-def one_stage(graph, mesh, call: dict, budget, budget_from, force, op_table, reuse_blocks, simplify, time_limit_s,
-               solver, optimizer_sharding, idle_axes, identical_axes, bucket_bytes, microbatches,
-               objective_cutoff_s) -> Plan:
+def one_stage(graph, mesh, call: dict, budget, budget_from, config: PlanConfig) -> Plan:
     """The plan of the whole batch in one stage: the cheapest over the idle-axis candidates."""
-    optimizer = call["optimizer"]
     t0 = time.perf_counter()
     if graph is None:
         example_inputs = call["example_inputs"]
@@ -101,6 +97,7 @@ def one_stage(graph, mesh, call: dict, budget, budget_from, force, op_table, reu
         log.info("traced %s: %d nodes, %d layers (%.1f s)", graph.model_name, len(graph.nodes), len(graph.layers),
                  time.perf_counter() - t0)
     t_trace = time.perf_counter()
+    force, idle_axes = config.force, config.idle_axes
     layout = force if isinstance(force, Layout) else None
     if layout is not None:
         force, idle_axes = layout_force(graph, mesh, layout), ()
@@ -110,14 +107,12 @@ def one_stage(graph, mesh, call: dict, budget, budget_from, force, op_table, reu
         if idle and best is not None:
             # No plan on the remaining devices beats the replicated compute spread perfectly over
             # them: skip candidates whose bound cannot win (big models never leave axes idle).
-            replicated_s = replicated_s if replicated_s is not None else _replicated_compute_s(graph, mesh, op_table)
+            replicated_s = replicated_s if replicated_s is not None else _replicated_compute_s(graph, mesh, config.op_table)
             used = math.prod(s for a, s in enumerate(mesh.shape) if a not in idle)
             if replicated_s / used >= best[1][3]["objective_s"]:
                 continue
         try:
-            attempt = _plan_on(graph, view_mesh(mesh, idle), budget, optimizer, op_table, optimizer_sharding,
-                               force, reuse_blocks, simplify, time_limit_s, solver, bucket_bytes, 1.0 / microbatches,
-                               objective_cutoff_s)
+            attempt = _plan_on(graph, view_mesh(mesh, idle), budget, force, config)
         except (PlanError, ConfigError) as e:
             # the no-idle candidate comes first: its error (least memory; a bad `force`) is the one to show
             first_error = first_error or e
@@ -129,7 +124,8 @@ def one_stage(graph, mesh, call: dict, budget, budget_from, force, op_table, reu
     idle, solved = best
     stats = dict(trace_s=t_trace - t0, memory_budget=budget, memory_budget_from=budget_from,
                  layout=layout.name if layout is not None else None, call=call_facts(**call, notes=graph.notes, graph=graph))
-    best_plan = _made(graph, mesh, solved, idle, identical_axes, bucket_bytes, total_s=time.perf_counter() - t0, **stats)
+    best_plan = _made(graph, mesh, solved, idle, config.identical_axes, config.bucket_bytes,
+                      total_s=time.perf_counter() - t0, **stats)
     log.info("planned %s on %s: objective %.3g s, %d ILP variables (%.1f s)", graph.model_name, mesh,
              best_plan.solver["objective_s"], best_plan.solver.get("ilp_variables", 0), best_plan.solver["total_s"])
     return best_plan
@@ -222,18 +218,18 @@ def view_mesh(mesh: Mesh, idle: tuple[int, ...]) -> Mesh:
     return Mesh(shape, mesh.axis_names, mesh.resolved_cluster().with_axis_links(mesh.links()))
 
 
-def _plan_on(graph, mesh, budget, optimizer, op_table, optimizer_sharding, force, reuse_blocks, simplify,
-             time_limit_s, solver, bucket_bytes=DEFAULT_BUCKET_BYTES, step_share=1.0, cutoff_s=None):
-    """Solve on one (view of the) mesh: (mesh, built problem, choice per node, stats, memory)."""
+def _plan_on(graph, mesh, budget, force, config: PlanConfig):
+    """Solve on one (view of the) mesh, ``force`` being the config's as node restrictions: (mesh,
+    built problem, choice per node, stats, memory)."""
     t0 = time.perf_counter()
-    choices = node_choices(graph, mesh, optimizer=optimizer, op_table=op_table,
-                           optimizer_sharding=optimizer_sharding, force=force, bucket_bytes=bucket_bytes,
-                           step_share=step_share)
+    choices = node_choices(graph, mesh, optimizer=config.optimizer, op_table=config.op_table,
+                           optimizer_sharding=config.optimizer_sharding, force=force, bucket_bytes=config.bucket_bytes,
+                           step_share=1.0 / config.microbatches)
     t_build = time.perf_counter()
     log.info("strategies of %d nodes on %s priced; solving", len(choices), mesh)
-    built = build_problem(graph, mesh, memory_budget=budget, optimizer=optimizer, choices=choices)
-    attempt = _solve_tied(graph, built.problem, (1, 2) if reuse_blocks else (0,), choices, simplify, time_limit_s,
-                          solver, cutoff_s)
+    built = build_problem(graph, mesh, memory_budget=budget, optimizer=config.optimizer, choices=choices)
+    attempt = _solve_tied(graph, built.problem, (1, 2) if config.reuse_blocks else (0,), choices, config.simplify,
+                          config.time_limit_s, config.solver, config.objective_cutoff_s)
     # the ILP prices a layer's gather call as latency plus its parts' bytes; the step model as one
     # call of their sum (equal but for the profile's curvature): the objective is the step model's
     tie, period, full, solution, objective, memory, reduced, small = attempt
@@ -261,14 +257,17 @@ def _solve_tied(graph, problem, periods, choices, simplify, time_limit_s, solver
     """Solve with repeated blocks sharing one solution, for each block period (0: no sharing):
     (tie, period, choice per node, solution, objective, memory, reduced, solved) of the cheapest.
     A period of 2 lets neighbouring copies alternate (e.g. column- then row-parallel when each copy
-    is a single linear). ``cutoff_s``: see ``ilp.solve`` (NoCheaperPlan when no period gets under it)."""
+    is a single linear). ``cutoff_s``: see ``ilp.solve`` (NoCheaperPlan when no period gets under it).
+    A later period is solved with the best objective so far as its cutoff: it is kept only where
+    it is cheaper, and HiGHS drops the branches that cannot be."""
     best, above = None, None
     for period in periods:
         problem.tie = block_ties(graph, choices, period) if period else {}
         if best is not None and problem.tie == best[0]:
             continue
+        cutoff = cutoff_s if best is None else min(best[4], math.inf if cutoff_s is None else cutoff_s)
         try:
-            attempt = _solve(problem, simplify, time_limit_s, solver, cutoff_s)
+            attempt = _solve(problem, simplify, time_limit_s, solver, cutoff)
         except ilp.NoCheaperPlan as err:
             above = err
             continue

@@ -30,13 +30,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from autopar.cost_model.schedules import SCHEDULES, SEARCHED, Schedule, listed, schedule_named, simulate_shared
+from autopar.cost_model.schedules import SEARCHED, Schedule, schedule_named, simulate_shared
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir import trace as trace_graph
 from autopar.ir.batch_scaling import scaled_graph
 from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role
 from autopar.sharding_spec.mesh import Mesh
+from autopar.solver.config import Pipeline, PlanConfig
 from autopar.solver.intra_op import plan_one_stage
 from autopar.solver.mesh_views import narrower_views
 from autopar.solver.microbatches import batch_mixing, batch_size, microbatch_candidates, microbatch_inputs, mixing_probe
@@ -52,52 +53,6 @@ log = logging.getLogger(__name__)
 MAX_UNITS = 24  # more layers than this are cut only between groups of consecutive layers (``unit_groups``)
 
 
-@dataclasses.dataclass(frozen=True)
-class Pipeline:
-    """Pipeline choices for ``autopar.plan``: every given field is fixed, every None searched."""
-
-    stages: int | None = None
-    schedule: str | None = None
-    microbatches: int | None = None
-    virtual_stages: int | None = None
-    recompute: bool | None = None
-    layers: tuple[int, ...] | None = None  # layers per stage, in order (e.g. (3, 1)); fixes the stage count
-
-    def __post_init__(self):
-        named = SCHEDULES.get(self.schedule) if isinstance(self.schedule, str) else None  # None: searched or unknown
-        if self.layers is not None:
-            layers = tuple(int(n) for n in self.layers)
-            if not layers or min(layers) < 1:
-                raise ConfigError(f"Pipeline(layers={self.layers}): every stage needs at least one layer")
-            object.__setattr__(self, "layers", layers)
-            v = self.virtual_stages or (named.virtual_stages if named else 1)
-            if len(layers) % v:
-                raise ConfigError(f"Pipeline(layers={self.layers}): {len(layers)} stages do not fill {v} virtual stages per rank")
-            if self.stages is not None and self.stages * v != len(layers):
-                raise ConfigError(f"Pipeline(stages={self.stages}, layers={self.layers}): {len(layers)} stages given by layers")
-            object.__setattr__(self, "stages", len(layers) // v)
-        if self.stages is not None and self.stages < 1:
-            raise ConfigError(f"Pipeline(stages={self.stages}): need at least one stage")
-        if self.microbatches is not None and self.microbatches < 1:
-            raise ConfigError(f"Pipeline(microbatches={self.microbatches}): need at least one microbatch")
-        if self.schedule is not None:
-            named = schedule_named(self.schedule)
-        if named is not None and not named.recompute and self.recompute:
-            others = listed(s for s in SCHEDULES.values() if s.recompute)
-            raise ConfigError(f"Pipeline(schedule={named.name!r}, recompute=True): the {named.name} schedule splits each "
-                              "backward into one autograd call per group of weights, and a recomputed layer would run "
-                              f"its forward again in each; use recompute with {others}")
-        if self.virtual_stages is not None and self.virtual_stages < 1:
-            raise ConfigError(f"Pipeline(virtual_stages={self.virtual_stages}): need at least one stage per rank")
-        if self.virtual_stages is not None and self.virtual_stages > 1:
-            interleaving = [s for s in SCHEDULES.values() if s.interleaved]
-            if named is not None and not named.interleaved:
-                raise ConfigError(f"Pipeline(virtual_stages={self.virtual_stages}) runs several stages per rank: only "
-                                  f"schedule={listed(interleaving)} does that, not {self.schedule!r}")
-            named = named or interleaving[0]
-            object.__setattr__(self, "schedule", named.name)
-        if named is not None and named.interleaved and self.virtual_stages in (None, 1):
-            object.__setattr__(self, "virtual_stages", named.virtual_stages)
 
 
 @dataclasses.dataclass
@@ -346,9 +301,9 @@ class _Search:
     found per count (``evaluate``), and where the time went (``timing``)."""
 
     def __init__(self, model, mesh: Mesh, example_inputs, example_kwargs, pipeline: Pipeline,
-                 memory_budget: float | None, plan_kwargs: dict | None, tolerance: float, equal_stages: bool):
+                 memory_budget: float | None, config: PlanConfig, tolerance: float, equal_stages: bool):
         self.model, self.mesh, self.pipeline = model, mesh, pipeline
-        self.plan_kwargs = dict(plan_kwargs or {})
+        self.config = config
         self.inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         self.kwargs = example_kwargs
         self.batch = batch_size(self.inputs, example_kwargs)
@@ -453,11 +408,11 @@ class _Search:
             return None
         unit_of_nodes(graph)  # a graph without layers cannot be cut: PlanError
         unit_groups(len(graph.layers), None, self.pipeline.layers)  # fixed layers must cover the model: ConfigError
-        kwargs = {**self.plan_kwargs, "microbatches": count}
+        config = self.config.replace(microbatches=count)
         rows = [r for r in self.options  # not more stages of a size than layers
                 if not (self.equal_stages and self.mesh.shape[0] // r > len(graph.layers))]
-        variants, lean = self._fastest_variants(graph, kwargs, [(r, sub_mesh(self.mesh, r)) for r in rows])
-        found = self._stages_over(variants, lean, count, graph, kwargs)
+        variants, lean = self._fastest_variants(graph, config, [(r, sub_mesh(self.mesh, r)) for r in rows])
+        found = self._stages_over(variants, lean, count, graph, config)
         self.results[count] = found
         log.info("pipeline search, %d microbatches: %s (%d sub-mesh options, %.1f s)", count,
                  "nothing fits" if found is None else
@@ -465,7 +420,7 @@ class _Search:
                  len(variants), time.perf_counter() - t_trace)
         return found
 
-    def _fastest_variants(self, graph, kwargs: dict, meshes):
+    def _fastest_variants(self, graph, config: PlanConfig, meshes):
         """(rows, UnitPrices) of the fastest intra-op plan on each (rows, sub-mesh) of ``meshes``
         (and recomputed, per ``Pipeline.recompute``); and (rows, sub-mesh, those prices) where it
         does not fit."""
@@ -473,7 +428,7 @@ class _Search:
         variants, lean = [], []
         for rows, sm in meshes:
             share = rows / self.mesh.shape[0] if self.equal_stages else None  # of the layers a stage holds
-            fastest = fastest_prices(self.model, sm, graph, plan_one_stage, kwargs)
+            fastest = fastest_prices(self.model, sm, graph, plan_one_stage, config)
             if fastest is not None:
                 variants += [(rows, p) for p in _recompute_variants(fastest, self.pipeline.recompute)]
                 if held_bytes(fastest, share) > self.budget:
@@ -481,15 +436,15 @@ class _Search:
         self.timing["intra_op_s"] += time.perf_counter() - t_ilp
         return variants, lean
 
-    def _stages_over(self, variants: list, lean: list, count: int, graph, kwargs: dict, floor: Found | None = None):
+    def _stages_over(self, variants: list, lean: list, count: int, graph, config: PlanConfig, floor: Found | None = None):
         """The stage DP over ``variants``, then again with leaner plans of the ``lean`` sub-meshes
         where any could still win (``_add_leaner``; cut off at what was found, or ``floor``)."""
         found = self.best_stages(variants, count, graph)
-        if lean and self._add_leaner(variants, lean, found or floor, count, graph, kwargs):
+        if lean and self._add_leaner(variants, lean, found or floor, count, graph, config):
             found = self.best_stages(variants, count, graph)
         return found
 
-    def _add_leaner(self, variants: list, lean: list, found: Found | None, count: int, graph, kwargs: dict) -> bool:
+    def _add_leaner(self, variants: list, lean: list, found: Found | None, count: int, graph, config: PlanConfig) -> bool:
         """Leaner plans of the sub-meshes whose fastest does not fit, added to ``variants``, each cut
         off where it could not beat the pipeline found: a stage on 1 / s of the rows runs at least
         1 / s of the whole graph's work per microbatch (busy ranks sharing cores at most c times
@@ -500,7 +455,7 @@ class _Search:
         for rows, sm, fastest in lean:
             cutoff = (found.sol.step_time * max(1.0, self.contention) * rows_total / (rows * count)
                       if found is not None and self.equal_stages else None)
-            for p in leaner_prices(self.model, sm, graph, plan_one_stage, kwargs, fastest, cutoff):
+            for p in leaner_prices(self.model, sm, graph, plan_one_stage, config, fastest, cutoff):
                 variants += [(rows, q) for q in _recompute_variants(p, self.pipeline.recompute)]
         self.timing["intra_op_s"] += time.perf_counter() - t_ilp
         return len(variants) > before
@@ -511,15 +466,15 @@ class _Search:
         (8r,)), the widths a hand-written configuration can name. Only at the best count and
         stage size: each view is a whole intra-op plan, and the sub-mesh's own shape decides the
         count and the stage size before the width does. A forced layout fixes the widths."""
-        if best is None or self.plan_kwargs.get("force") is not None:
+        if best is None or self.config.force is not None:
             return best
-        kwargs = {**self.plan_kwargs, "microbatches": best.count}
+        config = self.config.replace(microbatches=best.count)
         views = [(rows, view) for rows in sorted({best.variants[m][0] for _, _, m in best.sol.stages})
                  for view in narrower_views(sub_mesh(self.mesh, rows))]
-        added, lean = self._fastest_variants(best.graph, kwargs, views)
+        added, lean = self._fastest_variants(best.graph, config, views)
         if not added:
             return best
-        found = self._stages_over(list(best.variants) + added, lean, best.count, best.graph, kwargs, floor=best)
+        found = self._stages_over(list(best.variants) + added, lean, best.count, best.graph, config, floor=best)
         return found if found is not None and found.sol.step_time < best.sol.step_time - 1e-15 else best
 
     # ---- the stage DP ----
@@ -589,15 +544,18 @@ class _Search:
         return sol
 
 
-def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, pipeline: Pipeline | None = None,
-           memory_budget: float | None = None, plan_kwargs: dict | None = None, tolerance: float = 0.01,
-           equal_stages: bool = True) -> PipelineChoice:
-    """The fastest pipeline for ``model`` on ``mesh`` within ``memory_budget`` bytes per device.
+def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, config: PlanConfig | None = None,
+           memory_budget: float | None = None, tolerance: float = 0.01, equal_stages: bool = True,
+           **options) -> PipelineChoice:
+    """The fastest pipeline for ``model`` on ``mesh`` within ``memory_budget`` bytes per device, its
+    stages planned under ``config`` and ``options`` (``PlanConfig`` fields; the ``pipeline``
+    field's given fields fixed, the others searched).
     ``equal_stages``: every stage takes as many rows (what torch's schedules run: each rank talks
     to one rank per stage); False lets the DP size each stage on its own, as Alpa does."""
-    pipeline = pipeline or Pipeline()
+    config = PlanConfig.of(config, **options)
+    pipeline = config.searched_pipeline or Pipeline()
     t0 = time.perf_counter()
-    run = _Search(model, mesh, example_inputs, example_kwargs, pipeline, memory_budget, plan_kwargs, tolerance,
+    run = _Search(model, mesh, example_inputs, example_kwargs, pipeline, memory_budget, config, tolerance,
                   equal_stages)
     counts, notes = run.microbatch_counts()
     best = run.widen(run.best(counts))

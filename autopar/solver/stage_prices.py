@@ -155,11 +155,11 @@ def grouped_prices(p: UnitPrices, groups) -> UnitPrices:
                       None if p.peak_bytes is None else total(p.peak_bytes))
 
 
-def fastest_prices(model, sm, graph, intra_op_plan, plan_kwargs) -> UnitPrices | None:
+def fastest_prices(model, sm, graph, intra_op_plan, config) -> UnitPrices | None:
     """The prices of the fastest intra-op plan on sub-mesh ``sm``; None where there is no plan (or
     a forced layout does not fit it)."""
     try:
-        return unit_prices(intra_op_plan(model, sm, graph=graph, memory_budget=None, **plan_kwargs), graph, sm)
+        return unit_prices(intra_op_plan(model, sm, graph=graph, config=config.replace(memory_budget=None)), graph, sm)
     except (PlanError, ConfigError):
         return None
 
@@ -172,21 +172,20 @@ def held_bytes(p: UnitPrices, share: float | None) -> float:
     return p.held_between(0, len(p.static_bytes) - 1, share) + p.activation_bytes.sum()
 
 
-def leaner_prices(model, sm, graph, intra_op_plan, plan_kwargs, fastest: UnitPrices, cutoff_s: float | None):
+def leaner_prices(model, sm, graph, intra_op_plan, config, fastest: UnitPrices, cutoff_s: float | None):
     """Leaner intra-op plans on ``sm`` than ``fastest`` (tighter memory budgets, no idle axes, a
     short time limit), each costing under ``cutoff_s`` per microbatch (None: no cutoff)."""
     out = [fastest]
     memory = fastest.plan.predicted["memory_bytes_per_device"]
-    lean_kwargs = {**plan_kwargs, "idle_axes": (), "time_limit_s": min(plan_kwargs.get("time_limit_s", 2.0), 2.0),
-                   "objective_cutoff_s": cutoff_s}
+    lean = config.replace(idle_axes=(), time_limit_s=min(config.time_limit_s, 2.0), objective_cutoff_s=cutoff_s)
     for fraction in MEMORY_VARIANTS:
         try:
-            lean = intra_op_plan(model, sm, graph=graph, memory_budget=memory * fraction, **lean_kwargs)
+            leaner = intra_op_plan(model, sm, graph=graph, config=lean.replace(memory_budget=memory * fraction))
         except PlanError:
             break
-        if lean.predicted["memory_bytes_per_device"] >= out[-1].plan.predicted["memory_bytes_per_device"] * 0.95:
+        if leaner.predicted["memory_bytes_per_device"] >= out[-1].plan.predicted["memory_bytes_per_device"] * 0.95:
             continue
-        out.append(unit_prices(lean, graph, sm))
+        out.append(unit_prices(leaner, graph, sm))
     return out[1:]
 
 

@@ -59,7 +59,7 @@ def compare(model, inputs, mesh, groups, *, steps: int = 5, lr: float = 1e-2, kw
     initial = copy.deepcopy(model)  # to replay the steps in float64 where a check needs the exact run
     # Use every mesh axis unless a case asks otherwise: small test models would otherwise run
     # redundantly on idle axes and exercise no collectives.
-    parallelize_kw.setdefault("plan_kwargs", {"idle_axes": ()})
+    parallelize_kw.setdefault("idle_axes", ())
     # One stage, called as a module (pipelined plans train through train_step: test_pipeline_runtime).
     parallelize_kw.setdefault("pipeline", False)
     if kwargs_fn is None:

@@ -89,9 +89,9 @@ def run_case(case: dict, groups) -> dict:
         force = force_of(case, ir.trace(model, inputs) if case["force"] == "node" else None)
         identical = {"auto": "auto", "none": (), "all": tuple(range(len(mesh.shape)))}[case.get("identical", "auto")]
         pipeline = pipeline_of(case)
-        plan_kwargs = {"idle_axes": ()} if pipeline else {"idle_axes": (), "identical_axes": identical}
+        identical_axes = "auto" if pipeline else identical
         pm = autopar.parallelize(model, mesh, inputs, force=force, groups=None if pipeline else groups, profile=False,
-                                 plan_kwargs=plan_kwargs, pipeline=pipeline, timeout=COLLECTIVE_TIMEOUT_S)
+                                 idle_axes=(), identical_axes=identical_axes, pipeline=pipeline, timeout=COLLECTIVE_TIMEOUT_S)
     except AutoparError as err:
         return {"outcome": "typed", "error": f"{type(err).__name__}: {str(err)[:200]}"}
     initial = copy.deepcopy(ref)

@@ -26,7 +26,7 @@ def _case(tag, name, build_kw, mesh_shape, groups, layout, identical):
         model, inputs = models.build(name, **build_kw)
         mesh = autopar.Mesh(mesh_shape, cluster="cpu-gloo")
         res = compare(model, inputs, mesh, groups, steps=3, force=layout,
-                      plan_kwargs={"idle_axes": (), "identical_axes": identical})
+                      idle_axes=(), identical_axes=identical)
         out = summary(tag, res)
         plan = res["plan"]
         out["identical"] = tuple(plan.identical_axes)
@@ -66,7 +66,7 @@ def _other_shapes_case(groups):
         model, (idx, tgt) = models.build("gpt", **GPT)
         ref = copy.deepcopy(model)
         pm = autopar.parallelize(model, autopar.Mesh((2, 2), cluster="cpu-gloo"), (idx, tgt), groups=groups,
-                                 force=autopar.Layout(dp=2, tp=2), plan_kwargs={"idle_axes": (), "identical_axes": (0, 1)})
+                                 force=autopar.Layout(dp=2, tp=2), idle_axes=(), identical_axes=(0, 1))
         o_p = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
         o_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
         worst = 0.0

@@ -80,8 +80,9 @@ def matmul_force(model, inputs, family: str, *, params: str | None = None) -> di
 
 
 def zoo_case(tag, factory: str, mesh, groups, layout, *, float64: bool = False, **build):
-    """A model of tests/models_zoo.py under a hand-style layout (``float64``: model and float
-    inputs in float64)."""
+    """A model of tests/models_zoo.py under a hand-style layout, given as a ``PlanConfig`` (as a
+    user sharing one config between jobs passes it; ``float64``: model and float inputs in
+    float64)."""
     def go():
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         import models_zoo
@@ -89,7 +90,8 @@ def zoo_case(tag, factory: str, mesh, groups, layout, *, float64: bool = False, 
         model, inputs = getattr(models_zoo, factory)(**build)
         if float64:
             model, inputs = model.double(), tuple(t.double() if t.is_floating_point() else t for t in inputs)
-        return summary(tag, compare(model, inputs, mesh, groups, force=layout))
+        config = autopar.PlanConfig(force=layout, idle_axes=(), pipeline=False)
+        return summary(tag, compare(model, inputs, mesh, groups, config=config))
 
     return run_case(tag, go)
 
@@ -132,7 +134,7 @@ def low_precision_case(tag, name, mesh, groups, layout=None, autocast: bool = Fa
     def go():
         model, inputs = models.build(name, layers=2, dtype=torch.float32 if autocast else torch.bfloat16)
         one, fp32 = copy.deepcopy(model), copy.deepcopy(model).float()
-        pm = autopar.parallelize(model, mesh, inputs, groups=groups, plan_kwargs={"idle_axes": ()}, pipeline=False,
+        pm = autopar.parallelize(model, mesh, inputs, groups=groups, idle_axes=(), pipeline=False,
                                  **({} if layout is None else {"force": layout}))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss_par, loss_one = pm(*inputs), one(*inputs)
@@ -256,7 +258,7 @@ def idle_case(tag, mesh, groups, idle_axes):
     def go():
         model, inputs = models.build("mlp")
         force = {} if idle_axes == "auto" else matmul_force(model, inputs, "1d-col")
-        res = compare(model, inputs, mesh, groups, force=force, plan_kwargs={"idle_axes": idle_axes})
+        res = compare(model, inputs, mesh, groups, force=force, idle_axes=idle_axes)
         out = summary(tag, res)
         out["idle_axes"] = tuple(res["plan"].idle_axes)
         out["grad_sync_axes"] = sorted({a for p in res["plan"].params.values() if p.grad_sync for a in p.grad_sync[1]})

@@ -131,7 +131,7 @@ def accumulation_case(tag, mesh, groups, *, micro=4, last_no_sync=False, resync=
         model, inputs = models.build("gpt", layers=2, batch=8)
         ref = copy.deepcopy(model)
         pm = autopar.parallelize(model, mesh, inputs, groups=groups, bucket_bytes=bucket_bytes, force=force,
-                                 plan_kwargs={"idle_axes": ()}, pipeline=False)
+                                 idle_axes=(), pipeline=False)
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
         opt_par = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=ADAM_EPS)
         launched0 = pm.reducer.launched
@@ -173,7 +173,7 @@ def no_grad_case(mesh, groups):
     model, inputs = models.build("gpt", layers=1)
     ref = copy.deepcopy(model)
     pm = autopar.parallelize(model, mesh, inputs, groups=groups, force=zero2_force("gpt", {"layers": 1}),
-                             plan_kwargs={"idle_axes": ()}, pipeline=False)
+                             idle_axes=(), pipeline=False)
     with torch.no_grad():
         out = pm(*inputs)
     return {"tag": "no-grad", "err": rel(out, ref(*inputs)), "pending": pm.reducer.pending(),

@@ -278,7 +278,7 @@ def batchnorm_case(tag, mesh, groups, force=None, ema=False):
         x, y = torch.randn(8, 3, 6, 6), torch.randint(0, 5, (8,))
     ref = copy.deepcopy(model)
     pm = autopar.parallelize(model, mesh, (x, y), groups=groups, force=force,
-                             plan_kwargs={"idle_axes": ()} if force is None else None, pipeline=False)
+                             idle_axes=() if force is None else "auto", pipeline=False)
     o_p, o_r = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     loss_err = 0.0
     for step, b in enumerate((8, 6, 8)):
