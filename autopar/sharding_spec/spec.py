@@ -198,9 +198,17 @@ class ShardingSpec:
             )
 
     def local_shape(self, mesh, rank: int | None = None) -> tuple[int, ...]:
-        """The shard's shape (the same on every rank, since splits are even)."""
-        self.check_even(mesh)
-        return tuple(s // mesh.axes_size(ax) for s, ax in zip(self.shape, self.dim_axes))
+        """The shard's shape (the same on every rank, since splits are even). Kept per mesh shape:
+        the planner asks it of the same specs millions of times."""
+        known = self.__dict__.get("_local_shapes")
+        if known is None:
+            known = {}
+            object.__setattr__(self, "_local_shapes", known)
+        got = known.get(mesh.shape)
+        if got is None:
+            self.check_even(mesh)
+            got = known[mesh.shape] = tuple(s // mesh.axes_size(ax) for s, ax in zip(self.shape, self.dim_axes))
+        return got
 
     def local_offset(self, mesh, rank: int) -> tuple[int, ...]:
         """Where ``rank``'s shard starts in the global tensor, per dim."""
