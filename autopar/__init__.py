@@ -21,6 +21,7 @@ from autopar.errors import (
     TraceError,
 )
 from autopar.compose.parallelize import parallelize
+from autopar.ir.precision import MixedPrecision
 from autopar.sharding_spec import Mesh, Partial, Replicate, Shard, ShardingSpec
 from autopar.solver import Layout, Pipeline, Plan, PlanConfig, plan, plan_reshard
 from autopar.solver.compare import compare_plan as compare
@@ -84,6 +85,7 @@ __all__ = [
     "Link",
     "Mesh",
     "MeshError",
+    "MixedPrecision",
     "Partial",
     "Pipeline",
     "Plan",

@@ -95,7 +95,7 @@ def test_plan_parallelize_and_the_cli_share_one_config():
     assert config == autopar.PlanConfig(force=autopar.Layout(dp=2, tp=2, zero=2), pipeline=autopar.Pipeline(
         stages=2, schedule="1f1b"), idle_axes=(), memory_budget="40GB", bucket_bytes=4 << 20, optimizer="sgd")
     flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["plan"]._actions}
-    assert len(USER_OPTIONS) == 10 and {"layout", "bucket_size", "time_limit"} <= flags  # every user option has a flag
+    assert len(USER_OPTIONS) == 11 and {"layout", "bucket_size", "time_limit", "precision"} <= flags  # every user option has a flag
     # a keyword is the same option as the config's field, applied over a given config
     assert autopar.PlanConfig.of(config, pipeline=False).pipeline is None
     assert autopar.PlanConfig.of(config, solver="cbc").replace(idle_axes=[0]) == dataclasses.replace(

@@ -90,6 +90,7 @@ def planning_config(args):
         bucket_bytes=int(parse_bytes(args.bucket_size)),
         time_limit_s=args.time_limit,
         solver=args.solver,
+        precision=args.precision,
     )
 
 
@@ -279,6 +280,8 @@ def _planning_arguments(parser) -> None:
     parser.add_argument("--bucket-size", default="25MiB", help="the gradient reducer's bucket size (default 25MiB)")
     parser.add_argument("--time-limit", type=float, default=60.0, help="the ILP solver's time limit in seconds (default 60)")
     parser.add_argument("--solver", default=None, choices=("highs", "cbc"), help="ILP solver (default: HiGHS where installed)")
+    parser.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
+                        help="mixed precision: 16-bit compute on fp32 masters (default: the model's own dtypes)")
     parser.add_argument("--profiled", action="store_true",
                         help="price with this machine's cached profiles (`autopar profile --mesh ...` / `--ops ...`)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines (they show only on a terminal)")

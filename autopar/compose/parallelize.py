@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from autopar.compose.live_profile import calibrated, is_live, live_cluster, live_op_table
 from autopar.errors import ConfigError, PlanError, TraceError
+from autopar.ir.precision import working_call
 from autopar.sharding_spec.mesh import Mesh
 from autopar.solver.config import PlanConfig
 
@@ -83,7 +84,7 @@ def parallelize(
     from autopar.codegen.lower import lower
     from autopar.compose.programs import VariantBuilder, constants_of, plan_on_rank0, weightless
     from autopar.ir import trace
-    from autopar.runtime.materialize import local_state
+    from autopar.runtime.materialize import in_precision, local_state
     from autopar.runtime.module import ParallelModule
     from autopar.runtime.process_groups import MeshGroups
     from autopar.solver.plan import Plan
@@ -97,8 +98,15 @@ def parallelize(
     trace_inputs, trace_kwargs = tuple(inputs), dict(example_kwargs or {})
     if on_meta:
         trace_inputs, trace_kwargs = _to_meta((trace_inputs, trace_kwargs))
+    if isinstance(plan, (str, os.PathLike)):
+        plan = Plan.load(plan)
+    precision = _precision(config, plan)
+    real_call = (trace_inputs, trace_kwargs)
+    traced = model  # what is traced: the model as it computes (a weightless working copy under a precision)
+    if precision is not None:
+        traced, (trace_inputs, trace_kwargs) = working_call(model, real_call, precision)
     try:
-        graph = trace(model, trace_inputs, trace_kwargs or None)
+        graph = trace(traced, trace_inputs, trace_kwargs or None)
     except TraceError as err:  # every rank fails alike: rank 0 says why, the others say where to look
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         if rank != 0:
@@ -106,8 +114,6 @@ def parallelize(
                              "error says why") from None
         raise err from err.__cause__
     _check_outputs(graph)
-    if isinstance(plan, (str, os.PathLike)):
-        plan = Plan.load(plan)
     if plan is not None:
         check_plan(plan, graph, mesh)  # before any collective: a bad plan fails on every rank alike
 
@@ -127,8 +133,9 @@ def parallelize(
         pricing = config.replace(cluster=None)  # the pricing mesh carries the cluster
         if plan_mesh.cluster is not None and is_live(plan_mesh) and config.op_table is None:
             pricing = pricing.replace(op_table=live_op_table(graph, plan_mesh, device, config.force))
-            plan_mesh = calibrated(model, graph, (trace_inputs, trace_kwargs), plan_mesh, device)
-        plan = plan_on_rank0(model, plan_mesh, graph, pricing, (trace_inputs, trace_kwargs or None))
+            computing, call = _computing(model, real_call, precision)
+            plan_mesh = calibrated(computing, graph, call, plan_mesh, device)
+        plan = plan_on_rank0(traced, plan_mesh, graph, pricing, (trace_inputs, trace_kwargs or None))
         check_plan(plan, graph, mesh)
     else:
         plan_mesh = mesh.with_cluster(config.cluster) if config.cluster is not None else mesh
@@ -136,23 +143,53 @@ def parallelize(
     if plan.pipeline is not None:
         from autopar.compose.pipeline import build_stage
 
-        return build_stage(model, graph, plan, mesh, (trace_inputs, trace_kwargs), (inputs, example_kwargs or {}),
+        return build_stage(model, traced, graph, plan, mesh, (trace_inputs, trace_kwargs), (inputs, example_kwargs or {}),
                            device=device, timeout=timeout, state_dict=state_dict, init_fn=init_fn,
                            bucket_bytes=bucket_bytes, signature=_signature(model), requires_grad=_requires_grad,
-                           plan_config=pricing)
+                           plan_config=pricing, precision=precision)
 
     lowered = lower(graph, plan, mesh, device=device)
     shards = local_state(model, graph, plan, mesh, rank, state_dict=state_dict, init_fn=init_fn, device=device)
+    shards = in_precision(shards, graph, precision)
     requires_grad = {ph: _requires_grad(model, fqn, graph) for fqn, ph in graph.params.items()}
     constants = constants_of(graph, device)
-    builder = VariantBuilder(weightless(model), plan, mesh, plan_mesh, pricing, device, max_programs)
+    skeleton = traced if precision is not None else weightless(model)
+    builder = VariantBuilder(skeleton, plan, mesh, plan_mesh, pricing, device, max_programs)
     order = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     return ParallelModule(
         graph=graph, plan=plan, lowered=lowered, groups=groups, shards=shards,
         state_keys=list(model.state_dict(keep_vars=True).keys()), signature=_signature(model),
         requires_grad=requires_grad, constants=constants, order=order, builder=builder, mode=model.training,
-        device=device, example=(inputs, example_kwargs or {}), bucket_bytes=bucket_bytes,
+        device=device, example=(inputs, example_kwargs or {}), bucket_bytes=bucket_bytes, precision=precision,
     )
+
+
+def _precision(config: PlanConfig, plan):
+    """The ``MixedPrecision`` to run (or None): the config's, or a given plan's; the two must agree."""
+    from autopar.ir.precision import MixedPrecision
+
+    of_plan = MixedPrecision.from_dict(plan.precision) if plan is not None and plan.precision else None
+    if plan is not None and config.precision is not None and config.precision != of_plan:
+        raise ConfigError(f"precision={config.precision.name!r} differs from the given plan's "
+                          f"({of_plan.name if of_plan else 'the model dtypes'}); drop one, or plan again")
+    precision = config.precision if config.precision is not None else of_plan
+    if precision is not None and precision.param_dtype == torch.float16:
+        raise ConfigError("precision='fp16' needs dynamic loss scaling agreed on every rank, which the runtime does not "
+                          "run yet; use precision='bf16' (same bytes, no scaling needed)")
+    return precision
+
+
+def _computing(model, call, precision):
+    """(model, call) as the plan computes them, real tensors: a working copy of the model in the
+    precision's dtype (``model.to(dtype)`` on a copy) with its floating inputs cast; as they are
+    without a precision. For timing the model in situ."""
+    import copy
+
+    from autopar.ir.precision import cast_floats
+
+    if precision is None:
+        return model, call
+    return copy.deepcopy(model).to(precision.param_dtype), cast_floats(call, precision.param_dtype)
 
 
 # ---- steps ------------------------------------------------------------------------------------------

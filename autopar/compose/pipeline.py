@@ -18,21 +18,22 @@ from autopar.runtime.programs import Program
 from autopar.sharding_spec.mesh import Mesh
 
 
-def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, device, timeout, state_dict, init_fn,
-                bucket_bytes, signature, requires_grad, plan_config):
+def build_stage(model, traced, graph, plan, mesh: Mesh, trace_call, example_call, *, device, timeout, state_dict,
+                init_fn, bucket_bytes, signature, requires_grad, plan_config, precision):
     """This rank's ``ParallelModule`` of a pipelined ``plan``: its stages' programs and shards,
-    with a ``PipelineRunner`` for ``train_step``. ``graph`` is the whole batch's trace (to tell
-    which inputs the microbatches split); the stages run on the microbatch graph, traced here."""
+    with a ``PipelineRunner`` for ``train_step``. ``graph`` is the whole batch's trace of
+    ``traced`` (the model as it computes, under ``precision``) on ``trace_call``, to tell which
+    inputs the microbatches split; the stages run on the microbatch graph, traced here."""
     from autopar.compose.programs import constants_of, weightless
     from autopar.ir import trace
-    from autopar.runtime.materialize import local_state
+    from autopar.runtime.materialize import in_precision, local_state
     from autopar.runtime.module import ParallelModule
     from autopar.solver.microbatches import microbatch_inputs
     from autopar.solver.receives import with_received
 
     count = plan.pipeline.microbatches
     mb_args, mb_kwargs = microbatch_inputs(*trace_call, count)
-    micro = trace(model, mb_args, mb_kwargs or None)
+    micro = trace(traced, mb_args, mb_kwargs or None)
     plan.check_model(micro.fingerprint(), micro.model_name)
     plan = with_received(plan, micro)  # a plan file of schema version 3 or older has no receiving steps
     batch_dims = [tuple(graph.nodes[a].meta.shape[:1]) != tuple(micro.nodes[b].meta.shape[:1])
@@ -52,6 +53,7 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
     stage_plan = _merged(plan, sg.stages)
     shards = local_state(model, micro, stage_plan, groups.mesh, groups.rank, state_dict=state_dict, init_fn=init_fn,
                          device=device, placeholders=set(state))
+    shards = in_precision(shards, micro, precision)
     fqn_of = {ph: fqn for fqn, ph in {**micro.params, **micro.buffers}.items()}
     mine = {fqn_of[ph] for ph in state if ph in fqn_of}
     canonical = {a: canon for canon, names in micro.param_aliases.items() for a in names}
@@ -66,7 +68,7 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
         requires_grad={ph: requires_grad(model, fqn, micro) for fqn, ph in micro.params.items()},
         constants=constants_of(micro, device), order=[n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()],
         builder=None, mode=model.training, device=device, example=(ex_args, ex_kwargs), bucket_bytes=bucket_bytes,
-        norm_group=dist.group.WORLD, not_in_norm=not_in_norm, state=state,
+        norm_group=dist.group.WORLD, not_in_norm=not_in_norm, state=state, precision=precision,
     )
     slot_of = {ph: i for i, ph in enumerate(state)}
     programs = {st: Program(micro, plan.pipeline.stages[st].plan, low, [slot_of[ph] for ph in low.state], {},
@@ -77,7 +79,8 @@ def build_stage(model, graph, plan, mesh: Mesh, trace_call, example_call, *, dev
     pm._ap.plan_full = plan
     pm._ap.all_state_keys = all_keys
     pm._ap.pipeline = PipelineRunner(pm, micro, plan, programs, cuts, sg, shared, device, loss_index, batch_dims)
-    pm._ap.pipeline.variants = PipelineVariants(weightless(model), plan, micro, pm, device, plan_config)
+    skeleton = traced if precision is not None else weightless(model)
+    pm._ap.pipeline.variants = PipelineVariants(skeleton, plan, micro, pm, device, plan_config)
     return pm
 
 
@@ -97,7 +100,8 @@ class PipelineVariants:
         cut into microbatches of ``rows`` samples; None where the trace is the plan's own graph."""
         import torch.utils._pytree as pytree
 
-        from autopar.compose.programs import constants_of, fake_inputs
+        from autopar.compose.programs import constants_of
+        from autopar.ir.precision import fake_inputs
         from autopar.errors import TraceError
         from autopar.ir import trace
         from autopar.runtime.pipeline_call import StageSet

@@ -20,47 +20,20 @@ number of programs is bounded by ``max_programs`` (a ConfigError beyond it says 
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir.graph import Role
+from autopar.ir.precision import fake_inputs, working_model
 from autopar.runtime.programs import Program
 
 def weightless(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are fake tensors (shapes, dtypes and
-    devices, no memory; tied parameters stay tied), for tracing it again in another mode or at other
-    shapes. Fake rather than meta: a model whose code branches on its device (transformers' Mixtral
-    counts tokens per expert in float32 on CPU, in int32 elsewhere) traces the branch it runs.
-    ``fake_inputs(skeleton, tree)`` makes the call's inputs alike."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    memo: dict = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = mode.from_tensor(b)
-    try:
-        skeleton = copy.deepcopy(model, memo)
-    except Exception as err:  # a module holding something deepcopy refuses (a lock, a file)
-        raise ConfigError(
-            f"cannot keep a weightless copy of {type(model).__name__} for re-tracing ({type(err).__name__}: {err}); "
-            "call the parallelized model only in the mode and with the input shapes it was parallelized for"
-        ) from None
-    object.__setattr__(skeleton, "_autopar_fake_mode", mode)
-    return skeleton
-
-
-def fake_inputs(skeleton: nn.Module, tree):
-    """``tree`` with every tensor a fake of it in ``skeleton``'s fake mode (``weightless``)."""
-    mode = skeleton._autopar_fake_mode
-    return pytree.tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, tree)
+    """A copy of ``model`` whose parameters and buffers are fake tensors, for tracing it again in
+    another mode or at other shapes (``ir.precision.working_model``)."""
+    return working_model(model)
 
 
 def plan_on_rank0(model, mesh, graph, config, example=((), None)):

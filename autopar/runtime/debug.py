@@ -68,9 +68,8 @@ def compare_nodes(pmodel, args, kwargs, tol: float = DEFAULT_TOL) -> NodeCompari
     args, kwargs = pmodel._normalize(tuple(args), dict(kwargs))
     with torch.no_grad():
         program, flat = pmodel._program(args, kwargs)
-        flat = [x.to(ap.device) if isinstance(x, torch.Tensor) and ap.device is not None else x for x in flat]
-        state = [o._parameters[a] if a in o._parameters else o._buffers[a] for o, a in ap.slots]
-        state = ap.reducer.working_copies(state)
+        flat = ap.placed(flat)
+        state = ap.program_state()
         captured = _run_capturing(program, state, flat, ap.groups)
         full_state = pmodel.full_state_dict()
         reference = _reference_values(program.graph, full_state, args, kwargs, ap.device)

@@ -122,3 +122,14 @@ def _source(fqn: str, graph, named: dict, state_dict):
         if a in named:
             return named[a]
     raise ConfigError(f"the model has no parameter or buffer {fqn}")
+
+
+def in_precision(shards: dict, graph, precision) -> dict:
+    """The shards as the module keeps them under ``precision``: floating parameters in the master
+    dtype (what the optimizer updates), floating buffers in the working dtype (as the program reads
+    them, like ``model.to(dtype)``)."""
+    if precision is None:
+        return shards
+    params = set(graph.params.values())
+    return {ph: t.to(precision.master_dtype if ph in params else precision.param_dtype) if t.is_floating_point() else t
+            for ph, t in shards.items()}

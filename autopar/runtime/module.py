@@ -53,7 +53,7 @@ class ParallelModule(nn.Module):
                  signature: inspect.Signature | None, requires_grad: dict[str, bool], constants: dict,
                  order: list[str] | None = None, builder=None, mode: bool = True, device=None, example=None,
                  bucket_bytes: int | None = None, first_bucket_bytes: int | None = None, norm_group=None,
-                 not_in_norm: frozenset = frozenset(), state: list[str] | None = None):
+                 not_in_norm: frozenset = frozenset(), state: list[str] | None = None, precision=None):
         super().__init__()
         object.__setattr__(self, "_ap", _State(graph, plan, lowered, groups, state_keys, signature))
         # The placeholders whose tensors this module holds, one slot each: the program's state inputs,
@@ -99,6 +99,13 @@ class ParallelModule(nn.Module):
                 owner, attr = self._owner(fqn_of[ph])
                 owner.register_buffer(attr, shards[ph], persistent=fqn_of[ph] in persistent)
             self._ap.slots[slot] = (owner, attr)
+        if precision is not None:
+            self._ap.precision = precision
+            self._ap.input_dtype = precision.param_dtype
+            if precision.casts:
+                self._ap.working_dtype = precision.param_dtype
+                self._ap.masters = frozenset(i for i, ph in enumerate(state) if graph.nodes[ph].role == Role.PARAMETER
+                                             and shards[ph].is_floating_point())
         sizes = {k: v for k, v in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)) if v is not None}
         self._ap.reducer = GradReducer(entries, groups, **sizes)
         self._ap.zero2 = {e.slot: e for e in entries if e.kind == "reduce_scatter"}
@@ -138,7 +145,7 @@ class ParallelModule(nn.Module):
         if ap.pipeline is not None:  # the stages' forwards now, their backwards in backward()
             args, kwargs = self._normalize(args, kwargs)
             flat = fx_pytree.tree_flatten_spec((args, kwargs), ap.in_spec)
-            flat = [x.to(ap.device) if isinstance(x, torch.Tensor) and ap.device is not None else x for x in flat]
+            flat = ap.placed(flat)
             return pytree.tree_unflatten(ap.pipeline.call(self.training, flat), ap.out_spec)
         program, out = self._run(args, kwargs)
         return pytree.tree_unflatten(list(out), program.out_spec)
@@ -149,12 +156,8 @@ class ParallelModule(nn.Module):
         ap = self._ap
         args, kwargs = self._normalize(args, kwargs)
         program, flat = self._program(args, kwargs)
-        flat = [x.to(ap.device) if isinstance(x, torch.Tensor) and ap.device is not None else x for x in flat]
-        state = [owner._parameters[a] if a in owner._parameters else owner._buffers[a] for owner, a in ap.slots]
-        if torch.is_grad_enabled():
-            state = ap.reducer.tap(state)
-        else:
-            state = ap.reducer.working_copies(state)
+        flat = ap.placed(flat)
+        state = ap.program_state()
         gm = program.lowered.gm if program_of is None else program_of(program)
         with ops.bind(ap.groups):
             out = gm(*program.state_inputs(state), *flat)
@@ -176,8 +179,8 @@ class ParallelModule(nn.Module):
             return loss.detach()
         args, kwargs = self._normalize(args, kwargs)
         flat = fx_pytree.tree_flatten_spec((args, kwargs), ap.in_spec)
+        flat = ap.placed(flat)
         ap.pipeline.check_call(self.training, flat)
-        flat = [x.to(ap.device) if isinstance(x, torch.Tensor) and ap.device is not None else x for x in flat]
         return ap.pipeline.step(flat)
 
     def _program(self, args, kwargs):
@@ -485,6 +488,38 @@ class _State:
         self.pipeline = None  # a PipelineRunner when the plan has stages (this module is one stage's)
         self.plan_full = None  # the plan with every stage (``plan`` is this stage's)
         self.all_state_keys = self.state_keys  # every stage's keys (full_state_dict)
+        # Mixed precision (``plan.precision``): the programs read the slots of ``masters`` (floating
+        # parameters, kept in the master dtype) cast to ``working_dtype`` in every call; the cast's
+        # backward hands the reducer's taps master-dtype gradients.
+        self.working_dtype = None
+        self.masters: frozenset = frozenset()
+        self.input_dtype = None  # floating inputs are cast to it (the working dtype of a precision)
+        self.precision = None  # the MixedPrecision the module runs, if any
+
+    def held_dtype(self, graph, ph: str) -> torch.dtype:
+        """The dtype this module keeps placeholder ``ph`` of ``graph`` in: the traced one, but a
+        floating parameter's master dtype under a precision."""
+        dtype = getattr(torch, graph.nodes[ph].meta.dtype)
+        if self.precision is not None and dtype.is_floating_point and graph.nodes[ph].role == Role.PARAMETER:
+            return self.precision.master_dtype
+        return dtype
+
+    def placed(self, flat: list) -> list:
+        """The call's flat inputs as the program takes them: on the module's device, floating ones
+        in the working dtype under a precision (as the plan was traced)."""
+        dtype = self.input_dtype
+        return [x.to(device=self.device, dtype=dtype if dtype is not None and x.is_floating_point() else None)
+                if isinstance(x, torch.Tensor) else x for x in flat]
+
+    def program_state(self, sync: bool | None = None) -> list:
+        """What the program reads for each slot: the parameters through the reducer's taps (when
+        gradients are enabled; ``sync``: see ``GradReducer.tap``) or their working copies, then in
+        the working dtype."""
+        state = [owner._parameters[a] if a in owner._parameters else owner._buffers[a] for owner, a in self.slots]
+        state = self.reducer.tap(state, sync) if torch.is_grad_enabled() else self.reducer.working_copies(state)
+        if self.working_dtype is not None:
+            state = [t.to(self.working_dtype) if i in self.masters else t for i, t in enumerate(state)]
+        return state
 
 
 def _grad_sync(param_plan) -> tuple[str, tuple[int, ...]] | None:

@@ -342,7 +342,8 @@ class PipelineRunner:
                     sent[canon] = None
                 else:
                     t = (mine.detach().clone() if mine is not None else
-                         torch.empty(tuple(meta.shape), dtype=getattr(torch, meta.dtype), device=self.device))
+                         torch.empty(tuple(meta.shape), dtype=self.pmodel._ap.held_dtype(self.graph, ph),
+                                     device=self.device))
                     dist.broadcast(t, src=src)
                     sent[canon] = t
             out[key] = sent[canon]

@@ -39,11 +39,7 @@ class StageProgram(nn.Module):
         lowered = self.feeds.lowered
         vals = dict(zip(self.cut.receives, received))
         feed = [vals[n] for n in lowered.inputs] + [vals[n] for n in lowered.boundary_inputs]
-        state = [owner._parameters[a] if a in owner._parameters else owner._buffers[a] for owner, a in ap.slots]
-        if torch.is_grad_enabled():
-            state = ap.reducer.tap(state, sync=True if self.chunk == self.sync_chunk else None)
-        else:
-            state = ap.reducer.working_copies(state)
+        state = ap.program_state(sync=True if self.chunk == self.sync_chunk else None)
         if self.weight_reads is not None and torch.is_grad_enabled():  # a split backward: one view per parameter
             reads = [(slot, state[slot].view_as(state[slot])) for slot in self.read_slots if state[slot].requires_grad]
             for slot, view in reads:

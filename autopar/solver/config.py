@@ -14,6 +14,7 @@ from autopar.cost_model.memory import OPTIMIZER_STATES
 from autopar.cost_model.schedules import SCHEDULES, listed, schedule_named
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
 from autopar.errors import ConfigError
+from autopar.ir.precision import policy
 from autopar.solver.layout import Layout
 
 
@@ -97,6 +98,10 @@ class PlanConfig:
     bucket_bytes: the gradient bucket size, priced and (in ``parallelize``) run.
     time_limit_s, solver: the ILP solver's time limit and name ("highs" / "cbc"; None: HiGHS
         where installed).
+    precision: None (default): the model's own dtypes, nothing cast; "bf16" / "fp16": the forward
+        and backward in 16 bits on a working copy of fp32 masters, which the optimizer updates;
+        "fp32"; or ``autopar.MixedPrecision(param_dtype, reduce_dtype, master_dtype)``
+        (``autopar.ir.precision``). The plan is traced and priced as it computes.
 
     For the planner's own callers (the pipeline search, the what-if pricing, tests):
     op_table: profiled op times (``parallelize`` measures them on the live ranks).
@@ -119,6 +124,7 @@ class PlanConfig:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     time_limit_s: float = 60.0
     solver: str | None = None
+    precision: object = None
     op_table: object = None
     reuse_blocks: bool = True
     simplify: bool = True
@@ -152,6 +158,7 @@ class PlanConfig:
         if self.solver not in (None, "highs", "cbc"):
             raise ConfigError(f"unknown ILP solver {self.solver!r}; use 'highs' (needs highspy), 'cbc', or None for "
                               "the best available")
+        object.__setattr__(self, "precision", policy(self.precision))
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ConfigError(f"microbatches={self.microbatches!r}: use a positive count")
 

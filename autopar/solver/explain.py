@@ -33,8 +33,22 @@ def _header(plan) -> str:
     call = plan.solver.get("call")
     if call:
         lines.append("call: " + call_words(call))
+    if plan.precision:  # (without a policy the call's line says the parameters' dtype)
+        lines.append("precision: " + precision_words(plan.precision))
+    if call:
         lines += [f"note: {n}" for n in call.get("notes", ())]
     return "\n".join(lines)
+
+
+def precision_words(precision: dict | None) -> str:
+    """"bfloat16 compute on a working copy of float32 masters (the optimizer's), gradients summed
+    in float32", or the model's own dtypes."""
+    if not precision:
+        return "the model's own dtypes (no mixed-precision policy)"
+    work, reduce, master = precision["param_dtype"], precision["reduce_dtype"], precision["master_dtype"]
+    if work == master:
+        return f"{work} throughout"
+    return f"{work} compute on a working copy of {master} masters (the optimizer's), gradients summed in {reduce}"
 
 
 def call_words(call: dict) -> str:

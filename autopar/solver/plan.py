@@ -213,6 +213,9 @@ class Plan:
     # None: one stage (nodes, edges and params above). Else the stages, each with its own plan;
     # the fields above are then empty and the fingerprint is the microbatch graph's.
     pipeline: PipelinePlan | None = None
+    # The mixed-precision recipe the plan runs (``autopar.MixedPrecision.to_dict()``: working,
+    # reduction and master dtypes); None: the model's own dtypes, nothing cast.
+    precision: dict | None = None
 
     # ---- reading ----------------------------------------------------------------------------
     def stage_plans(self) -> list["Plan"]:
@@ -333,6 +336,7 @@ class Plan:
                 {**dataclasses.asdict(p), "storage": spec_to_json(p.storage)} for p in self.params.values()
             ],
             "pipeline": None if self.pipeline is None else self.pipeline.to_json(),
+            "precision": self.precision,
         }
 
     @staticmethod
@@ -359,7 +363,8 @@ class Plan:
             params[p["name"]] = ParamPlan(**p)
         pipeline = PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") else None
         return Plan(d["model_name"], d["model_fingerprint"], d["mesh"], nodes, edges, params, d["predicted"], d["solver"],
-                    SCHEMA_VERSION, tuple(d.get("idle_axes", ())), tuple(d.get("identical_axes", ())), pipeline)
+                    SCHEMA_VERSION, tuple(d.get("idle_axes", ())), tuple(d.get("identical_axes", ())), pipeline,
+                    d.get("precision"))
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
