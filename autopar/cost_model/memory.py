@@ -63,13 +63,19 @@ LOW_PRECISION_DTYPES = frozenset({"bfloat16", "float16"})
 STATIC_ROLES = frozenset({"parameter", "buffer", "constant"})
 
 
-def param_memory_parts(param_meta, storage_spec, mesh, optimizer: str = "adamw", opt_state_sharded_axes=()) -> dict:
+def param_memory_parts(param_meta, storage_spec, mesh, optimizer: str = "adamw", opt_state_sharded_axes=(),
+                       precision=None) -> dict:
     """Bytes one device holds for one parameter, by kind: ``parameters``, ``gradients``,
     ``optimizer_states`` (with the fp32 master copy of 16-bit params). ``param_meta``: a TensorMeta
     or a parameter Node; ``storage_spec`` None: replicated. With ``opt_state_sharded_axes`` (ZeRO-2,
     as ``runtime.reducer`` runs it) a device holds the working copy the program reads (the storage
     shard), its own chunk of it that the optimizer updates, and that chunk's gradient; the whole
-    gradient lives only in the reducer's buckets during backward."""
+    gradient lives only in the reducer's buckets during backward.
+
+    ``precision`` (an ``ir.precision.MixedPrecision`` that casts; the meta's dtype is then the
+    working dtype): what the runtime keeps instead: the master (the parameter the optimizer sees,
+    with ZeRO-2 also its whole storage shard in the master dtype) and the working copy cast from it
+    for the step, the gradient in the reduction dtype, the states in the master dtype."""
     meta = getattr(param_meta, "meta", param_meta)
     states = OPTIMIZER_STATES.get(optimizer.lower())
     if states is None:
@@ -79,15 +85,20 @@ def param_memory_parts(param_meta, storage_spec, mesh, optimizer: str = "adamw",
     already = storage_spec.used_axes if storage_spec is not None else frozenset()
     ways = math.prod(mesh.shape[mesh.axis(a)] for a in set(opt_state_sharded_axes) if mesh.axis(a) not in already)
     chunk = math.ceil(numel / ways)
+    if precision is not None and precision.casts:
+        master, grad = precision.master_dtype.itemsize, precision.reduce_dtype.itemsize
+        kept = (numel + chunk) * master if ways > 1 else numel * master
+        return {"parameters": kept + numel * size, "gradients": chunk * grad, "optimizer_states": chunk * states * master}
     per_element = states * OPTIMIZER_STATE_BYTES + (MASTER_COPY_BYTES if meta.dtype in LOW_PRECISION_DTYPES else 0)
     if ways > 1:
         return {"parameters": (numel + chunk) * size, "gradients": chunk * size, "optimizer_states": chunk * per_element}
     return {"parameters": numel * size, "gradients": numel * size, "optimizer_states": numel * per_element}
 
 
-def param_memory(param_meta, storage_spec, mesh, optimizer: str = "adamw", opt_state_sharded_axes=()) -> int:
+def param_memory(param_meta, storage_spec, mesh, optimizer: str = "adamw", opt_state_sharded_axes=(),
+                 precision=None) -> int:
     """``param_memory_parts`` summed."""
-    return sum(param_memory_parts(param_meta, storage_spec, mesh, optimizer, opt_state_sharded_axes).values())
+    return sum(param_memory_parts(param_meta, storage_spec, mesh, optimizer, opt_state_sharded_axes, precision).values())
 
 
 def total_param_memory(graph, storage_specs: Mapping | None, mesh, optimizer: str = "adamw", opt_state_sharded_axes=()) -> int:

@@ -177,13 +177,13 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
             continue
         accumulate += p.accumulate_s
         meta = graph.nodes[p.node].meta
-        local = p.grad_sync[2] if p.grad_sync is not None else local_bytes(p.storage, mesh.shape, meta.itemsize)
+        local = local_bytes(p.storage, mesh.shape, meta.itemsize)  # (a gradient may be synced in a wider dtype)
         if p.grad_sync is not None:
             kind, axes, nbytes = p.grad_sync
             first, *rest = kind.split("+")
             synced.append((first_use.get(p.node, 0), (first, tuple(axes), str(meta.dtype), tuple(rest)), int(nbytes)))
             if kind.startswith("reduce_scatter"):
-                local = nbytes / math.prod(mesh.shape[a] for a in axes)
+                local = local / math.prod(mesh.shape[a] for a in axes)
         elements += local / meta.itemsize
         tensors += 1
     # the reducer's buckets (``assign_buckets``), in backward's order; ZeRO-2's updated chunks are

@@ -124,19 +124,20 @@ def one_stage(graph, mesh, call: dict, budget, budget_from, config: PlanConfig) 
     idle, solved = best
     stats = dict(trace_s=t_trace - t0, memory_budget=budget, memory_budget_from=budget_from,
                  layout=layout.name if layout is not None else None, call=call_facts(**call, notes=graph.notes, graph=graph))
-    best_plan = _made(graph, mesh, solved, idle, config.identical_axes, config.bucket_bytes,
+    best_plan = _made(graph, mesh, solved, idle, config.identical_axes, config.bucket_bytes, config.precision,
                       total_s=time.perf_counter() - t0, **stats)
     log.info("planned %s on %s: objective %.3g s, %d ILP variables (%.1f s)", graph.model_name, mesh,
              best_plan.solver["objective_s"], best_plan.solver.get("ilp_variables", 0), best_plan.solver["total_s"])
     return best_plan
 
 
-def _made(graph, mesh, solved, idle, identical_axes, bucket_bytes, **stats) -> Plan:
+def _made(graph, mesh, solved, idle, identical_axes, bucket_bytes, precision=None, **stats) -> Plan:
     """The Plan of one ``_plan_on`` answer on ``mesh`` with ``idle`` axes unused, ``stats`` added
     to its solver figures, gradients kept whole on ``identical_axes`` (see ``with_identical_axes``)."""
     view, built, full, solver_stats, memory = solved
     solver_stats.update(idle_axes=list(idle), **stats)
-    plan = make_plan(graph, view, built, full, memory, solver_stats, real_mesh=mesh, idle_axes=idle, bucket_bytes=bucket_bytes)
+    plan = make_plan(graph, view, built, full, memory, solver_stats, real_mesh=mesh, idle_axes=idle, bucket_bytes=bucket_bytes,
+                     precision=precision)
     return with_identical_axes(plan, graph, view, identical_axes, bucket_bytes)
 
 
@@ -224,7 +225,7 @@ def _plan_on(graph, mesh, budget, force, config: PlanConfig):
     t0 = time.perf_counter()
     choices = node_choices(graph, mesh, optimizer=config.optimizer, op_table=config.op_table,
                            optimizer_sharding=config.optimizer_sharding, force=force, bucket_bytes=config.bucket_bytes,
-                           step_share=1.0 / config.microbatches)
+                           step_share=1.0 / config.microbatches, precision=config.precision)
     t_build = time.perf_counter()
     log.info("strategies of %d nodes on %s priced; solving", len(choices), mesh)
     built = build_problem(graph, mesh, memory_budget=budget, optimizer=config.optimizer, choices=choices)
@@ -293,9 +294,10 @@ def _solve(problem, simplify: bool, time_limit_s: float, solver, cutoff_s=None):
 
 
 def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: dict, *, real_mesh=None,
-              idle_axes=(), bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+              idle_axes=(), bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision=None) -> Plan:
     """The Plan of a solved problem. ``mesh`` is the mesh the problem was priced on (a view with
-    idle axes at size 1); the Plan records ``real_mesh`` and the idle axes."""
+    idle axes at size 1); the Plan records ``real_mesh`` and the idle axes (and ``precision``, a
+    ``MixedPrecision``, its recipe)."""
     choices = built.choices
     nodes = {}
     for name, c in choices.items():
@@ -323,15 +325,15 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
         )
     real_mesh = real_mesh or mesh
     plan = Plan(graph.model_name, graph.fingerprint(), real_mesh.to_dict(), nodes, edges, params, {}, stats,
-                idle_axes=tuple(idle_axes))
+                idle_axes=tuple(idle_axes), precision=precision.to_dict() if precision is not None else None)
     # The ILP's objective ranks plans; the prediction prices what the runtime runs (buckets,
     # overheads, optimizer): see autopar.cost_model.step.
     plan.predicted = dict(step_time(plan, graph, mesh, bucket_bytes=bucket_bytes), memory_bytes_per_device=memory,
-                          memory_parts=memory_parts(plan, graph, mesh, memory))
+                          memory_parts=memory_parts(plan, graph, mesh, memory, precision))
     return plan
 
 
-def memory_parts(plan, graph, mesh, total: float) -> dict:
+def memory_parts(plan, graph, mesh, total: float, precision=None) -> dict:
     """Memory per device by kind: parameters (their stored shards; under ZeRO-2 the working copy
     and the updated chunk), gradients, optimizer states (and fp32 master copies), and activations
     (the rest of the total: saved values and the reshards kept for backward)."""
@@ -345,7 +347,8 @@ def memory_parts(plan, graph, mesh, total: float) -> dict:
             params += node.memory_bytes
             continue
         zero_axes = p.grad_sync[1] if p.grad_sync and p.grad_sync[0].startswith("reduce_scatter") else ()
-        parts = memory_model.param_memory_parts(graph.nodes[p.node].meta, p.storage, mesh, opt_state_sharded_axes=zero_axes)
+        parts = memory_model.param_memory_parts(graph.nodes[p.node].meta, p.storage, mesh, opt_state_sharded_axes=zero_axes,
+                                                precision=precision)
         params += parts["parameters"]
         grads += parts["gradients"]
     return {"parameters": params, "gradients": grads, "optimizer_states": max(0.0, held - params - grads),

@@ -64,17 +64,23 @@ class Built:
 
 
 def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, total_bytes: int | None = None, step_share: float = 1.0
-                   ) -> tuple[list[Strategy], list, list, list, list, list]:
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, total_bytes: int | None = None, step_share: float = 1.0,
+                   precision=None) -> tuple[list[Strategy], list, list, list, list, list]:
     """A parameter's storage choices: (strategies, seconds per run of the graph, sync seconds per
     run, memory, sync, accumulation seconds per run). A run pays ``step_share`` of what the
     parameter pays once per step (its optimizer, its gradient sync) and all of adding its gradient
     up (``accumulate_s``, also part of the first list). The gradient sync is priced as the
     runtime's reducer runs it: in shared buckets, so a parameter pays its bytes and its share of the
     buckets' latencies (``bucketed_collective_time``; ``total_bytes``: the model's parameter
-    bytes); ZeRO-2 adds the all-gather of the updated parameter, in the same buckets."""
+    bytes); ZeRO-2 adds the all-gather of the updated parameter, in the same buckets. Under a
+    ``precision`` that casts, gradients are summed in its reduction dtype and ZeRO-2 gathers the
+    updated masters (``runtime.reducer`` reduces what reaches the masters)."""
     meta = node.meta
     itemsize = meta.itemsize
+    casts = precision is not None and precision.casts
+    grad_scale = precision.reduce_dtype.itemsize / itemsize if casts else 1.0
+    gather_scale = precision.master_dtype.itemsize / itemsize if casts else 1.0
+    total_bytes = total_bytes * grad_scale if total_bytes else total_bytes
     act = active_axes(mesh)
     cluster = mesh.resolved_cluster()
 
@@ -86,27 +92,30 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
         repl = tuple(a for a in act if a not in spec.used_axes)
         local = local_bytes(spec, mesh.shape, itemsize)
         family = "replicated" if spec.is_replicated else "sharded"
+        grad = local * grad_scale
         if repl:
-            cost = bucketed_collective_time("all_reduce", local, mesh, repl, bucket_bytes, total_bytes)
-            sync = ("all_reduce", repl, local)
+            cost = bucketed_collective_time("all_reduce", grad, mesh, repl, bucket_bytes, total_bytes)
+            sync = ("all_reduce", repl, grad)
         else:
             cost, sync = 0.0, None
         strategies.append(Strategy((), spec, family, 1.0))
         opt.append(optimizer_s(local))
         costs.append(cost)
-        mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer))
+        mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, precision=precision))
         syncs.append(sync)
-        acc.append(accumulate_s(local, sync is not None, step_share, cluster))
+        acc.append(accumulate_s(grad, sync is not None, step_share, cluster))
         if repl and optimizer_sharding:
             # ZeRO-2: reduce-scatter the gradient, update a shard, all-gather the new parameter.
-            cost_z = (bucketed_collective_time("reduce_scatter", local, mesh, repl, bucket_bytes, total_bytes)
-                      + bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes, total_bytes))
+            cost_z = (bucketed_collective_time("reduce_scatter", grad, mesh, repl, bucket_bytes, total_bytes)
+                      + bucketed_collective_time("all_gather", local * gather_scale, mesh, repl, bucket_bytes,
+                                                 total_bytes))
             strategies.append(Strategy((), spec, "zero2" if spec.is_replicated else "sharded+zero2", 1.0))
             opt.append(optimizer_s(local / math.prod(mesh.shape[a] for a in repl)))
             costs.append(cost_z)
-            mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl))
-            syncs.append(("reduce_scatter+all_gather", repl, local))
-            acc.append(accumulate_s(local, True, step_share, cluster))
+            mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl,
+                                                  precision=precision))
+            syncs.append(("reduce_scatter+all_gather", repl, grad))
+            acc.append(accumulate_s(grad, True, step_share, cluster))
     comp = [o * step_share + a for o, a in zip(opt, acc)]
     return strategies, comp, [c * step_share for c in costs], mems, syncs, acc
 
@@ -127,8 +136,10 @@ def bucketed_collective_time(kind: str, nbytes: float, mesh, axes, bucket_bytes:
 
 
 def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimizer_sharding: bool = True,
-                 force=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, step_share: float = 1.0) -> dict[str, NodeChoices]:
+                 force=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, step_share: float = 1.0,
+                 precision=None) -> dict[str, NodeChoices]:
     """Candidates of every node. ``optimizer_sharding=False`` drops the ZeRO-2 parameter choices.
+    ``precision``: the ``MixedPrecision`` the graph (traced in its working dtype) runs under.
     ``step_share``: the share of a step one run of the graph is (1 / microbatches when a step runs
     it on several microbatches): what a parameter pays once per step (gradient sync, optimizer) is
     priced at that share.
@@ -147,7 +158,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
         syncs = acc = peak_mem = None
         if node.op == "placeholder" and node.role == Role.PARAMETER:
             strategies, comp, comm, mem, syncs, acc = _param_choices(node, mesh, optimizer, optimizer_sharding,
-                                                                     bucket_bytes, total, step_share)
+                                                                     bucket_bytes, total, step_share, precision)
         elif node.op == "placeholder":
             strategies = [Strategy((), spec, "input" if node.role == Role.INPUT else "buffer", 1.0) for spec in _placeholder_specs(node, mesh)]
             comp = [0.0] * len(strategies)

@@ -12,6 +12,7 @@ training's than pure bf16 training (bf16 parameters and states, no masters) is.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -123,10 +124,35 @@ def case(tag, mesh, groups, layout=None, name="gpt", build=None, precision="bf16
             "families": pm.plan.summary()["families"], "storage": pm.plan.summary().get("param_storage")}
 
 
+def held_case(tag, mesh, groups, layout):
+    """What a bf16-policy module keeps after a step (masters, their gradients, AdamW's states,
+    buffers, ZeRO-2's master working copies) against the plan's memory by kind, less the bf16
+    working copies that live only during the step."""
+    torch.manual_seed(0)
+    model, inputs = models.build("gpt", layers=2)
+    pm = autopar.parallelize(model, mesh, inputs, groups=groups, precision="bf16", force=layout, idle_axes=(),
+                             pipeline=False)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    pm(*inputs).backward()
+    opt.step()
+    params = list(pm.parameters())
+    live = sum(p.numel() * p.element_size() for p in params)
+    live += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    live += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim())
+    live += sum(b.numel() * b.element_size() for b in pm.buffers())
+    live += sum(e.full.numel() * e.full.element_size() for e in pm._ap.zero2.values())
+    working = sum(math.prod(p.storage.local_shape(mesh)) * 2 for p in pm.plan.params.values() if not p.buffer)
+    parts = pm.plan.predicted["memory_parts"]
+    priced = parts["parameters"] + parts["gradients"] + parts["optimizer_states"] - working
+    return {"tag": tag, "live": live, "priced": priced, "parts": parts, "working": working}
+
+
 def rank_2(rank, world):
     mesh = autopar.Mesh((2,))
     groups = MeshGroups(mesh)
-    out = [case("default (2,)", mesh, groups)]
+    out = [held_case(f"held {layout.name}", mesh, groups, layout)
+           for layout in (autopar.Layout(dp=2), autopar.Layout(dp=2, zero=2), autopar.Layout(dp=2, zero=3))]
+    out.append(case("default (2,)", mesh, groups))
     for layout in (autopar.Layout(dp=2), autopar.Layout(dp=2, zero=2), autopar.Layout(dp=2, zero=3),
                    autopar.Layout(tp=2)):
         out.append(case(f"{layout.name} (2,)", mesh, groups, layout))
@@ -149,8 +175,17 @@ def results():
     return spawn(rank_2, 2, timeout_s=600)[0] + spawn(rank_4, 4, timeout_s=600)[0]
 
 
+def test_the_plan_prices_what_a_bf16_module_keeps(results):
+    held = [r for r in results if r["tag"].startswith("held")]
+    assert len(held) == 3
+    for r in held:
+        assert r["priced"] == pytest.approx(r["live"], rel=0.01), r
+
+
 def test_bf16_trains_like_the_recipe_on_one_process(results):
     for r in results:
+        if r["tag"].startswith("held"):
+            continue
         assert "error" not in r, r
         assert r["precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32", "master_dtype": "float32"}
         # the optimizer sees fp32 masters and keeps fp32 states; the model computes in bf16
