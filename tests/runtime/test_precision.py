@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -147,11 +149,53 @@ def held_case(tag, mesh, groups, layout):
     return {"tag": tag, "live": live, "priced": priced, "parts": parts, "working": working}
 
 
+def checkpoint_case(tag, mesh, groups, path):
+    """Saved after 2 bf16 steps under data parallel; loaded into the same plan (the next 2 steps
+    are the saver's, bit for bit: masters and fp32 states restored) and into tensor parallel (the
+    same masters)."""
+    torch.manual_seed(0)
+    model, inputs = models.build("gpt", layers=2)
+    steps_inputs = batches(inputs, 4)
+
+    def made(layout):
+        pm = autopar.parallelize(model, mesh, inputs, groups=groups, precision="bf16", force=layout, idle_axes=(),
+                                 pipeline=False)
+        return pm, torch.optim.AdamW(pm.parameters(), lr=LR)
+
+    def train(pm, opt, xs):
+        for x in xs:
+            pm(*x).backward()
+            opt.step()
+            opt.zero_grad()
+
+    pm, opt = made(autopar.Layout(dp=2))
+    train(pm, opt, steps_inputs[:2])
+    autopar.save(path, pm, opt)
+    saved = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    train(pm, opt, steps_inputs[2:])
+    same, same_opt = made(autopar.Layout(dp=2))
+    autopar.load(path, same, same_opt)
+    train(same, same_opt, steps_inputs[2:])
+    other, other_opt = made(autopar.Layout(tp=2))
+    autopar.load(path, other, other_opt)
+    loaded = other.full_state_dict()
+    return {"tag": tag, "continued": max(float((a - b).abs().max()) for a, b in
+                                         zip(pm.full_state_dict().values(), same.full_state_dict().values())),
+            "loaded": max(float((loaded[k] - v).abs().max()) for k, v in saved.items()),
+            "dtypes": {str(v.dtype) for v in loaded.values() if v.is_floating_point()}}
+
+
 def rank_2(rank, world):
     mesh = autopar.Mesh((2,))
     groups = MeshGroups(mesh)
     out = [held_case(f"held {layout.name}", mesh, groups, layout)
            for layout in (autopar.Layout(dp=2), autopar.Layout(dp=2, zero=2), autopar.Layout(dp=2, zero=3))]
+    box = [tempfile.mkdtemp(prefix="autopar-precision-") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    out.append(checkpoint_case("checkpoint", mesh, groups, box[0]))
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
     out.append(case("default (2,)", mesh, groups))
     for layout in (autopar.Layout(dp=2), autopar.Layout(dp=2, zero=2), autopar.Layout(dp=2, zero=3),
                    autopar.Layout(tp=2)):
@@ -175,6 +219,11 @@ def results():
     return spawn(rank_2, 2, timeout_s=600)[0] + spawn(rank_4, 4, timeout_s=600)[0]
 
 
+def test_a_checkpoint_resumes_the_masters_and_states_under_any_plan(results):
+    r = next(r for r in results if r["tag"] == "checkpoint")
+    assert r["continued"] == 0.0 and r["loaded"] == 0.0 and r["dtypes"] == {"torch.float32"}, r
+
+
 def test_the_plan_prices_what_a_bf16_module_keeps(results):
     held = [r for r in results if r["tag"].startswith("held")]
     assert len(held) == 3
@@ -184,7 +233,7 @@ def test_the_plan_prices_what_a_bf16_module_keeps(results):
 
 def test_bf16_trains_like_the_recipe_on_one_process(results):
     for r in results:
-        if r["tag"].startswith("held"):
+        if r["tag"].startswith("held") or r["tag"] == "checkpoint":
             continue
         assert "error" not in r, r
         assert r["precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32", "master_dtype": "float32"}
