@@ -4,15 +4,19 @@ activations a training step keeps alive.
 Parameters (``param_memory``), per device::
 
     param + grad          local elements (by the storage spec) x the param's dtype size, twice
-    optimizer states      OPTIMIZER_STATES[optimizer] fp32 values per element (Adam/AdamW: 2)
-    master copy           MASTER_COPY_BYTES per element for 16-bit params (mixed precision keeps
-                          an fp32 copy that the optimizer updates)
+    optimizer states      OPTIMIZER_STATES[optimizer] fp32 values per element (Adam/AdamW: 2), and
+                          an fp32 master for a 16-bit param (MASTER_COPY_BYTES; not what torch keeps
+                          for a 16-bit model without a policy: 16-bit states, no master)
+    under a precision     (``ir.precision.MixedPrecision``; the graph is traced in its working
+                          dtype) the master in the master dtype and the step's working copy, the
+                          gradient in the reduction dtype, the states in the master dtype
 
-Optimizer states and the master copy are divided over ``opt_state_sharded_axes`` (ZeRO-2) on top
-of the storage sharding; an axis that already splits the storage divides them only once. ZeRO-2
-holds the working copy the program reads, the chunk the optimizer updates and the chunk's gradient
-(``param_memory_parts``); elsewhere gradients are sharded like the storage. Example: 1M fp32
-params, AdamW, replicated: 4 + 4 + 8 = 16 MB; bf16: 2 + 2 + 8 + 4; ZeRO-2 over 4: 4 + 1 + 1 + 2.
+Optimizer states are divided over ``opt_state_sharded_axes`` (ZeRO-2) on top of the storage
+sharding; an axis that already splits the storage divides them only once. ZeRO-2 holds the
+working copy the program reads, the chunk the optimizer updates and the chunk's gradient
+(``param_memory_parts``); elsewhere gradients are sharded like the storage. Example: 1M params,
+AdamW, replicated: fp32 4 + 4 + 8 = 16 MB; a bf16 model 2 + 2 + 8 + 4; ``precision="bf16"``
+(4 + 2) + 4 + 8; fp32 ZeRO-2 over 4: 4 + 1 + 1 + 2.
 
 Activations: ``saved_for_backward`` lists the values an op's backward reads (``ops.SAVE_RULES``:
 matmul operands, the input of gelu/norms, the output of relu/softmax, embedding indices, ...);
@@ -52,11 +56,10 @@ from autopar.cost_model.ops import (
 from autopar.errors import ConfigError
 from autopar.ir.graph import per_graph
 
-# fp32 optimizer values kept per parameter element.
+# Optimizer states kept per parameter element.
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "momentum": 1}
-OPTIMIZER_STATE_BYTES = 4  # states are fp32 whatever the param dtype (bf16 params keep fp32 states)
-# Mixed precision: 16-bit params keep an fp32 master copy next to the optimizer states.
-MASTER_COPY_BYTES = 4
+OPTIMIZER_STATE_BYTES = 4  # fp32 states (see param_memory_parts for a 16-bit model without a policy)
+MASTER_COPY_BYTES = 4  # the fp32 master a 16-bit parameter is priced with
 LOW_PRECISION_DTYPES = frozenset({"bfloat16", "float16"})
 
 # Roles whose memory is not an activation's.
@@ -89,6 +92,8 @@ def param_memory_parts(param_meta, storage_spec, mesh, optimizer: str = "adamw",
         master, grad = precision.master_dtype.itemsize, precision.reduce_dtype.itemsize
         kept = (numel + chunk) * master if ways > 1 else numel * master
         return {"parameters": kept + numel * size, "gradients": chunk * grad, "optimizer_states": chunk * states * master}
+    # Without a policy a 16-bit parameter is still priced with fp32 states and an fp32 master (the
+    # recipe a policy runs), though torch's optimizer keeps 16-bit states and no master for it.
     per_element = states * OPTIMIZER_STATE_BYTES + (MASTER_COPY_BYTES if meta.dtype in LOW_PRECISION_DTYPES else 0)
     if ways > 1:
         return {"parameters": (numel + chunk) * size, "gradients": chunk * size, "optimizer_states": chunk * per_element}
