@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test fuzz bench bench-hybrid bench-memory bench-colossalai install clean
+.PHONY: demo test fuzz bench bench-hybrid bench-memory bench-colossalai gpu-check install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,13 @@ $(CAI_STAMP): pyproject.toml
 
 bench-colossalai: $(CAI_STAMP)
 	AUTOPAR_CACHE_DIR=/tmp/cai_cache $(CAI_PY) benchmarks/colossalai_bench.py
+
+# One GPU, a few minutes (benchmarks/gpu_check.py): bf16 exactness with a world of one, and the GPU
+# preset's compute prices against measured op times. It runs on the machine's own python (a CUDA
+# build of torch, with autopar's dependencies), from the source tree; `GPU_DEVICE=cpu` dry-runs it.
+GPU_DEVICE ?= cuda
+gpu-check:
+	PYTHONPATH=. $(PYTHON) benchmarks/gpu_check.py --device $(GPU_DEVICE)
 
 clean:
 	rm -rf $(VENV) $(CAI_VENV) .pytest_cache .hypothesis
