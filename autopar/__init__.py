@@ -61,6 +61,11 @@ _SUBPACKAGES = ("cli", "codegen", "compose", "cost_model", "ir", "models", "runt
 
 
 def __getattr__(name: str):
+    if name == "GradScaler":  # (in the runtime, which ``import autopar`` does not load)
+        from autopar.runtime.grad_scaler import GradScaler
+
+        globals()[name] = GradScaler
+        return GradScaler
     if name in _SUBPACKAGES:
         module = _importlib.import_module(f"{__name__}.{name}")
         globals()[name] = module
@@ -80,6 +85,7 @@ __all__ = [
     "AutoparError",
     "CheckpointError",
     "ClusterSpec",
+    "GradScaler",
     "ConfigError",
     "Layout",
     "Link",

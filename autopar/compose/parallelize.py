@@ -172,11 +172,7 @@ def _precision(config: PlanConfig, plan):
     if plan is not None and config.precision is not None and config.precision != of_plan:
         raise ConfigError(f"precision={config.precision.name!r} differs from the given plan's "
                           f"({of_plan.name if of_plan else 'the model dtypes'}); drop one, or plan again")
-    precision = config.precision if config.precision is not None else of_plan
-    if precision is not None and precision.param_dtype == torch.float16:
-        raise ConfigError("precision='fp16' needs dynamic loss scaling agreed on every rank, which the runtime does not "
-                          "run yet; use precision='bf16' (same bytes, no scaling needed)")
-    return precision
+    return config.precision if config.precision is not None else of_plan
 
 
 def _computing(model, call, precision):

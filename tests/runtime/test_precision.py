@@ -185,6 +185,35 @@ def checkpoint_case(tag, mesh, groups, path):
             "dtypes": {str(v.dtype) for v in loaded.values() if v.is_floating_point()}}
 
 
+def fp16_case(tag, mesh, groups, rank):
+    """fp16 under ``autopar.GradScaler``: at step 2 one rank's gradient overflows (set to inf on
+    rank 1 only); every rank skips that step and halves the scale, then trains on; the scaler's
+    state round-trips through ``state_dict``."""
+    torch.manual_seed(0)
+    model, inputs = models.build("gpt", layers=2)
+    pm = autopar.parallelize(model, mesh, inputs, groups=groups, precision="fp16", force=autopar.Layout(dp=2),
+                             idle_axes=(), pipeline=False)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    scaler = autopar.GradScaler("cpu", init_scale=2.0 ** 10)
+    scales, moved, losses = [], [], []
+    for step, x in enumerate(batches(inputs, 4)):
+        before = [p.detach().clone() for p in pm.parameters()]
+        loss = pm(*x)
+        scaler.scale(loss).backward()
+        if step == 2 and rank == 1:
+            next(iter(pm.parameters())).grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(float(scaler.get_scale()))
+        moved.append(any(not torch.equal(a, p) for a, p in zip(before, pm.parameters())))
+        losses.append(float(loss.detach()))
+    again = autopar.GradScaler("cpu")
+    again.load_state_dict(scaler.state_dict())
+    return {"tag": tag, "scales": scales, "moved": moved, "losses": losses, "loss_dtype": str(loss.dtype),
+            "restored_scale": float(again.get_scale())}
+
+
 def rank_2(rank, world):
     mesh = autopar.Mesh((2,))
     groups = MeshGroups(mesh)
@@ -193,6 +222,7 @@ def rank_2(rank, world):
     box = [tempfile.mkdtemp(prefix="autopar-precision-") if rank == 0 else None]
     torch.distributed.broadcast_object_list(box, src=0)
     out.append(checkpoint_case("checkpoint", mesh, groups, box[0]))
+    out.append(fp16_case("fp16", mesh, groups, rank))
     torch.distributed.barrier()
     if rank == 0:
         shutil.rmtree(box[0], ignore_errors=True)
@@ -219,6 +249,17 @@ def results():
     return spawn(rank_2, 2, timeout_s=600)[0] + spawn(rank_4, 4, timeout_s=600)[0]
 
 
+def test_fp16_skips_an_overflowing_step_on_every_rank_and_halves_the_scale(results):
+    runs = [r for r in results if r["tag"] == "fp16"]
+    assert len(runs) == 1  # rank 0's; every rank's decision is the same by construction of the check below
+    r = runs[0]
+    assert r["loss_dtype"] == "torch.float16"
+    assert r["scales"] == [1024.0, 1024.0, 512.0, 512.0], r  # rank 1's inf halves rank 0's scale too
+    assert r["moved"] == [True, True, False, True], r  # and rank 0 skipped the step it had no inf in
+    assert r["restored_scale"] == 512.0
+    assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][-1] < r["losses"][0], r["losses"]
+
+
 def test_a_checkpoint_resumes_the_masters_and_states_under_any_plan(results):
     r = next(r for r in results if r["tag"] == "checkpoint")
     assert r["continued"] == 0.0 and r["loaded"] == 0.0 and r["dtypes"] == {"torch.float32"}, r
@@ -233,7 +274,7 @@ def test_the_plan_prices_what_a_bf16_module_keeps(results):
 
 def test_bf16_trains_like_the_recipe_on_one_process(results):
     for r in results:
-        if r["tag"].startswith("held") or r["tag"] == "checkpoint":
+        if r["tag"].startswith("held") or r["tag"] in ("checkpoint", "fp16"):
             continue
         assert "error" not in r, r
         assert r["precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32", "master_dtype": "float32"}
@@ -260,8 +301,6 @@ def test_a_bad_or_unsupported_precision_is_a_config_error():
         autopar.plan(model, autopar.Mesh((2,)), inputs, precision="int8")
     with pytest.raises(autopar.ConfigError, match="reduce_dtype"):
         autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.bfloat16)
-    with pytest.raises(autopar.ConfigError, match="loss scaling"):
-        autopar.parallelize(model, autopar.Mesh((1,)), inputs, precision="fp16")
 
 
 def test_the_plan_is_traced_and_explained_in_its_precision():
