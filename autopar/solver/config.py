@@ -101,7 +101,8 @@ class PlanConfig:
     precision: None (default): the model's own dtypes, nothing cast; "bf16" / "fp16": the forward
         and backward in 16 bits on a working copy of fp32 masters, which the optimizer updates;
         "fp32"; or ``autopar.MixedPrecision(param_dtype, reduce_dtype, master_dtype)``
-        (``autopar.ir.precision``). The plan is traced and priced as it computes.
+        (``autopar.ir.precision``). The plan is traced and priced as it computes. "fp16" trains
+        with ``autopar.GradScaler`` (loss scaling whose overflow check every rank agrees on).
 
     For the planner's own callers (the pipeline search, the what-if pricing, tests):
     op_table: profiled op times (``parallelize`` measures them on the live ranks).
