@@ -50,11 +50,12 @@ def load_full(path):
     return _load_full(path)
 
 
-def export(path, pmodel):
-    """One safetensors file of ``pmodel``'s full state under the original keys (rank 0 writes)."""
+def export(path, pmodel, dtype=None):
+    """One safetensors file of ``pmodel``'s full state under the original keys (rank 0 writes), in
+    ``dtype`` (default: the dtype it computes in)."""
     from autopar.runtime.checkpoint import export as _export
 
-    return _export(path, pmodel)
+    return _export(path, pmodel, dtype)
 
 # Imported on first access as ``autopar.<name>``.
 _SUBPACKAGES = ("cli", "codegen", "compose", "cost_model", "ir", "models", "runtime", "sharding_spec", "solver")

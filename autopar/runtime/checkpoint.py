@@ -239,19 +239,25 @@ def _restore_optimizer(module, optimizer, loaded: dict, version, parallel: bool)
 
 
 # ---- export --------------------------------------------------------------------------------------
-def export(path, pmodel) -> None:
+def export(path, pmodel, dtype: torch.dtype | None = None) -> None:
     """One safetensors file of the full model under the original keys (tied aliases as copies),
     written by rank 0 (a collective: every rank gathers). ``model.load_state_dict`` of the original
-    model takes it, and so does transformers' ``from_pretrained`` beside the model's config."""
+    model takes it, and so does transformers' ``from_pretrained`` beside the model's config.
+    Floating tensors are written in ``dtype``; by default in the dtype the model computes in (a
+    mixed-precision module's working dtype, not its masters')."""
     from safetensors.torch import save_file
 
     _check_module(pmodel)
     full = pmodel.full_state_dict()
+    if dtype is None:
+        dtype = pmodel._ap.input_dtype  # (the working dtype under a precision; None without one)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         seen, tensors = set(), {}
         for k, v in full.items():  # safetensors refuses shared storage: tied names become copies
             t = v.detach().cpu().contiguous()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
             tensors[k] = t.clone() if t.untyped_storage().data_ptr() in seen else t
             seen.add(t.untyped_storage().data_ptr())
         target = Path(path)

@@ -179,7 +179,13 @@ def checkpoint_case(tag, mesh, groups, path):
     other, other_opt = made(autopar.Layout(tp=2))
     autopar.load(path, other, other_opt)
     loaded = other.full_state_dict()
-    return {"tag": tag, "continued": max(float((a - b).abs().max()) for a, b in
+    from safetensors.torch import load_file
+
+    autopar.export(f"{path}/work.safetensors", other)
+    autopar.export(f"{path}/fp32.safetensors", other, dtype=torch.float32)
+    exported = {name: {str(t.dtype) for t in load_file(f"{path}/{name}.safetensors").values() if t.is_floating_point()}
+                for name in ("work", "fp32")}
+    return {"tag": tag, "exported": exported, "continued": max(float((a - b).abs().max()) for a, b in
                                          zip(pm.full_state_dict().values(), same.full_state_dict().values())),
             "loaded": max(float((loaded[k] - v).abs().max()) for k, v in saved.items()),
             "dtypes": {str(v.dtype) for v in loaded.values() if v.is_floating_point()}}
@@ -263,6 +269,7 @@ def test_fp16_skips_an_overflowing_step_on_every_rank_and_halves_the_scale(resul
 def test_a_checkpoint_resumes_the_masters_and_states_under_any_plan(results):
     r = next(r for r in results if r["tag"] == "checkpoint")
     assert r["continued"] == 0.0 and r["loaded"] == 0.0 and r["dtypes"] == {"torch.float32"}, r
+    assert r["exported"] == {"work": {"torch.bfloat16"}, "fp32": {"torch.float32"}}, r  # the working dtype by default
 
 
 def test_the_plan_prices_what_a_bf16_module_keeps(results):
