@@ -89,7 +89,6 @@ def parallelize(
     from autopar.runtime.process_groups import MeshGroups
     from autopar.solver.plan import Plan
 
-
     config = PlanConfig.of(config, **options)
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
