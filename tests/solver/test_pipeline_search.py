@@ -452,11 +452,10 @@ def test_gpt3_175b_plans_with_pipeline_stages_like_megatron():
     params = sum(t.numel() for t in model.parameters())
     mfu = 6 * params * 1536 * 2048 / (s["step_time_s"] * 1024 * 312e12)
     assert 0.40 <= mfu <= 0.60, mfu
-    # No hand configuration beats the plan by its own prices: the closest of the whole grid
-    # (benchmarks/whatif_grid.py prices all 18 in `make bench`; these were within 4% of the plan)
-    # and Megatron's own (tp 8 x pp 8 x dp 16); a configuration may tie it.
-    near = ["tp=4,pp=16,dp=16,mb=96,zero=0", "tp=4,pp=16,dp=16,mb=96,zero=1", "tp=8,pp=16,dp=8,mb=96,zero=1",
-            "tp=8,pp=8,dp=16,mb=96,zero=1"]
+    # No hand configuration beats the plan by its own prices: two of the grid's nearest, with another
+    # ZeRO stage or tensor width (1.002x and 1.032x of the plan at fbde59e; benchmarks/whatif_grid.py
+    # prices all 18 in `make bench`); a configuration may tie it.
+    near = ["tp=4,pp=16,dp=16,mb=96,zero=0", "tp=8,pp=16,dp=8,mb=96,zero=1"]
     rows = autopar.compare(plan, model, inputs, *near, memory_budget="80GB")
     assert all(r.step_time_s is not None for r in rows), [r.note for r in rows]
     beaten = [(r.name, r.step_time_s / s["step_time_s"]) for r in rows[1:]
