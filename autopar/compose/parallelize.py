@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from autopar.compose.live_profile import calibrated, is_live, live_cluster, live_op_table
 from autopar.errors import ConfigError, PlanError, TraceError
-from autopar.ir.precision import working_call
+from autopar.ir.precision import working_call, working_model
 from autopar.sharding_spec.mesh import Mesh
 from autopar.solver.config import PlanConfig
 
@@ -82,7 +82,7 @@ def parallelize(
     runs forward and backward of a batch in one call.
     """
     from autopar.codegen.lower import lower
-    from autopar.compose.programs import VariantBuilder, constants_of, plan_on_rank0, weightless
+    from autopar.compose.programs import VariantBuilder, constants_of, plan_on_rank0
     from autopar.ir import trace
     from autopar.runtime.materialize import in_precision, local_state
     from autopar.runtime.module import ParallelModule
@@ -127,9 +127,9 @@ def parallelize(
     _check_same_inputs(graph)
     groups = groups if groups is not None else MeshGroups(mesh, timeout=timeout)
     bucket_bytes = config.bucket_bytes
+    pricing = config.replace(cluster=None)  # the pricing mesh carries the cluster
     if plan is None:
         plan_mesh = _pricing_mesh(mesh, config.cluster, groups, profile, device)
-        pricing = config.replace(cluster=None)  # the pricing mesh carries the cluster
         if plan_mesh.cluster is not None and is_live(plan_mesh) and config.op_table is None:
             pricing = pricing.replace(op_table=live_op_table(graph, plan_mesh, device, config.force))
             computing, call = _computing(model, real_call, precision)
@@ -138,11 +138,12 @@ def parallelize(
         check_plan(plan, graph, mesh)
     else:
         plan_mesh = mesh.with_cluster(config.cluster) if config.cluster is not None else mesh
-        pricing = config.replace(cluster=None)
+    # a weightless copy of the model as it computes, to trace other modes and shapes on first use
+    skeleton = traced if precision is not None else working_model(model)
     if plan.pipeline is not None:
         from autopar.compose.pipeline import build_stage
 
-        return build_stage(model, traced, graph, plan, mesh, (trace_inputs, trace_kwargs), (inputs, example_kwargs or {}),
+        return build_stage(model, traced, skeleton, graph, plan, mesh, (trace_inputs, trace_kwargs), (inputs, example_kwargs or {}),
                            device=device, timeout=timeout, state_dict=state_dict, init_fn=init_fn,
                            bucket_bytes=bucket_bytes, signature=_signature(model), requires_grad=_requires_grad,
                            plan_config=pricing, precision=precision)
@@ -152,7 +153,6 @@ def parallelize(
     shards = in_precision(shards, graph, precision)
     requires_grad = {ph: _requires_grad(model, fqn, graph) for fqn, ph in graph.params.items()}
     constants = constants_of(graph, device)
-    skeleton = traced if precision is not None else weightless(model)
     builder = VariantBuilder(skeleton, plan, mesh, plan_mesh, pricing, device, max_programs)
     order = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     return ParallelModule(

@@ -18,13 +18,14 @@ from autopar.runtime.programs import Program
 from autopar.sharding_spec.mesh import Mesh
 
 
-def build_stage(model, traced, graph, plan, mesh: Mesh, trace_call, example_call, *, device, timeout, state_dict,
-                init_fn, bucket_bytes, signature, requires_grad, plan_config, precision):
+def build_stage(model, traced, skeleton, graph, plan, mesh: Mesh, trace_call, example_call, *, device, timeout,
+                state_dict, init_fn, bucket_bytes, signature, requires_grad, plan_config, precision):
     """This rank's ``ParallelModule`` of a pipelined ``plan``: its stages' programs and shards,
     with a ``PipelineRunner`` for ``train_step``. ``graph`` is the whole batch's trace of
     ``traced`` (the model as it computes, under ``precision``) on ``trace_call``, to tell which
-    inputs the microbatches split; the stages run on the microbatch graph, traced here."""
-    from autopar.compose.programs import constants_of, weightless
+    inputs the microbatches split; the stages run on the microbatch graph, traced here.
+    ``skeleton``: a weightless copy of ``traced`` (``ir.precision.working_model``) for other calls."""
+    from autopar.compose.programs import constants_of
     from autopar.ir import trace
     from autopar.runtime.materialize import in_precision, local_state
     from autopar.runtime.module import ParallelModule
@@ -79,7 +80,6 @@ def build_stage(model, traced, graph, plan, mesh: Mesh, trace_call, example_call
     pm._ap.plan_full = plan
     pm._ap.all_state_keys = all_keys
     pm._ap.pipeline = PipelineRunner(pm, micro, plan, programs, cuts, sg, shared, device, loss_index, batch_dims)
-    skeleton = traced if precision is not None else weightless(model)
     pm._ap.pipeline.variants = PipelineVariants(skeleton, plan, micro, pm, device, plan_config)
     return pm
 
@@ -88,7 +88,7 @@ def build_stage(model, traced, graph, plan, mesh: Mesh, trace_call, example_call
 class PipelineVariants:
     """Stages for calls the plan's do not fit (module docstring)."""
 
-    skeleton: object  # the model without weights (``compose.programs.weightless``)
+    skeleton: object  # the model without weights (``ir.precision.working_model``)
     plan: object  # the pipelined Plan
     micro: object  # the plan's microbatch graph
     pmodel: object

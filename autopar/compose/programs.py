@@ -27,14 +27,8 @@ import torch.nn as nn
 
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir.graph import Role
-from autopar.ir.precision import fake_inputs, working_model
+from autopar.ir.precision import fake_inputs
 from autopar.runtime.programs import Program
-
-def weightless(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are fake tensors, for tracing it again in
-    another mode or at other shapes (``ir.precision.working_model``)."""
-    return working_model(model)
-
 
 def plan_on_rank0(model, mesh, graph, config, example=((), None)):
     """Rank 0 plans ``graph`` (the trace of ``model`` called on ``example``: (inputs, kwargs)) under

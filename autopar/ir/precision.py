@@ -7,9 +7,9 @@ parameters (buffers and floating inputs cast alike, as ``model.to(param_dtype)``
 optimizer sees ``master_dtype`` masters, which its states follow; gradients reach the masters
 summed in ``reduce_dtype``.
 
-The planner traces the model as it computes (``working_model``: a weightless copy in the working
-dtype, floating inputs cast with ``cast_inputs``), so the graph, its prices and the programs
-lowered from it are 16-bit; the runtime keeps the masters and casts them into the program
+The planner traces the model as it computes (``working_call``: a weightless copy in the working
+dtype, floating inputs cast alike), so the graph, its prices and the programs lowered from it are
+16-bit; the runtime keeps what ``kept_dtype`` says and casts the masters into the program
 (``autopar.runtime.module``).
 """
 from __future__ import annotations
@@ -81,6 +81,15 @@ def policy(precision) -> MixedPrecision | None:
         return MixedPrecision(dtype, torch.float32, torch.float32)
     raise ConfigError(f"precision={precision!r}: use None (the model's own dtypes), 'bf16', 'fp16', 'fp32' or "
                       "autopar.MixedPrecision(param_dtype, reduce_dtype, master_dtype)")
+
+
+def kept_dtype(dtype: torch.dtype, parameter: bool, precision: MixedPrecision | None) -> torch.dtype:
+    """The dtype a parallelized module keeps a tensor of ``dtype`` in under ``precision``: a
+    floating parameter in the master dtype (what the optimizer updates), a floating buffer in the
+    working dtype (as the program reads it, like ``model.to(dtype)``), anything else as it is."""
+    if precision is None or not dtype.is_floating_point:
+        return dtype
+    return precision.master_dtype if parameter else precision.param_dtype
 
 
 def cast_floats(tree, dtype: torch.dtype):

@@ -249,8 +249,8 @@ def export(path, pmodel, dtype: torch.dtype | None = None) -> None:
 
     _check_module(pmodel)
     full = pmodel.full_state_dict()
-    if dtype is None:
-        dtype = pmodel._ap.input_dtype  # (the working dtype under a precision; None without one)
+    if dtype is None and pmodel._ap.precision is not None:
+        dtype = pmodel._ap.precision.param_dtype
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         seen, tensors = set(), {}

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from autopar.errors import ConfigError
+from autopar.ir.precision import kept_dtype
 
 
 def shard_of(full: torch.Tensor, spec, mesh, rank: int) -> torch.Tensor:
@@ -125,11 +126,8 @@ def _source(fqn: str, graph, named: dict, state_dict):
 
 
 def in_precision(shards: dict, graph, precision) -> dict:
-    """The shards as the module keeps them under ``precision``: floating parameters in the master
-    dtype (what the optimizer updates), floating buffers in the working dtype (as the program reads
-    them, like ``model.to(dtype)``)."""
+    """The shards as the module keeps them under ``precision`` (``ir.precision.kept_dtype``)."""
     if precision is None:
         return shards
     params = set(graph.params.values())
-    return {ph: t.to(precision.master_dtype if ph in params else precision.param_dtype) if t.is_floating_point() else t
-            for ph, t in shards.items()}
+    return {ph: t.to(kept_dtype(t.dtype, ph in params, precision)) for ph, t in shards.items()}

@@ -39,6 +39,7 @@ from torch.fx import _pytree as fx_pytree
 from autopar.codegen import ops
 from autopar.errors import ConfigError
 from autopar.ir.graph import Role
+from autopar.ir.precision import kept_dtype
 from autopar.runtime.clip import ClipInfo, attach, clip_grad_norm_, counts_in_norm
 from autopar.runtime.programs import Program, call_key
 from autopar.runtime.reducer import GradReducer, SyncEntry, chunk_of, unchunk
@@ -99,13 +100,10 @@ class ParallelModule(nn.Module):
                 owner, attr = self._owner(fqn_of[ph])
                 owner.register_buffer(attr, shards[ph], persistent=fqn_of[ph] in persistent)
             self._ap.slots[slot] = (owner, attr)
-        if precision is not None:
-            self._ap.precision = precision
-            self._ap.input_dtype = precision.param_dtype
-            if precision.casts:
-                self._ap.working_dtype = precision.param_dtype
-                self._ap.masters = frozenset(i for i, ph in enumerate(state) if graph.nodes[ph].role == Role.PARAMETER
-                                             and shards[ph].is_floating_point())
+        self._ap.precision = precision
+        if precision is not None and precision.casts:
+            self._ap.masters = frozenset(i for i, ph in enumerate(state) if graph.nodes[ph].role == Role.PARAMETER
+                                         and shards[ph].is_floating_point())
         sizes = {k: v for k, v in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)) if v is not None}
         self._ap.reducer = GradReducer(entries, groups, **sizes)
         self._ap.zero2 = {e.slot: e for e in entries if e.kind == "reduce_scatter"}
@@ -488,26 +486,21 @@ class _State:
         self.pipeline = None  # a PipelineRunner when the plan has stages (this module is one stage's)
         self.plan_full = None  # the plan with every stage (``plan`` is this stage's)
         self.all_state_keys = self.state_keys  # every stage's keys (full_state_dict)
-        # Mixed precision (``plan.precision``): the programs read the slots of ``masters`` (floating
-        # parameters, kept in the master dtype) cast to ``working_dtype`` in every call; the cast's
-        # backward hands the reducer's taps master-dtype gradients.
-        self.working_dtype = None
+        # Mixed precision (the MixedPrecision the module runs, or None): the programs read the slots
+        # of ``masters`` (floating parameters, kept in the master dtype) cast to the working dtype
+        # in every call; the cast's backward hands the reducer's taps master-dtype gradients.
+        self.precision = None
         self.masters: frozenset = frozenset()
-        self.input_dtype = None  # floating inputs are cast to it (the working dtype of a precision)
-        self.precision = None  # the MixedPrecision the module runs, if any
 
     def held_dtype(self, graph, ph: str) -> torch.dtype:
-        """The dtype this module keeps placeholder ``ph`` of ``graph`` in: the traced one, but a
-        floating parameter's master dtype under a precision."""
-        dtype = getattr(torch, graph.nodes[ph].meta.dtype)
-        if self.precision is not None and dtype.is_floating_point and graph.nodes[ph].role == Role.PARAMETER:
-            return self.precision.master_dtype
-        return dtype
+        """The dtype this module keeps placeholder ``ph`` of ``graph`` in (``kept_dtype``)."""
+        return kept_dtype(getattr(torch, graph.nodes[ph].meta.dtype), graph.nodes[ph].role == Role.PARAMETER,
+                          self.precision)
 
     def placed(self, flat: list) -> list:
         """The call's flat inputs as the program takes them: on the module's device, floating ones
         in the working dtype under a precision (as the plan was traced)."""
-        dtype = self.input_dtype
+        dtype = self.precision.param_dtype if self.precision is not None else None
         return [x.to(device=self.device, dtype=dtype if dtype is not None and x.is_floating_point() else None)
                 if isinstance(x, torch.Tensor) else x for x in flat]
 
@@ -517,8 +510,8 @@ class _State:
         the working dtype."""
         state = [owner._parameters[a] if a in owner._parameters else owner._buffers[a] for owner, a in self.slots]
         state = self.reducer.tap(state, sync) if torch.is_grad_enabled() else self.reducer.working_copies(state)
-        if self.working_dtype is not None:
-            state = [t.to(self.working_dtype) if i in self.masters else t for i, t in enumerate(state)]
+        if self.masters:
+            state = [t.to(self.precision.param_dtype) if i in self.masters else t for i, t in enumerate(state)]
         return state
 
 

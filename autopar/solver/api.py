@@ -36,17 +36,8 @@ def plan(model, mesh: Mesh, example_inputs=(), *, example_kwargs=None, config: P
     says why it was chosen over one stage.
     """
     config = PlanConfig.of(config, **options)
-    if config.precision is None:
-        return _chosen(model, mesh, example_inputs, example_kwargs, config, graph)
-    # traced (and so priced) as it computes
-    model, (example_inputs, example_kwargs) = working_call(model, (example_inputs, example_kwargs), config.precision)
-    chosen = _chosen(model, mesh, example_inputs, example_kwargs, config, graph)
-    chosen.precision = config.precision.to_dict()
-    return chosen
-
-
-def _chosen(model, mesh: Mesh, example_inputs, example_kwargs, config: PlanConfig, graph) -> Plan:
-    """``plan``'s answer, for a model and inputs in the dtypes they compute in."""
+    if config.precision is not None:  # traced (and so priced) as it computes
+        model, (example_inputs, example_kwargs) = working_call(model, (example_inputs, example_kwargs), config.precision)
     mesh, budget, budget_from = planning_mesh(mesh, config.cluster, config.memory_budget)
     call = dict(model=model, example_inputs=example_inputs, example_kwargs=example_kwargs, optimizer=config.optimizer)
     pipeline = config.pipeline

@@ -119,7 +119,7 @@ class PipelineChoice:
         }
         solver = {"status": "pipeline", "objective_s": self.step_time_s, "search_s": self.search_s, **self.timing}
         return Plan(self.graph.model_name, self.graph.fingerprint(), mesh, {}, [], {}, predicted, solver,
-                    pipeline=self.pipeline)
+                    pipeline=self.pipeline, precision=self.stages[0].plan.precision)
 
 
 # ---- units and sub-meshes -------------------------------------------------------------------------------
@@ -608,4 +608,4 @@ def restrict(plan: Plan, graph, nodes: set[str], time_s: float, memory: float, b
                  "memory_bytes_per_device": memory}
     solver = dict(plan.solver, memory_budget=None if budget is None or math.isinf(budget) else budget)
     return Plan(plan.model_name, plan.model_fingerprint, plan.mesh, node_plans, edges, params, predicted,
-                solver, idle_axes=plan.idle_axes)
+                solver, idle_axes=plan.idle_axes, precision=plan.precision)
