@@ -4,19 +4,19 @@ activations a training step keeps alive.
 Parameters (``param_memory``), per device::
 
     param + grad          local elements (by the storage spec) x the param's dtype size, twice
-    optimizer states      OPTIMIZER_STATES[optimizer] fp32 values per element (Adam/AdamW: 2), and
-                          an fp32 master for a 16-bit param (MASTER_COPY_BYTES; not what torch keeps
-                          for a 16-bit model without a policy: 16-bit states, no master)
+    optimizer states      OPTIMIZER_STATES[optimizer] values per element in the param's dtype (what
+                          torch's optimizers keep: a bf16 model's AdamW holds bf16 states, no master)
     under a precision     (``ir.precision.MixedPrecision``; the graph is traced in its working
-                          dtype) the master in the master dtype and the step's working copy, the
-                          gradient in the reduction dtype, the states in the master dtype
+                          dtype) the master, the gradient and the states in the master dtype, and
+                          the working copy the program reads
 
 Optimizer states are divided over ``opt_state_sharded_axes`` (ZeRO-2) on top of the storage
 sharding; an axis that already splits the storage divides them only once. ZeRO-2 holds the
 working copy the program reads, the chunk the optimizer updates and the chunk's gradient
 (``param_memory_parts``); elsewhere gradients are sharded like the storage. Example: 1M params,
-AdamW, replicated: fp32 4 + 4 + 8 = 16 MB; a bf16 model 2 + 2 + 8 + 4; ``precision="bf16"``
-(4 + 2) + 4 + 8; fp32 ZeRO-2 over 4: 4 + 1 + 1 + 2.
+AdamW, replicated: fp32 4 + 4 + 8 = 16 MB; a bf16 model 2 + 2 + 4; ``precision="bf16"``
+(4 + 2) + 4 + 8; fp32 ZeRO-2 over 4: 4 + 1 + 1 + 2; ``precision="bf16"`` ZeRO-2 over 4:
+(1 + 2) + 1 + 2.
 
 Activations: ``saved_for_backward`` lists the values an op's backward reads (``ops.SAVE_RULES``:
 matmul operands, the input of gelu/norms, the output of relu/softmax, embedding indices, ...);
@@ -58,9 +58,6 @@ from autopar.ir.graph import per_graph
 
 # Optimizer states kept per parameter element.
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "momentum": 1}
-OPTIMIZER_STATE_BYTES = 4  # fp32 states (see param_memory_parts for a 16-bit model without a policy)
-MASTER_COPY_BYTES = 4  # the fp32 master a 16-bit parameter is priced with
-LOW_PRECISION_DTYPES = frozenset({"bfloat16", "float16"})
 
 # Roles whose memory is not an activation's.
 STATIC_ROLES = frozenset({"parameter", "buffer", "constant"})
@@ -69,16 +66,16 @@ STATIC_ROLES = frozenset({"parameter", "buffer", "constant"})
 def param_memory_parts(param_meta, storage_spec, mesh, optimizer: str = "adamw", opt_state_sharded_axes=(),
                        precision=None) -> dict:
     """Bytes one device holds for one parameter, by kind: ``parameters``, ``gradients``,
-    ``optimizer_states`` (with the fp32 master copy of 16-bit params). ``param_meta``: a TensorMeta
-    or a parameter Node; ``storage_spec`` None: replicated. With ``opt_state_sharded_axes`` (ZeRO-2,
-    as ``runtime.reducer`` runs it) a device holds the working copy the program reads (the storage
-    shard), its own chunk of it that the optimizer updates, and that chunk's gradient; the whole
-    gradient lives only in the reducer's buckets during backward.
+    ``optimizer_states``. ``param_meta``: a TensorMeta or a parameter Node; ``storage_spec`` None:
+    replicated. With ``opt_state_sharded_axes`` (ZeRO-2, as ``runtime.reducer`` runs it) a device
+    holds the working copy the program reads (the storage shard), its own chunk of it that the
+    optimizer updates, and that chunk's gradient; the whole gradient lives only in the reducer's
+    buckets during backward.
 
     ``precision`` (an ``ir.precision.MixedPrecision`` that casts; the meta's dtype is then the
-    working dtype): what the runtime keeps instead: the master (the parameter the optimizer sees,
-    with ZeRO-2 also its whole storage shard in the master dtype) and the working copy cast from it
-    for the step, the gradient in the reduction dtype, the states in the master dtype."""
+    working dtype): what the runtime keeps instead: the master (the parameter the optimizer sees:
+    the storage shard, with ZeRO-2 its chunk) and the working copy of the storage shard (cast for
+    the step; ZeRO-2 keeps it, gathered), the gradient and the states in the master dtype."""
     meta = getattr(param_meta, "meta", param_meta)
     states = OPTIMIZER_STATES.get(optimizer.lower())
     if states is None:
@@ -89,12 +86,11 @@ def param_memory_parts(param_meta, storage_spec, mesh, optimizer: str = "adamw",
     ways = math.prod(mesh.shape[mesh.axis(a)] for a in set(opt_state_sharded_axes) if mesh.axis(a) not in already)
     chunk = math.ceil(numel / ways)
     if precision is not None and precision.casts:
-        master, grad = precision.master_dtype.itemsize, precision.reduce_dtype.itemsize
-        kept = (numel + chunk) * master if ways > 1 else numel * master
-        return {"parameters": kept + numel * size, "gradients": chunk * grad, "optimizer_states": chunk * states * master}
-    # Without a policy a 16-bit parameter is still priced with fp32 states and an fp32 master (the
-    # recipe a policy runs), though torch's optimizer keeps 16-bit states and no master for it.
-    per_element = states * OPTIMIZER_STATE_BYTES + (MASTER_COPY_BYTES if meta.dtype in LOW_PRECISION_DTYPES else 0)
+        master = precision.master_dtype.itemsize
+        return {"parameters": chunk * master + numel * size, "gradients": chunk * master,
+                "optimizer_states": chunk * states * master}
+    # Without a policy torch's optimizer keeps its states in the parameter's own dtype, no master.
+    per_element = states * size
     if ways > 1:
         return {"parameters": (numel + chunk) * size, "gradients": chunk * size, "optimizer_states": chunk * per_element}
     return {"parameters": numel * size, "gradients": numel * size, "optimizer_states": numel * per_element}

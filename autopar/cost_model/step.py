@@ -169,7 +169,9 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     in_ops += grad_sum_s(plan, graph, mesh, identical)
 
     first_use = first_reads(graph)
-    synced = []  # (first use, (collective, axes, dtype, ZeRO-2's all-gathers after the step), bytes)
+    # (first use, (collective, axes, dtype, ZeRO-2's all-gathers after the step, their bytes per
+    # synced byte: a gradient summed in a wider dtype than the working copy gathered), bytes)
+    synced = []
     elements = tensors = 0
     accumulate = 0.0
     for p in plan.params.values():
@@ -181,7 +183,8 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         if p.grad_sync is not None:
             kind, axes, nbytes = p.grad_sync
             first, *rest = kind.split("+")
-            synced.append((first_use.get(p.node, 0), (first, tuple(axes), str(meta.dtype), tuple(rest)), int(nbytes)))
+            key = (first, tuple(axes), str(meta.dtype), tuple(rest), round(local / nbytes, 6) if nbytes else 1.0)
+            synced.append((first_use.get(p.node, 0), key, int(nbytes)))
             if kind.startswith("reduce_scatter"):
                 local = local / math.prod(mesh.shape[a] for a in axes)
         elements += local / meta.itemsize
@@ -191,12 +194,12 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     synced.sort(key=lambda x: -x[0])
     buckets, gathers = [], 0.0
     priced: dict = {}
-    for (kind, axes, _, after), _, nbytes in assign_buckets([(key, n) for _, key, n in synced], bucket_bytes):
-        for k in (kind, *after):
-            if (k, axes, nbytes) not in priced:
-                priced[(k, axes, nbytes)] = mesh_collective_time(k, nbytes, mesh, axes)
+    for (kind, axes, _, after, gathered), _, nbytes in assign_buckets([(key, n) for _, key, n in synced], bucket_bytes):
+        for k, n in ((kind, nbytes), *((a, int(nbytes * gathered)) for a in after)):
+            if (k, axes, n) not in priced:
+                priced[(k, axes, n)] = mesh_collective_time(k, n, mesh, axes)
         buckets.append(priced[(kind, axes, nbytes)])
-        gathers += sum(priced[(k, axes, nbytes)] for k in after)
+        gathers += sum(priced[(k, axes, int(nbytes * gathered))] for k in after)
     sync = sum(buckets)
     exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0
     optimizer = elements * cluster.optimizer_s_per_element + tensors * cluster.optimizer_s_per_tensor

@@ -84,15 +84,21 @@ class ParallelModule(nn.Module):
                 sync = _grad_sync(param_plan) if trainable else None
                 shard = shards[ph]
                 split = {a for ax in param_plan.storage.dim_axes for a in ax} if param_plan is not None else set()
+                # under a policy that casts, gradients are summed in its reduction dtype, and a
+                # ZeRO-2 working copy is gathered in the working dtype (the program reads nothing else)
+                cast = precision is not None and precision.casts and shard.is_floating_point()
+                wire = precision.reduce_dtype if precision is not None and shard.is_floating_point() else None
                 if sync is not None and sync[0] == "reduce_scatter":  # ZeRO-2: the optimizer sees a chunk
                     g = groups.handle(sync[1])
                     param = nn.Parameter(chunk_of(shard, g.index, g.size).clone(), requires_grad=True)
-                    entries.append(SyncEntry(slot, param, "reduce_scatter", sync[1], first_use.get(ph, 0), full=shard))
+                    full = shard.to(precision.param_dtype) if cast else shard
+                    entries.append(SyncEntry(slot, param, "reduce_scatter", sync[1], first_use.get(ph, 0), full=full,
+                                             wire_dtype=wire))
                     split |= set(sync[1])
                 else:
                     param = nn.Parameter(shard, requires_grad=trainable)
                     if sync is not None:
-                        entries.append(SyncEntry(slot, param, "all_reduce", sync[1], first_use.get(ph, 0)))
+                        entries.append(SyncEntry(slot, param, "all_reduce", sync[1], first_use.get(ph, 0), wire_dtype=wire))
                 if counts_in_norm(split, groups.coordinate, groups.mesh.shape) and ph not in not_in_norm:
                     counted.add(id(param))
                 owner.register_parameter(attr, param)
@@ -307,6 +313,8 @@ class ParallelModule(nn.Module):
                 if entry is not None and g is not None:  # (None alike on every rank: the same program ran)
                     g = unchunk(g, entry.full.shape, ap.groups.handle(entry.axes))
                 out[fqn_of[ph]] = g
+            elif entry is not None and entry.full.dtype != t.dtype:  # a working copy: the masters, gathered
+                out[fqn_of[ph]] = unchunk(t.detach(), entry.full.shape, ap.groups.handle(entry.axes))
             else:
                 out[fqn_of[ph]] = entry.full if entry is not None else t
         return out

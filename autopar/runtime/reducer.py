@@ -40,6 +40,13 @@ through buffers made for that gather. Its gradient is reduce-scattered into the 
 the whole bucket of gradients lives from its first part until its scatter is done, and at most
 ``SCATTERS_IN_FLIGHT`` scatters are (the oldest is finished before another starts). What stays
 from step to step: the chunk, its gradient and states, and the working copy.
+
+Mixed precision (``ir.precision.MixedPrecision``): the parameters are the fp32 masters and the
+program reads their working-dtype casts. Parts reach the buckets in the masters' dtype (the cast's
+backward) and add up there; a bucket's collective sums in the policy's ``reduce_dtype`` (its
+``wire`` dtype: the buffer is cast before, the sum cast back once after), and a ZeRO-2 working copy
+is kept and gathered in the working dtype (the masters' chunks cast into it): half the bytes of
+gathering masters, as Megatron's distributed optimizer and FSDP2 gather bf16 parameters.
 """
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ import contextlib
 import dataclasses
 import math
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -68,7 +76,9 @@ class SyncEntry:
     slot: its index in the program's state inputs; param: the ``nn.Parameter`` the optimizer sees;
     kind: "all_reduce" (the parameter is the storage shard) or "reduce_scatter" (ZeRO-2: the
     parameter is a dim-0 chunk of the storage shard, ``full`` the working copy the program reads);
-    axes: the mesh axes of the collective; first_use: position of its first reader in the forward."""
+    axes: the mesh axes of the collective; first_use: position of its first reader in the forward;
+    wire_dtype: the dtype the collective sums in (a mixed-precision ``reduce_dtype``), None: the
+    parameter's."""
 
     slot: int
     param: torch.nn.Parameter
@@ -76,6 +86,7 @@ class SyncEntry:
     axes: tuple[int, ...]
     first_use: int
     full: torch.Tensor | None = None
+    wire_dtype: torch.dtype | None = None
     # set by the bucket
     offset: int = 0
     numel: int = 0  # elements in the flat buffer: the gradient's (all_reduce), one chunk's (reduce_scatter)
@@ -100,6 +111,7 @@ class _Bucket:
         self.n = handle.size
         ref = entries[0].param
         self.dtype, self.device = ref.dtype, ref.device
+        self.wire = entries[0].wire_dtype or ref.dtype  # parts add up in ``dtype``, the collective sums in ``wire``
         offset = 0
         for e in entries:
             shape = e.full.shape if kind == "reduce_scatter" else e.param.shape
@@ -165,29 +177,35 @@ class _Bucket:
         return pieces if self.identity else pieces[torch.tensor(self.row_of_shard).argsort()]
 
     # ---- collectives ---------------------------------------------------------------------------
-    def launch(self):
-        """Start this bucket's collective on its accumulated parts; (buffer, work, the slots that
-        got parts) to finish."""
+    def launch(self) -> _Flight:
+        """Start this bucket's collective on its accumulated parts (cast to the wire dtype)."""
         buf, self.accum = self.accum, None
         received, self.received = self.received, set()
         pg = self.handle.pg
+        sent = buf if self.wire == self.dtype else buf.to(self.wire)
         if self.kind == "all_reduce":
-            return buf, dist.all_reduce(buf, group=pg, async_op=True), received
-        out = buf.new_empty(self.numel)
+            return _Flight(self, sent, dist.all_reduce(sent, group=pg, async_op=True), received, buf)
+        out = sent.new_empty(self.numel)
         try:
-            return out, _reduce_scatter_flat(out, buf, group=pg, async_op=True), received
+            return _Flight(self, out, _reduce_scatter_flat(out, sent, group=pg, async_op=True), received)
         except (RuntimeError, NotImplementedError, ValueError) as err:
             if "support" not in str(err).lower() and "implement" not in str(err).lower():
                 raise
             # the backend lacks reduce_scatter: all-reduce the whole buffer, keep this rank's row
-            return buf, dist.all_reduce(buf, group=pg, async_op=True), received
+            return _Flight(self, sent, dist.all_reduce(sent, group=pg, async_op=True), received)
 
-    def finish(self, result: torch.Tensor, received: set[int]) -> None:
+    def finish(self, flight: _Flight) -> None:
         """Add a finished collective's result into the ``.grad`` of the parameters that got parts
         (one no gradient reached keeps ``.grad`` None, as autograd leaves it: an optimizer then
-        skips it, weight decay included). Every rank runs the same program, so all agree."""
+        skips it, weight decay included), cast back from the wire dtype once. Every rank runs the
+        same program, so all agree."""
+        result, received = flight.result, flight.received
         if self.kind == "reduce_scatter" and result.numel() != self.numel:  # emulated: the whole buffer
             result = result.view(self.n, self.numel)[self.row_of_shard[self.handle.index]]
+        if result.dtype != self.dtype:
+            # an all-reduce's sum goes back into the buffer its parts were added in (kept from
+            # step to step); a scatter's chunk is small and new
+            result = flight.home.copy_(result) if flight.home is not None else result.to(self.dtype)
         for e in self.entries:
             if e.slot not in received:
                 continue
@@ -210,8 +228,9 @@ class _Bucket:
         # Made for this gather and dropped after it: kept, they were a second whole copy of the
         # parameters (ZeRO-2 measured no saving over data parallel). A forward starts with few
         # activations alive, so they do not raise the step's peak.
-        shard = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        out = torch.empty(self.n * self.numel, dtype=self.dtype, device=self.device)
+        dtype = self.entries[0].full.dtype  # the working copies' (a policy's working dtype)
+        shard = torch.zeros(self.numel, dtype=dtype, device=self.device)
+        out = torch.empty(self.n * self.numel, dtype=dtype, device=self.device)
         for e in self.entries:
             shard[e.offset: e.offset + e.param.numel()].copy_(e.param.detach().reshape(-1))
         _all_gather_flat(out, shard, group=self.handle.pg)
@@ -225,6 +244,21 @@ class _Bucket:
                 whole = rows[:, e.offset: e.offset + e.numel].reshape(self.n * c, full.shape[1])
                 full.copy_(whole[: full.shape[0]])
         self._versions = tuple(e.param._version for e in self.entries)
+
+
+class _Flight(NamedTuple):
+    """A launched collective: its bucket, the tensor it writes, its work handle, the slots that
+    got parts, and (an all-reduce in another dtype) the buffer its sum goes back into."""
+
+    bucket: _Bucket
+    result: torch.Tensor
+    work: object
+    received: set
+    home: torch.Tensor | None = None
+
+    def finish(self) -> None:
+        self.work.wait()
+        self.bucket.finish(self)
 
 
 class _BucketTap(torch.autograd.Function):
@@ -282,7 +316,7 @@ class GradReducer:
         self._by_slot = {e.slot: b for b in self.buckets for e in b.entries}
         self._next = 0  # the next bucket to launch in this backward
         self._ready: set[int] = set()
-        self._inflight: list = []  # (bucket, buffer, work, slots that got parts)
+        self._inflight: list[_Flight] = []
         self._callback_queued = False
         self._sync_enabled = True
         self.launched = 0  # collectives launched so far (tests, explain)
@@ -295,8 +329,9 @@ class GradReducer:
 
     def _make_buckets(self, entries: list[SyncEntry]) -> list[_Bucket]:
         order = sorted(entries, key=lambda e: -e.first_use)  # the order backward finishes them
-        items = [((e.kind, tuple(e.axes), e.param.dtype, e.param.device),
-                  (e.full if e.kind == "reduce_scatter" else e.param).numel() * e.param.element_size()) for e in order]
+        items = [((e.kind, tuple(e.axes), e.param.dtype, e.wire_dtype, e.param.device),
+                  (e.full if e.kind == "reduce_scatter" else e.param).numel() * (e.wire_dtype or e.param.dtype).itemsize)
+                 for e in order]
         made = assign_buckets(items, self.bucket_bytes, self.first_bucket_bytes)  # as the step model prices them
         return [_Bucket(i, key[0], self.groups.handle(key[1]), [order[k] for k in members])
                 for i, (key, members, _) in enumerate(made)]
@@ -374,7 +409,7 @@ class GradReducer:
             bucket.add([parts.get(e.slot) for e in bucket.entries])
 
     def _launch(self, bucket: _Bucket) -> None:
-        self._inflight.append((bucket, *bucket.launch()))
+        self._inflight.append(bucket.launch())
         self.launched += 1
         if bucket.kind == "reduce_scatter":
             self._bound_scatters()
@@ -383,11 +418,9 @@ class GradReducer:
         """Finish the oldest reduce-scatters while more than ``SCATTERS_IN_FLIGHT`` are in flight:
         each holds a whole bucket of gradients until it is done, and ZeRO-2 is there to not hold
         every gradient at once (FSDP bounds its reduce-scatters the same way)."""
-        scatters = [i for i, (b, *_) in enumerate(self._inflight) if b.kind == "reduce_scatter"]
+        scatters = [i for i, f in enumerate(self._inflight) if f.bucket.kind == "reduce_scatter"]
         for i in reversed(scatters[: max(0, len(scatters) - SCATTERS_IN_FLIGHT)]):
-            b, buf, work, received = self._inflight.pop(i)
-            work.wait()
-            b.finish(buf, received)
+            self._inflight.pop(i).finish()
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -404,10 +437,10 @@ class GradReducer:
             if b.accum is not None:
                 self._launch(b)
         inflight, self._inflight = self._inflight, []
-        for b, buf, work, _ in inflight:
-            work.wait()
-        for b, buf, _, received in inflight:
-            b.finish(buf, received)
+        for f in inflight:
+            f.work.wait()
+        for f in inflight:
+            f.bucket.finish(f)
         for b in self.buckets:
             b.fired = 0
         self._next = 0
@@ -417,7 +450,7 @@ class GradReducer:
     def describe(self) -> list[dict]:
         """One row per bucket: kind, mesh axes, parameters, bytes (what ``explain`` shows)."""
         return [{"kind": b.kind, "axes": tuple(b.handle.axes), "params": len(b.entries),
-                 "bytes": b.numel * (b.n if b.kind == "reduce_scatter" else 1) * b.entries[0].param.element_size()}
+                 "bytes": b.numel * (b.n if b.kind == "reduce_scatter" else 1) * b.wire.itemsize}
                 for b in self.buckets]
 
 

@@ -74,12 +74,10 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
     buckets' latencies (``bucketed_collective_time``; ``total_bytes``: the model's parameter
     bytes); ZeRO-2 adds the all-gather of the updated parameter, in the same buckets. Under a
     ``precision`` that casts, gradients are summed in its reduction dtype and ZeRO-2 gathers the
-    updated masters (``runtime.reducer`` reduces what reaches the masters)."""
+    working copy (``runtime.reducer``)."""
     meta = node.meta
     itemsize = meta.itemsize
-    casts = precision is not None and precision.casts
-    grad_scale = precision.reduce_dtype.itemsize / itemsize if casts else 1.0
-    gather_scale = precision.master_dtype.itemsize / itemsize if casts else 1.0
+    grad_scale = precision.reduce_dtype.itemsize / itemsize if precision is not None else 1.0
     total_bytes = total_bytes * grad_scale if total_bytes else total_bytes
     act = active_axes(mesh)
     cluster = mesh.resolved_cluster()
@@ -107,8 +105,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
         if repl and optimizer_sharding:
             # ZeRO-2: reduce-scatter the gradient, update a shard, all-gather the new parameter.
             cost_z = (bucketed_collective_time("reduce_scatter", grad, mesh, repl, bucket_bytes, total_bytes)
-                      + bucketed_collective_time("all_gather", local * gather_scale, mesh, repl, bucket_bytes,
-                                                 total_bytes))
+                      + bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes, total_bytes))
             strategies.append(Strategy((), spec, "zero2" if spec.is_replicated else "sharded+zero2", 1.0))
             opt.append(optimizer_s(local / math.prod(mesh.shape[a] for a in repl)))
             costs.append(cost_z)

@@ -1,5 +1,6 @@
 """Memory model: parameter/optimizer bytes, saved activations and the liveness peak."""
 import pytest
+import torch
 
 import autopar.models as models
 from autopar.cost_model.memory import (
@@ -53,24 +54,27 @@ def test_zero_shards_optimizer_states_once_per_axis():
     assert param_memory(FP32_1M, None, Mesh((2, 2), ("dp", "tp")), opt_state_sharded_axes=("dp",)) == (4 + 4 + 4) * M
 
 
-def test_bf16_params_are_priced_with_fp32_states_and_a_master_and_a_policy_as_it_runs():
-    """A 16-bit parameter without a policy is priced with fp32 states and an fp32 master (what a
-    policy keeps; torch would keep 16-bit states and no master: not modelled yet); under
-    ``precision="bf16"`` (the graph traced in bf16) as the runtime keeps it: the fp32 master, the
-    step's bf16 working copy, an fp32 gradient and fp32 states."""
+def test_bf16_params_are_priced_as_torch_keeps_them_and_a_policy_as_it_runs():
+    """A 16-bit parameter without a policy is priced as torch's optimizer keeps it: states in the
+    parameter's dtype, no master; under ``precision="bf16"`` (the graph traced in bf16) as the
+    runtime keeps it: the fp32 master, the step's bf16 working copy, an fp32 gradient and fp32
+    states."""
     from autopar.ir.precision import MixedPrecision
 
     mesh = Mesh((2,))
-    assert param_memory(BF16_1M, None, mesh) == (2 + 2 + 8 + 4) * M
-    assert param_memory(BF16_1M, None, mesh, "sgd") == (2 + 2 + 4) * M
-    assert param_memory(TensorMeta((1000, 1000), "float16", 2 * M), None, mesh) == 16 * M
-    assert param_memory(BF16_1M, _spec("[S0, R]", mesh), mesh) == 8 * M
+    assert param_memory(BF16_1M, None, mesh) == (2 + 2 + 4) * M
+    assert param_memory(BF16_1M, None, mesh, "sgd") == (2 + 2) * M
+    assert param_memory(TensorMeta((1000, 1000), "float16", 2 * M), None, mesh) == 8 * M
+    assert param_memory(BF16_1M, _spec("[S0, R]", mesh), mesh) == 4 * M
     bf16 = MixedPrecision()
     assert param_memory_parts(BF16_1M, None, mesh, precision=bf16) == {
         "parameters": (4 + 2) * M, "gradients": 4 * M, "optimizer_states": 8 * M}
-    # ZeRO-2 over 2: the master storage shard and its chunk, the working copy; a chunk's gradient and states
+    # ZeRO-2 over 2: the master's chunk and the bf16 working copy it gathers; the chunk's gradient and states
     assert param_memory_parts(BF16_1M, None, mesh, opt_state_sharded_axes=(0,), precision=bf16) == {
-        "parameters": (4 + 2 + 2) * M, "gradients": 2 * M, "optimizer_states": 4 * M}
+        "parameters": (2 + 2) * M, "gradients": 2 * M, "optimizer_states": 4 * M}
+    # gradients summed in bf16 still land in the fp32 masters' .grad
+    bf16_sums = MixedPrecision(reduce_dtype=torch.bfloat16)
+    assert param_memory_parts(BF16_1M, None, mesh, precision=bf16_sums) == param_memory_parts(BF16_1M, None, mesh, precision=bf16)
     with pytest.raises(ConfigError, match="optimizer"):
         param_memory(FP32_1M, None, mesh, "lion")
 

@@ -123,13 +123,14 @@ def case(tag, mesh, groups, layout=None, name="gpt", build=None, precision="bf16
             "state_dtypes": state_dtypes, "param_dtypes": param_dtypes, "precision": pm.plan.precision,
             "to_ref": distance(masters, ref, start), "noise": distance(ref_split, ref, start),
             "to_fp32": distance(masters, fp32, start), "bf16_to_fp32": distance(bf16, fp32, start),
-            "families": pm.plan.summary()["families"], "storage": pm.plan.summary().get("param_storage")}
+            "families": pm.plan.summary()["families"], "storage": pm.plan.summary().get("param_storage"),
+            "wire": {str(b.wire) for b in pm.reducer.buckets}}
 
 
 def held_case(tag, mesh, groups, layout):
     """What a bf16-policy module keeps after a step (masters, their gradients, AdamW's states,
-    buffers, ZeRO-2's master working copies) against the plan's memory by kind, less the bf16
-    working copies that live only during the step."""
+    buffers, ZeRO-2's bf16 working copies) against the plan's memory by kind, less the bf16
+    working copies that live only during the step (the casts of parameters ZeRO-2 does not hold)."""
     torch.manual_seed(0)
     model, inputs = models.build("gpt", layers=2)
     pm = autopar.parallelize(model, mesh, inputs, groups=groups, precision="bf16", force=layout, idle_axes=(),
@@ -143,7 +144,8 @@ def held_case(tag, mesh, groups, layout):
     live += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim())
     live += sum(b.numel() * b.element_size() for b in pm.buffers())
     live += sum(e.full.numel() * e.full.element_size() for e in pm._ap.zero2.values())
-    working = sum(math.prod(p.storage.local_shape(mesh)) * 2 for p in pm.plan.params.values() if not p.buffer)
+    working = sum(math.prod(p.storage.local_shape(mesh)) * 2 for p in pm.plan.params.values()
+                  if not p.buffer and not (p.grad_sync and p.grad_sync[0].startswith("reduce_scatter")))
     parts = pm.plan.predicted["memory_parts"]
     priced = parts["parameters"] + parts["gradients"] + parts["optimizer_states"] - working
     return {"tag": tag, "live": live, "priced": priced, "parts": parts, "working": working}
@@ -236,6 +238,9 @@ def rank_2(rank, world):
     for layout in (autopar.Layout(dp=2), autopar.Layout(dp=2, zero=2), autopar.Layout(dp=2, zero=3),
                    autopar.Layout(tp=2)):
         out.append(case(f"{layout.name} (2,)", mesh, groups, layout))
+    bf16_sums = autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for layout in (autopar.Layout(dp=2), autopar.Layout(dp=2, zero=2)):
+        out.append(case(f"{layout.name} bf16 sums (2,)", mesh, groups, layout, precision=bf16_sums))
     out.append(case("llama dp2 (2,)", mesh, groups, autopar.Layout(dp=2), name="llama",
                     build=dict(layers=2, kv_heads=2)))
     out.append(case("2 stages 1f1b (2,)", mesh, groups, pipeline=autopar.Pipeline(stages=2, microbatches=2,
@@ -284,7 +289,9 @@ def test_bf16_trains_like_the_recipe_on_one_process(results):
         if r["tag"].startswith("held") or r["tag"] in ("checkpoint", "fp16"):
             continue
         assert "error" not in r, r
-        assert r["precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32", "master_dtype": "float32"}
+        reduce = "bfloat16" if "bf16 sums" in r["tag"] else "float32"
+        assert r["precision"] == {"param_dtype": "bfloat16", "reduce_dtype": reduce, "master_dtype": "float32"}
+        assert r["wire"] <= {f"torch.{reduce}"}, r["tag"]  # what the reducer's collectives sum in
         # the optimizer sees fp32 masters and keeps fp32 states; the model computes in bf16
         assert r["param_dtypes"] == {"torch.float32"} and r["state_dtypes"] == {"torch.float32"}, r["tag"]
         assert r["loss_dtypes"] == {"torch.bfloat16"}, r["tag"]
@@ -306,8 +313,27 @@ def test_a_bad_or_unsupported_precision_is_a_config_error():
     model, inputs = models.build("gpt", layers=1)
     with pytest.raises(autopar.ConfigError, match="precision='int8'"):
         autopar.plan(model, autopar.Mesh((2,)), inputs, precision="int8")
-    with pytest.raises(autopar.ConfigError, match="reduce_dtype"):
-        autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.bfloat16)
+    with pytest.raises(autopar.ConfigError, match="reduce_dtype=torch.int8"):
+        autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.int8)
+    with pytest.raises(autopar.ConfigError, match="narrower than the working dtype"):
+        autopar.MixedPrecision(torch.float32, master_dtype=torch.bfloat16)
+
+
+def test_gradient_sums_are_priced_in_the_reduction_dtype():
+    """Under data parallel, ``reduce_dtype=bfloat16`` halves the gradient bytes the plan syncs (and
+    its ZeRO-2 gathers move the bf16 working copy either way); memory by kind is the same."""
+    model, inputs = models.build("gpt", layers=2)
+    mesh = autopar.Mesh((4,), cluster="a100-80g")
+    plans = {name: autopar.plan(model, mesh, inputs, pipeline=False, force=autopar.Layout(dp=4, zero=zero),
+                                precision=autopar.MixedPrecision(torch.bfloat16, reduce_dtype=reduce))
+             for zero in (0, 2) for name, reduce in ((f"fp32 sums zero{zero}", torch.float32),
+                                                     (f"bf16 sums zero{zero}", torch.bfloat16))}
+    for zero in (0, 2):
+        fp32, bf16 = plans[f"fp32 sums zero{zero}"], plans[f"bf16 sums zero{zero}"]
+        synced = [sum(p.grad_sync[2] for p in plan.params.values() if p.grad_sync) for plan in (fp32, bf16)]
+        assert synced[1] == pytest.approx(synced[0] / 2), synced
+        assert fp32.predicted["memory_parts"] == bf16.predicted["memory_parts"]
+        assert bf16.predicted["step_time_s"] < fp32.predicted["step_time_s"]
 
 
 def test_the_plan_is_traced_and_explained_in_its_precision():
