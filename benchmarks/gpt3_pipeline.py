@@ -1,9 +1,11 @@
 """Planning GPT-3 175B with pipeline stages, as Megatron-LM trains it (Narayanan et al., SC'21).
 
-    .venv/bin/python benchmarks/gpt3_pipeline.py [--mesh 128x8] [--budget 80GB] [--schedule 1f1b]
+    .venv/bin/python benchmarks/gpt3_pipeline.py [--mesh 128x8] [--budget 80GB] [--schedule 1f1b] [--precision bf16]
 
 The built-in GPT at GPT-3's shape (96 layers, width 12288, 96 heads, seq 2048, vocab 51200, batch
-1536, bfloat16, on the meta device) on a simulated ``a100-80g`` mesh, ``pipeline="auto"``: prints the
+1536, on the meta device) in Megatron's recipe (``precision="bf16"``: bf16 compute on fp32 masters,
+gradients and Adam states; ``--precision none`` plans a bf16 model as torch's optimizer keeps it,
+with bf16 states and no master) on a simulated ``a100-80g`` mesh, ``pipeline="auto"``: prints the
 time to plan (and its parts), the stages, the tp / pp / dp degrees, the schedule and microbatches,
 the predicted step time, and the model-FLOPs utilization ``6 x parameters x tokens / (step x
 devices x peak)`` (attention's own FLOPs not counted). Megatron-LM measured 44-52% of peak on A100s
@@ -24,14 +26,15 @@ from autopar import models
 from autopar.cost_model.schedules import SCHEDULES
 
 GPT3 = dict(layers=96, width=12288, heads=96, seq=2048, vocab=51200, batch=1536)
+PRECISION = "bf16"  # Megatron's recipe
 
 
-def plan_gpt3(mesh_shape=(128, 8), budget="80GB", pipeline="auto"):
+def plan_gpt3(mesh_shape=(128, 8), budget="80GB", pipeline="auto", precision=PRECISION):
     """(plan, seconds to plan, model FLOPs utilization)."""
     model, inputs = models.build("gpt", device="meta", dtype=torch.bfloat16, **GPT3)
     mesh = autopar.Mesh(mesh_shape, cluster="a100-80g")
     t0 = time.perf_counter()
-    plan = autopar.plan(model, mesh, inputs, pipeline=pipeline, memory_budget=budget)
+    plan = autopar.plan(model, mesh, inputs, pipeline=pipeline, memory_budget=budget, precision=precision)
     seconds = time.perf_counter() - t0
     params = sum(t.numel() for t in model.parameters())
     peak = dict(mesh.resolved_cluster().peak_flops)["bfloat16"]
@@ -44,13 +47,16 @@ def main():
     p.add_argument("--mesh", default="128x8")
     p.add_argument("--budget", default="80GB")
     p.add_argument("--schedule", default=None, choices=list(SCHEDULES), help="fix the schedule (default: searched)")
+    p.add_argument("--precision", default=PRECISION, choices=("bf16", "none"),
+                   help="bf16: bf16 compute on fp32 masters (default); none: the bf16 model as it is")
     a = p.parse_args()
     warnings.simplefilter("ignore")
     shape = tuple(int(x) for x in a.mesh.split("x"))
-    plan, seconds, mfu = plan_gpt3(shape, a.budget, autopar.Pipeline(schedule=a.schedule) if a.schedule else "auto")
+    plan, seconds, mfu = plan_gpt3(shape, a.budget, autopar.Pipeline(schedule=a.schedule) if a.schedule else "auto",
+                                   None if a.precision == "none" else a.precision)
     s = plan.summary()
     pipe = s["pipeline"]
-    print(f"GPT-3 175B on {a.mesh} a100-80g, {a.budget} per device: planned in {seconds:.1f} s "
+    print(f"GPT-3 175B on {a.mesh} a100-80g, {a.budget} per device, precision {a.precision}: planned in {seconds:.1f} s "
           f"({plan.solver.get('traces', 0)} traces and {plan.solver.get('scaled_graphs', 0)} graphs scaled from them "
           f"{plan.solver.get('trace_s', 0):.1f} s, intra-op ILPs {plan.solver.get('intra_op_s', 0):.1f} s, "
           f"stage DP {plan.solver.get('dp_s', 0):.1f} s)")

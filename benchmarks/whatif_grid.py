@@ -19,7 +19,7 @@ import torch
 
 from autopar import models
 from autopar.solver.compare import compare
-from gpt3_pipeline import GPT3, plan_gpt3
+from gpt3_pipeline import GPT3, PRECISION, plan_gpt3
 from hybrid import RESULTS
 
 
@@ -48,7 +48,7 @@ def main():
                and GPT3["batch"] % mb == 0 and (GPT3["batch"] // mb) % (1024 // (tp * pp)) == 0]
     rows, t0 = [], time.perf_counter()
     for config in configs:
-        r = compare(model, plan.mesh_obj, inputs, [config], memory_budget="80GB")[0]
+        r = compare(model, plan.mesh_obj, inputs, [config], memory_budget="80GB", precision=PRECISION)[0]
         ratio = None if r.step_time_s is None else r.step_time_s / best
         rows.append(dict(config=config, step_time_s=r.step_time_s, memory_bytes=r.memory_bytes, fits=r.fits,
                          vs_plan=ratio, note=r.note))

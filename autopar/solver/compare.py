@@ -16,6 +16,7 @@ import dataclasses
 import math
 
 from autopar.errors import ConfigError, PlanError
+from autopar.ir.precision import MixedPrecision
 from autopar.solver.config import Pipeline, PlanConfig
 from autopar.solver.mesh_views import config_mesh
 from autopar.solver.units import fmt_bytes, fmt_s
@@ -175,7 +176,9 @@ def compare_plan(plan, model, example_inputs, *configs, example_kwargs=None, mem
                  plan_config: PlanConfig | None = None, **options) -> list[WhatIf]:
     """``plan`` beside hand-written configurations (``"tp=8,dp=16"``, ``"tp=8,pp=4,dp=4,mb=16"``)
     priced by the same cost model on the plan's mesh: ``WhatIf`` rows, the plan first (``table(rows)``
-    prints them). ``autopar.compare``."""
+    prints them), under the plan's precision unless one is given. ``autopar.compare``."""
+    if plan.precision and "precision" not in options and (plan_config is None or plan_config.precision is None):
+        options["precision"] = MixedPrecision.from_dict(plan.precision)
     return compare(model, plan.mesh_obj, example_inputs, configs, plan=plan, example_kwargs=example_kwargs,
                    memory_budget=memory_budget, plan_config=plan_config, **options)
 

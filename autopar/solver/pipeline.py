@@ -50,6 +50,7 @@ from autopar.solver.stage_prices import (
 
 log = logging.getLogger(__name__)
 
+WIDEN_MARGIN = 0.05  # counts whose best stages are within this of the best are widened too (``_Search.best``)
 MAX_UNITS = 24  # more layers than this are cut only between groups of consecutive layers (``unit_groups``)
 
 
@@ -368,23 +369,34 @@ class _Search:
         return counts, notes
 
     def best(self, counts: list[int]) -> Found | None:
-        """The best stages over ``counts`` (``_search_counts``), on a traced graph."""
+        """The best stages over ``counts`` (``_search_counts``), widened (``widen``), on a traced
+        graph. Every count within ``WIDEN_MARGIN`` of the best is widened too: narrower views can
+        reorder close counts. A chosen count whose graph was scaled is traced, as parallelize
+        will: the same program keeps its result; another one (the model is not linear in the batch
+        there) is priced again."""
         best = _search_counts(counts, self.evaluate)
-        while best is not None and best.count not in self.real:
-            # The chosen count's graph was scaled: trace it, as parallelize will. The same program
-            # keeps its plan; another one (the model is not linear in the batch there) is priced again.
+        if best is None:
+            return None
+        limit = best.sol.step_time * (1 + WIDEN_MARGIN)
+        widened = {r.count: self.widen(r) for r in self.results.values() if r is not None and r.sol.step_time <= limit}
+        while widened:
+            best = min(widened.values(), key=lambda r: r.sol.step_time)
             count = best.count
+            if count in self.real:
+                return best
             graph = self.trace(count)
-            if graph.fingerprint() == self.graphs[count].fingerprint():
-                self.graphs[count] = graph
-                best = self.results[count] = best._replace(graph=graph)
-            else:
-                self.graphs[count] = graph
-                del self.results[count]
-                self.evaluate(count)
-                best = min((r for r in self.results.values() if r is not None), key=lambda r: r.sol.step_time,
-                           default=None)
-        return best
+            same = graph.fingerprint() == self.graphs[count].fingerprint()
+            self.graphs[count] = graph
+            if same:
+                self.results[count] = self.results[count]._replace(graph=graph)
+                return best._replace(graph=graph)
+            del self.results[count], widened[count]
+            found = self.evaluate(count)
+            rest = [r for r in self.results.values() if r is not None and r.count not in widened]
+            if found is not None or (not widened and rest):
+                found = found or min(rest, key=lambda r: r.sol.step_time)
+                widened[found.count] = self.widen(found)
+        return None
 
     def nothing_fits(self) -> PlanError:
         """Why the search found nothing, and what it tried."""
@@ -558,7 +570,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, config: Pl
     run = _Search(model, mesh, example_inputs, example_kwargs, pipeline, memory_budget, config, tolerance,
                   equal_stages)
     counts, notes = run.microbatch_counts()
-    best = run.widen(run.best(counts))
+    best = run.best(counts)
     if best is None:
         raise run.nothing_fits()
     virtual = best.schedule.stages_per_rank(pipeline.virtual_stages)
