@@ -26,6 +26,7 @@ class AutoparVariant:
         self.pm = autopar.parallelize(model, mesh, self.args, example_kwargs=self.kwargs or None, force=layout,
                                       pipeline=pipeline, **(options or {}))
         self.plan = self.pm.plan
+        self.precision = self.plan.precision  # None: the model's own dtypes
         self.predicted_s = self.plan.predicted["step_time_s"]
         self.opt = torch.optim.AdamW(self.pm.parameters(), lr=lr)
 

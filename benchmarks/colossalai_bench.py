@@ -23,8 +23,9 @@ Everything runs inside one spawn of ``--ranks`` processes (one torch thread each
        that is not exact is reported and not timed. The exact ones stay alive for step 4.
     3. autopar's plans of the same model in the same processes: ``autopar.parallelize`` on
        ``Mesh((4,))``, the one-stage plan (``pipeline=False``) and the default ``pipeline="auto"``,
-       trained with ``pmodel.train_step``
-       and ``torch.optim.AdamW(pmodel.parameters())``, checked exact the same way.
+       in fp32 and in bf16 (``precision="bf16"``: bf16 compute on fp32 masters, the plugin's
+       recipe), trained with ``pmodel.train_step`` and ``torch.optim.AdamW(pmodel.parameters())``,
+       checked the same way as the plugin's rows of their precision.
     4. ``--rounds`` alternating rounds (the order rotates each round) of ``--round-steps`` steps of
        every live variant; every step is bracketed by barriers, its time is the slowest rank's,
        and a variant's figure is the median of its steps.
@@ -35,7 +36,8 @@ working weights, fp32 master weights in the optimizer). They cannot be exact aga
 first-step loss is checked against a bfloat16 copy of the single-process model within
 ``BF16_TOL`` (their gradients live in ZeRO's flat shards and are not compared), they are timed,
 and the table marks them bf16. The best plugin figure autopar is compared with is the best fp32
-(exact) configuration.
+(exact) configuration; an autopar bf16 plan is compared with the best plugin bf16 configuration
+and with autopar's fp32 plan of the same request.
 
 Shims for CPU (monkeypatches in this process, nothing in site-packages is edited), see ``shim``.
 
@@ -459,19 +461,20 @@ def rank_main(rank, world, opts):
              + f"  built in {build_s:.1f} s, rank-0 RSS {_rss_mib():.0f} MiB")
     import autopar
 
-    for name, pipeline in opts["autopar"]:
+    for name, pipeline, precision in opts["autopar"]:
         t0 = time.perf_counter()
         model, call = build_model(kw)
-        v = AutoparVariant(model, (), call, autopar.Mesh((world,)), pipeline=pipeline, lr=LR)
+        v = AutoparVariant(model, (), call, autopar.Mesh((world,)), pipeline=pipeline, lr=LR,
+                           options={"precision": precision} if precision else None)
         build_s = time.perf_counter() - t0
-        verdict = check_first_step(v, ref, bf16=False)
+        verdict = check_first_step(v, ref, bf16=precision == "bf16")
         if "failed" in verdict:
             v.close()
-            rows.append(dict(config=name, kind="autopar", precision="fp32", pipeline=pipeline,
+            rows.append(dict(config=name, kind="autopar", precision=precision or "fp32", pipeline=pipeline,
                              skipped=f"failed in its first step: {verdict['failed']}"))
             _say(f"  {name:<36} FAILED in its first step: {verdict['failed']}")
             continue
-        rows.append(dict(config=name, kind="autopar", precision="fp32", pipeline=pipeline, plan=v.describe(),
+        rows.append(dict(config=name, kind="autopar", precision=precision or "fp32", pipeline=pipeline, plan=v.describe(),
                          explain=v.plan.explain().split("\n\n")[0] if rank == 0 else None,  # its summary paragraph
                          predicted_s=v.predicted_s, build_s=build_s, skipped=None, **verdict))
         _say(f"  {name:<36} loss {verdict['loss']:.6f} " + ("exact" if verdict["passed"] else f"NOT EXACT: {verdict['error']}")
@@ -505,6 +508,7 @@ def report(rows: list[dict]) -> dict:
     plugin = sorted((r for r in timed if r["kind"] == "colossalai"), key=lambda r: r["s_per_step"])
     fp32 = [r for r in plugin if r["precision"] == "fp32"]
     best = fp32[0] if fp32 else None
+    best_bf16 = next((r for r in plugin if r["precision"] == "bf16"), None)
     print("\ns/step: median of the slowest rank's step times; vs best: over the best fp32 plugin configuration's")
     print(f"{'config':<38}{'prec':>5}{'s/step':>8}{'vs best':>9}{'first loss':>12}  check")
     for r in plugin + [r for r in timed if r["kind"] == "autopar"]:
@@ -526,16 +530,25 @@ def report(rows: list[dict]) -> dict:
                "not_exact": [r["config"] for r in rows if r.get("passed") is False],
                "skipped": {r["config"]: r["skipped"] for r in rows if r.get("skipped")},
                "autopar": {}}
+    summary["best_plugin_bf16"] = ({"config": best_bf16["config"], "s_per_step": best_bf16["s_per_step"]}
+                                   if best_bf16 else None)
     if best:
         print(f"best-plugin: {best['config']} {best['s_per_step']:.3f} s/step (fp32)")
-    for r in timed:
-        if r["kind"] != "autopar":
-            continue
-        ratio = r["s_per_step"] / best["s_per_step"] if best else None
+    if best_bf16:
+        print(f"best-plugin bf16: {best_bf16['config']} {best_bf16['s_per_step']:.3f} s/step")
+    autopar_rows = {r["config"]: r for r in timed if r["kind"] == "autopar"}
+    for r in autopar_rows.values():
+        bf16 = r["precision"] == "bf16"
+        base = best_bf16 if bf16 else best  # the plugin's best of the same precision
+        ratio = r["s_per_step"] / base["s_per_step"] if base else None
+        fp32_twin = autopar_rows.get(r["config"].replace(" bf16", "")) if bf16 else None
+        vs_fp32 = r["s_per_step"] / fp32_twin["s_per_step"] if fp32_twin else None
         summary["autopar"][r["config"]] = {"s_per_step": r["s_per_step"], "predicted_s": r["predicted_s"], "plan": r["plan"],
-                                           "autopar/best-plugin": ratio}
-        print(f"{r['config']}: {r['s_per_step']:.3f} s/step" + (f" = {ratio:.2f} x best-plugin" if ratio else "")
-              + f" ({r['plan']})")
+                                           "precision": r["precision"], "autopar/best-plugin": ratio,
+                                           "autopar/autopar-fp32": vs_fp32}
+        print(f"{r['config']}: {r['s_per_step']:.3f} s/step"
+              + (f" = {ratio:.2f} x best-plugin{' bf16' if bf16 else ''}" if ratio else "")
+              + (f", {vs_fp32:.2f} x autopar fp32" if vs_fp32 else "") + f" ({r['plan']})")
     return summary
 
 
@@ -554,10 +567,11 @@ def main():
 
     shapes = TINY if a.tiny else SHAPES
     only = [s for s in a.only.split(",") if s]
-    plans = [("autopar 4 one-stage", False), ("autopar 4 auto", "auto")]
-    plans = [(n.replace(" 4 ", f" {a.ranks} "), pl) for n, pl in plans]
+    plans = [("autopar 4 one-stage", False, None), ("autopar 4 auto", "auto", None),
+             ("autopar 4 one-stage bf16", False, "bf16"), ("autopar 4 auto bf16", "auto", "bf16")]
+    plans = [(n.replace(" 4 ", f" {a.ranks} "), pl, pr) for n, pl, pr in plans]
     opts = dict(shapes=shapes, rounds=a.rounds, round_steps=a.round_steps, only=only,
-                autopar=[(n, pl) for n, pl in plans if not only or any(s in n for s in only)])
+                autopar=[(n, pl, pr) for n, pl, pr in plans if not only or any(s in n for s in only)])
     vers = versions()
     print(f"Colossal-AI HybridParallelPlugin vs autopar on {a.ranks} gloo ranks (1 thread each) on "
           f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores; "

@@ -68,28 +68,31 @@ FINALISTS = 3
 
 
 # ---- autopar's plans ----------------------------------------------------------------------------
-# (name, mesh shape, Layout fields or None for the planner's choice, pipeline=)
+# (name, mesh shape, Layout fields or None for the planner's choice, pipeline=, precision=)
 AUTOPAR_VARIANTS = [
-    ("autopar 4 auto", (4,), None, "auto"),  # the default of parallelize
-    ("autopar 4 one-stage", (4,), None, False),
-    ("autopar 2x2 one-stage", (2, 2), None, False),
-    ("autopar 4 data-parallel", (4,), dict(dp=4), False),
+    ("autopar 4 auto", (4,), None, "auto", None),  # the default of parallelize
+    ("autopar 4 one-stage", (4,), None, False, None),
+    ("autopar 2x2 one-stage", (2, 2), None, False, None),
+    ("autopar 4 data-parallel", (4,), dict(dp=4), False, None),
+    # the mixed-precision recipe (bf16 compute on fp32 masters), checked against one process running it
+    ("autopar 4 auto bf16", (4,), None, "auto", "bf16"),
+    ("autopar 4 one-stage bf16", (4,), None, False, "bf16"),
 ]
 
 
 def extra_variants(model_name: str, model_kw: dict, rank: int, world: int) -> dict:
     """autopar's plans, built inside each rank: name -> AutoparVariant (HandVariant's interface,
     with ``predicted_s``): the default plan (pipeline="auto": stages allowed), the planner's
-    one-stage plan (pipeline=False) on a (world,) and a 2-D mesh, and a plan forced to pure data
-    parallelism."""
+    one-stage plan (pipeline=False) on a (world,) and a 2-D mesh, a plan forced to pure data
+    parallelism, and the first two in bf16 (``precision="bf16"``)."""
     from autopar import Layout, Mesh
     from autopar_variant import AutoparVariant
 
     out = {}
-    for name, shape, fields, pipeline in AUTOPAR_VARIANTS:
+    for name, shape, fields, pipeline, precision in AUTOPAR_VARIANTS:
         if math.prod(shape) == world:
             out[name] = AutoparVariant.builtin(model_name, model_kw, Mesh(shape), layout=Layout(**fields) if fields else None,
-                                       pipeline=pipeline)
+                                               pipeline=pipeline, options={"precision": precision} if precision else None)
     return out
 
 
@@ -163,12 +166,14 @@ def timed_step(v) -> float:
 
 def first_step(v, ref) -> tuple[dict, int]:
     """The variant's first step, which is also its warm-up: forward and backward under the
-    profiler, checked exact (ht.check_exact), AdamW step. Returns the verdict and the peak memory
+    profiler, checked exact (ht.check_exact; a bf16 variant against one process running its
+    recipe, within ht.BF16_TOL), AdamW step. Returns the verdict and the peak memory
     estimate: the resident tensors after the step (parameters, buffers, optimizer states, DDP's
     buckets) plus the allocation peak of forward and backward (which ends holding every gradient;
     the optimizer step adds only per-parameter temporaries on top of those)."""
     loss, peak = allocation_peak(v.forward_backward)
-    verdict = ht.check_exact(v, ref, loss=loss)
+    bf16 = getattr(v, "precision", None) is not None
+    verdict = ht.check_exact(v, ref and ref["bf16"] if bf16 else ref, loss=loss, tol=ht.BF16_TOL if bf16 else ht.TOL)
     resident = v.resident_bytes() if hasattr(v, "resident_bytes") else 0
     return verdict, resident + peak
 
@@ -231,6 +236,7 @@ def phase2(model_name, kw, rank, world, opts, ref, finalists: list[ht.HandConfig
     for name, v in extra_variants(model_name, kw, rank, world).items():
         verdict, mem = first_step(v, ref)
         info[name] = dict(verdict, cfg=None, predicted_s=getattr(v, "predicted_s", None), peak_bytes=max(gathered(mem)),
+                          precision=getattr(v, "precision", None),
                           mesh=v.plan.mesh if hasattr(v, "plan") else None,
                           plan=v.describe() if hasattr(v, "describe") else None)  # what the planner chose
         if verdict["exact"]:
@@ -268,7 +274,7 @@ def rank_main(rank, world, opts):
     for model_name in opts["models"]:
         kw = opts["shapes"][model_name]
         t0 = time.perf_counter()
-        ref = ht.reference(model_name, kw) if rank == 0 else None
+        ref = dict(ht.reference(model_name, kw), bf16=ht.reference(model_name, kw, dtype=torch.bfloat16)) if rank == 0 else None
         dist.barrier()
         _say(rank, f"{model_name}: single-process reference {time.perf_counter() - t0:.1f} s; phase 1")
         rows = phase1(model_name, kw, rank, world, opts, ref)
@@ -327,7 +333,7 @@ def report(model_name, kw, res, n_params, world) -> tuple[list[dict], dict]:
     for name, r in p2.items():
         mib = r["peak_bytes"] / 2**20 if r.get("peak_bytes") else float("nan")
         print(f"{name:<42}{r['s_per_step']:>8.3f}{r['s_per_step'] / ddp2 if ddp2 else float('nan'):>8.2f}{mib:>15.1f}"
-              f"{r.get('loss', float('nan')):>12.6f}  yes")
+              f"{r.get('loss', float('nan')):>12.6f}  " + (f"bf16 recipe within {ht.BF16_TOL}" if r.get("precision") else "yes"))
     hand2 = sorted((r for r in p2.values() if r.get("hand")), key=lambda r: r["s_per_step"])
     summary = {"ddp_s": ddp2, "n_params": n_params, "shapes": kw,
                "best_hand": {"config": hand2[0]["config"], "s_per_step": hand2[0]["s_per_step"]} if hand2 else None,
@@ -348,6 +354,9 @@ def report(model_name, kw, res, n_params, world) -> tuple[list[dict], dict]:
                   "vs_ddp": r["s_per_step"] / ddp2 if ddp2 else None,
                   "vs_best_hand": r["s_per_step"] / hand2[0]["s_per_step"] if hand2 else None,
                   "vs_median_hand": r["s_per_step"] / summary["median_hand_s"] if summary["median_hand_s"] else None}
+        fp32 = p2.get(name.removesuffix(" bf16")) if r.get("precision") else None
+        if fp32 is not None:  # the same plan request in fp32
+            ratios["vs_fp32"] = r["s_per_step"] / fp32["s_per_step"]
         summary["autopar"][name] = ratios
         print(f"{name} {model_name}: {r['s_per_step']:.3f} s/step = " + ", ".join(
             f"{v:.2f} x {k[3:].replace('_', '-')}" for k, v in ratios.items() if k.startswith("vs_") and v is not None)
