@@ -173,7 +173,8 @@ def first_step(v, ref) -> tuple[dict, int]:
     the optimizer step adds only per-parameter temporaries on top of those)."""
     loss, peak = allocation_peak(v.forward_backward)
     bf16 = getattr(v, "precision", None) is not None
-    verdict = ht.check_exact(v, ref and ref["bf16"] if bf16 else ref, loss=loss, tol=ht.BF16_TOL if bf16 else ht.TOL)
+    verdict = ht.check_exact(v, ref and ref["bf16"] if bf16 else ref, loss=loss, tol=ht.BF16_TOL if bf16 else ht.TOL,
+                             bf16=bf16)
     resident = v.resident_bytes() if hasattr(v, "resident_bytes") else 0
     return verdict, resident + peak
 
