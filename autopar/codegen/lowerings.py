@@ -10,6 +10,8 @@
                                whose allocation and page faults cost more than the op.
     loss-vocab-parallel        rules/loss.py: cross entropy over split classes (Megatron-style
                                max / sum-exp / target-logit all-reduces); replicated over them.
+    ring, ring(causal)         rules/attention.py: scaled dot-product attention of the rank's
+                               sequence shard over the whole sequence (``ring_attention``).
 
 ``lowering(node, node_plan, graph)`` says which function runs a node and with which extra keywords;
 an unknown lowered family is a ``PlanError`` at codegen time, never wrong numbers at run time. The
@@ -25,10 +27,12 @@ import torch
 import torch.distributed as dist
 
 from autopar.codegen.ops import autopar_all_reduce, handle
+from autopar.codegen.ring_attention import ring_attention
 from autopar.cost_model.gradients import whole_on
 from autopar.errors import PlanError
 from autopar.ir.graph import call_arg
 from autopar.ir.losses import CLASS_LOSSES
+from autopar.sharding_spec.rules import attention as attention_rule
 from autopar.sharding_spec.rules import embedding as emb_rule
 from autopar.sharding_spec.rules import loss as loss_rule
 from autopar.sharding_spec.strategy import LOWERED_FAMILIES
@@ -204,6 +208,16 @@ def autopar_mean_as_sum(op: str, args, kwargs, *, count: int):
 
 
 # ---- which lowering runs a node ------------------------------------------------------------------
+# ---- ring attention ----------------------------------------------------------------------------------
+def autopar_ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=False, *, seq_axes):
+    """``aten.scaled_dot_product_attention`` over this rank's sequence shard of q, k and v (and its
+    rows of the mask), the sequence split over ``seq_axes``: ring attention."""
+    if dropout_p:
+        raise PlanError("ring attention runs without dropout; the plan should not have chosen it")
+    return ring_attention(query, key, value, handle(seq_axes), causal=bool(is_causal), scale=scale, mask=attn_mask)
+
+
 def lowering(node, node_plan, graph, identical=()):
     """(function, extra keyword arguments, how to pass the node's args) for a node whose strategy
     family needs lowering, on a plan whose gradients are whole on the ``identical`` axes. ``how``
@@ -225,6 +239,8 @@ def lowering(node, node_plan, graph, identical=()):
         if whole_on(class_axes, identical):
             extra["whole"] = True
         return autopar_vocab_parallel_cross_entropy, extra, "direct"
+    if lowered & {attention_rule.RING, attention_rule.RING_CAUSAL} and target == attention_rule.SDPA:
+        return autopar_ring_sdpa, {"seq_axes": attention_rule.ring_axes(node_plan.output)}, "direct"
     if lowered == {"reduce-partial(mean)"} and target in _SUM_OF_MEAN:
         shape = graph.nodes[node.inputs[0]].meta.shape
         dim = call_arg(node.args, node.kwargs, 1, "dim") if target == "aten.mean.dim" else None

@@ -76,3 +76,15 @@ def mesh_collective_time(kind: str, nbytes: float, mesh, axes: Sequence[int], *,
     n = math.prod(mesh.shape[a] for a in axes)
     return (collective_time(kind, nbytes, n, link, cluster.scalar_all_reduce_alphas if alone else None)
             + (cluster.collective_overhead_s if n > 1 else 0.0))
+
+
+def ring_pass_time(nbytes: float, mesh, axes: Sequence[int]) -> float:
+    """Seconds for one step of a ring over the mesh's group on ``axes``: every rank sends
+    ``nbytes`` to the next and receives as many from the previous (point to point, both ways at
+    once): one alpha and the bytes once on the group's slowest link, and the per-call overhead."""
+    n = math.prod(mesh.shape[a] for a in axes)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    links = mesh.links()
+    link = group_link([links[a] for a in axes])
+    return link.alpha + link.beta * nbytes + mesh.resolved_cluster().collective_overhead_s

@@ -23,6 +23,7 @@ import math
 
 from autopar.cluster import resolve_cluster
 from autopar.cost_model.ops import is_floating, is_view, itemsize, local_nbytes, needs_grad, tensor_inputs
+from autopar.sharding_spec.rules.attention import ring_blocks
 
 # A matmul's backward computes two products of the forward's size (dL/dX = dL/dY W^T and
 # dL/dW = X^T dL/dY), so it costs twice the forward; elementwise ops read about twice the bytes
@@ -96,7 +97,8 @@ def node_time(node, strategy, graph, mesh, op_table=None) -> tuple[float, float]
     if op_table is not None:
         hit = op_table.lookup(node.target, local_input_shapes(node, strategy, graph, mesh), dtype, mask)
         if hit is not None:
-            k = mesh.resolved_cluster().in_situ_factor
+            # ring attention runs the local op's shapes once per block of the ring (n blocks)
+            k = mesh.resolved_cluster().in_situ_factor * ring_blocks(strategy, mesh)
             fwd, bwd = hit[0] * k, (None if hit[1] is None else hit[1] * k)
     if fwd is None:
         fraction = 1.0 if strategy is None else strategy.compute_fraction

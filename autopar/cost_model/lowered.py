@@ -7,6 +7,13 @@ across ranks inside the op itself, not on a resharding edge, so their price live
                             batch axes
     loss-batch-split(mean)  a class-index loss with its denominator unknown until run time: an
                             all-reduce of the valid-target count over the batch axes
+    ring                    ring attention (codegen/ring_attention.py) over the sequence axes, n
+                            ranks: forward n - 1 passes of the key/value block, each overlapped
+                            with a block's attention (1 / n of the op's forward); backward n - 1
+                            such passes and n passes of the fp32 key/value gradients after each
+                            block; under a causal mask the balanced cut's exchanges of q, k, v
+                            and the output (forward), of the output gradient and q, k, v's
+                            gradients (backward), one pass each
 
 A count the ranks can make from the whole user inputs (``ir.losses.counted_from_inputs``:
 ``counted_locally``) needs no all-reduce: the program recomputes the targets whole and counts them.
@@ -15,20 +22,26 @@ from __future__ import annotations
 
 import math
 
-from autopar.cost_model.comm import mesh_collective_time
+from autopar.cost_model.comm import mesh_collective_time, ring_pass_time
 from autopar.cost_model.gradients import whole_on
+from autopar.sharding_spec.rules.attention import RING, RING_CAUSAL, ring_axes
 from autopar.sharding_spec.rules.loss import MEAN_SPLIT, VOCAB_PARALLEL
 
 _CLASS_LOSSES = ("cross_entropy", "nll_loss")
 
 
 def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int = 4, identical=(),
-                   counted_locally: bool = False) -> float:
-    """Seconds of the collectives ``family`` runs inside the op (forward and backward); on
-    ``identical`` gradient axes the loss gradient arrives whole and backward's all-reduce is not run;
-    ``counted_locally``: a mean's denominator needs no all-reduce (see the module docstring)."""
+                   counted_locally: bool = False, compute_s: float = 0.0, value_itemsize: int = 4) -> float:
+    """Seconds of the collectives ``family`` runs inside the op (forward and backward) that its
+    compute does not hide; on ``identical`` gradient axes the loss gradient arrives whole and
+    backward's all-reduce is not run; ``counted_locally``: a mean's denominator needs no
+    all-reduce (see the module docstring). Ring attention: ``compute_s`` its compute (forward and
+    backward, a third forward), ``value_itemsize`` its tensors' element size."""
     parts = set(family.split("+"))
     total = 0.0
+    ring = parts & {RING, RING_CAUSAL}
+    if ring:
+        return ring_attention_s(inputs, output, mesh, compute_s, value_itemsize, RING_CAUSAL in ring)
     if VOCAB_PARALLEL in parts and inputs and inputs[0] is not None:
         x = inputs[0]
         cdim = 1 if x.ndim >= 2 else 0
@@ -46,4 +59,23 @@ def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int
         out = output[0] if isinstance(output, tuple) else output
         if out is not None and out.partial:
             total += mesh_collective_time("all_reduce", itemsize, mesh, tuple(out.partial))
+    return total
+
+
+def ring_attention_s(inputs, output, mesh, compute_s: float, itemsize: int, causal: bool) -> float:
+    """The exposed seconds of ring attention's passes (see the module docstring); ``inputs``: the
+    q, k, v specs first."""
+    axes = ring_axes(output)
+    n = math.prod(mesh.shape[a] for a in axes)
+    if n <= 1:
+        return 0.0
+    q, k, v = inputs[:3]
+    q_bytes, k_bytes, v_bytes = (math.prod(s.local_shape(mesh)) * itemsize for s in (q, k, v))
+    out_bytes = math.prod(output.local_shape(mesh)) * itemsize
+    step_f, step_b = compute_s / 3 / n, compute_s * 2 / 3 / n
+    kv = ring_pass_time(k_bytes + v_bytes, mesh, axes)
+    dkv = ring_pass_time((k_bytes + v_bytes) * 4 / itemsize, mesh, axes)
+    total = (n - 1) * max(0.0, kv - step_f) + (n - 1) * max(0.0, kv - step_b) + n * dkv
+    if causal:  # the balanced cut: q, k, v and the output there and back, and their gradients
+        total += 2 * sum(ring_pass_time(b, mesh, axes) for b in (q_bytes, k_bytes, v_bytes, out_bytes))
     return total

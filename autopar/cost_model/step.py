@@ -164,7 +164,8 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     identical = plan.identical_axes
     reshard = reshard_s(graph, plan.edges, mesh, identical)
     in_ops = sum(lowered_comm_s(n.target, n.family, n.inputs, n.output, mesh, identical=identical,
-                                counted_locally=counted_from_inputs(graph, graph.nodes[n.name]))
+                                counted_locally=counted_from_inputs(graph, graph.nodes[n.name]), compute_s=n.compute_s,
+                                value_itemsize=getattr(graph.nodes[n.name].meta, "itemsize", 4))
                  for n in plan.nodes.values() if needs_lowering(n.family))
     in_ops += grad_sum_s(plan, graph, mesh, identical)
 

@@ -33,6 +33,8 @@ their rule. Family labels (several parts join with "+", e.g. "dp+1d-col", "dp+he
     embedding-vocab-parallel   embedding table split by rows: LOWERED (masked lookup)
     loss-batch-split(mean)     mean loss over split samples: LOWERED (sum / global denominator)
     loss-vocab-parallel        cross entropy over split classes: LOWERED (Megatron-style)
+    ring, ring(causal)         attention over a sequence split on q, k and v: LOWERED (ring
+                               attention, key/value blocks passed around the ranks)
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ from autopar.sharding_spec.spec import ShardingSpec
 
 # Families a codegen cannot run as the plain local op; see their rules for the lowering.
 LOWERED_FAMILIES = frozenset(
-    {"embedding-vocab-parallel", "loss-batch-split(mean)", "loss-vocab-parallel", "reduce-partial(mean)"}
+    {"embedding-vocab-parallel", "loss-batch-split(mean)", "loss-vocab-parallel", "reduce-partial(mean)", "ring",
+     "ring(causal)"}
 )
 
 

@@ -265,6 +265,25 @@ def axis_roles(plan) -> dict[int, str]:
     return roles
 
 
+def attention_forms(plan) -> dict[int, str]:
+    """Mesh axis -> how attention runs over a sequence it splits: "ring" (ring attention over the
+    axis), "all-to-all" (attention split by heads on it: the sequence is exchanged for heads
+    around the op); axes attention does neither on are absent."""
+    out: dict[int, str] = {}
+    for n in plan.nodes.values():
+        parts = set(n.family.split("+"))
+        spec = n.output[0] if isinstance(n.output, tuple) else n.output
+        if spec is None or "scaled_dot_product" not in n.target:
+            continue
+        if parts & {"ring", "ring(causal)"}:
+            for a in spec.dim_axes[-2]:
+                out[a] = "ring"
+        elif "heads" in parts and len(spec.dim_axes) >= 3:
+            for a in spec.dim_axes[-3]:
+                out.setdefault(a, "all-to-all")
+    return out
+
+
 def pipeline_words(plan) -> str:
     """"a 2-stage pipeline", "gradient accumulation over 4 microbatches", "recomputation"."""
     p = plan.pipeline
@@ -291,7 +310,9 @@ def layout_words(plan) -> str:
     if plan.pipeline is not None and len(plan.pipeline.stages) // plan.pipeline.virtual_stages > 1:
         v = plan.pipeline.virtual_stages
         parts.append(f"pipeline parallel {len(plan.pipeline.stages) // v}" + (f" ({v} stages per rank)" if v > 1 else ""))
-    parts += [f"{names[r]} {shape[a]}" for a, r in sorted(roles.items())]
+    attention = attention_forms(first)
+    parts += [f"context parallel {shape[a]} ({attention[a]})" if r == "sequence" and a in attention
+              else f"{names[r]} {shape[a]}" for a, r in sorted(roles.items())]
     words = " x ".join(parts) or "one device"
     extras = []
     fam = Counter(n.family for p in stages for n in p.nodes.values() if n.layer is not None)

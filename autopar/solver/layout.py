@@ -14,12 +14,16 @@ A ``Layout`` names what a person configures by hand (Megatron / Colossal-AI's hy
           sharded over dp and gathered before use, FSDP); 1 is priced and run as 2 (autopar has no
           all-reduce-then-shard variant, and ZeRO-2 moves no more bytes than ZeRO-1 does);
     vocab_parallel  True / False forces the loss (and the embedding) to be, or not be,
-          vocabulary-parallel; None leaves it to the planner.
+          vocabulary-parallel; None leaves it to the planner;
+    cp    context-parallel degree: attention runs as ring attention over the cp axis (the
+          sequence of q, k and v split over it; ``rules/attention.py``), parameters used whole
+          along it (their gradients summed over it, as over dp); how the other ops split the
+          sequence, or not, stays the planner's choice.
 
 ``layout_force(graph, mesh, layout)`` turns it into ``force`` predicates (node -> Strategy test)
 for ``autopar.plan``; ``autopar.plan(..., force=Layout(...))`` does that itself. The mesh's active
-axes are read as (dp, tp) in order: a (4,) mesh runs dp=4 or tp=4, a (2, 2) mesh dp=2 x tp=2.
-Pipeline degrees come with pipeline stages.
+axes are read as (dp, cp, tp) in order (Megatron's order, tp innermost): a (4,) mesh runs dp=4,
+cp=4 or tp=4, a (2, 2) mesh dp=2 x tp=2. Pipeline degrees come with pipeline stages.
 """
 from __future__ import annotations
 
@@ -27,8 +31,9 @@ import dataclasses
 
 from autopar.errors import ConfigError
 from autopar.ir.aliasing import write_paths
-from autopar.ir.graph import Role
+from autopar.ir.graph import Role, call_arg
 from autopar.sharding_spec.rules import has_rule, strategies_for
+from autopar.sharding_spec.rules.attention import RING, RING_CAUSAL, SDPA, ring_axes
 from autopar.sharding_spec.strategy import OpContext, active_axes
 
 # ops whose weight a tensor-parallel layout splits
@@ -42,10 +47,11 @@ class Layout:
     tp: int = 1
     zero: int = 0
     vocab_parallel: bool | None = None
+    cp: int = 1
 
     def __post_init__(self):
-        if self.dp < 1 or self.tp < 1:
-            raise ConfigError(f"layout degrees must be >= 1, got dp={self.dp}, tp={self.tp}")
+        if self.dp < 1 or self.tp < 1 or self.cp < 1:
+            raise ConfigError(f"layout degrees must be >= 1, got dp={self.dp}, tp={self.tp}, cp={self.cp}")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"layout zero stage must be 0, 1, 2 or 3, got {self.zero}")
         if self.zero and self.dp == 1:
@@ -53,28 +59,31 @@ class Layout:
 
     @property
     def name(self) -> str:
-        parts = [f"dp{self.dp}", f"tp{self.tp}"] + ([f"zero{self.zero}"] if self.zero else [])
+        parts = ([f"dp{self.dp}"] + ([f"cp{self.cp}"] if self.cp > 1 else []) + [f"tp{self.tp}"]
+                 + ([f"zero{self.zero}"] if self.zero else []))
         if self.vocab_parallel is not None:
             parts.append("vocab" if self.vocab_parallel else "novocab")
         return "-".join(parts)
 
-    def axes(self, mesh) -> tuple[int | None, int | None]:
-        """(dp axis, tp axis) on ``mesh`` (None for a degree of 1)."""
+    def axes(self, mesh) -> tuple[int | None, int | None, int | None]:
+        """(dp axis, cp axis, tp axis) on ``mesh`` (None for a degree of 1)."""
         act = active_axes(mesh)
-        want = [d for d in (self.dp, self.tp) if d > 1]
+        degrees = (self.dp, self.cp, self.tp)
+        want = [d for d in degrees if d > 1]
         sizes = [mesh.shape[a] for a in act]
         if sizes != want:
             raise ConfigError(
                 f"layout {self.name} needs a mesh whose axes of size > 1 are {tuple(want) or '(none)'} "
-                f"(dp then tp); got mesh shape {tuple(mesh.shape)}: reshape the mesh, e.g. Mesh({tuple(want) or (1,)})"
+                f"(dp, cp, tp in that order); got mesh shape {tuple(mesh.shape)}: reshape the mesh, e.g. "
+                f"Mesh({tuple(want) or (1,)})"
             )
         it = iter(act)
-        return (next(it) if self.dp > 1 else None), (next(it) if self.tp > 1 else None)
+        return tuple(next(it) if d > 1 else None for d in degrees)
 
 
 def layout_force(graph, mesh, layout: Layout) -> dict:
     """node name -> predicate on a Strategy, restricting the plan to ``layout`` (module docstring)."""
-    dp_axis, tp_axis = layout.axes(mesh)
+    dp_axis, cp_axis, tp_axis = layout.axes(mesh)
     batch_sizes = {graph.nodes[name].meta.shape[0] for name in graph.inputs
                    if getattr(graph.nodes[name].meta, "shape", None)}
     batch_nodes = _depends_on_input(graph)
@@ -85,6 +94,8 @@ def layout_force(graph, mesh, layout: Layout) -> dict:
         preds = []
         if node.op == "placeholder" and node.role == Role.PARAMETER:
             preds.append(_param_storage(node, mesh, layout, dp_axis))
+            if cp_axis is not None:
+                preds.append(_stored_not_on(cp_axis))
         elif node.op == "call_function":
             # a parameter read through views; one broadcast to the batch (a ViT's class token
             # expanded and concatenated) is an activation there: it splits with the batch
@@ -97,11 +108,15 @@ def layout_force(graph, mesh, layout: Layout) -> dict:
                 preds.append(_batch_split(dp_axis, leading=not shape or shape[0] in batch_sizes))
             for i in weights:
                 preds.append(_weight_not_on(i, dp_axis) if tp_axis is not None else _weight_whole(i))
+                if cp_axis is not None:
+                    preds.append(_weight_not_on(i, cp_axis))
                 if tp_axis is not None and node.layer is not None and _is_weight_op(node) and \
                         len(graph.nodes[node.inputs[i]].meta.shape) >= 2:
                     preds.append(_weight_on(i, tp_axis))
             if layout.vocab_parallel is not None and any(k in node.target for k in _LOSS_OPS + ("embedding",)):
                 preds.append(_vocab(layout.vocab_parallel))
+            if cp_axis is not None and node.target == SDPA:
+                preds.append(_ring_on(cp_axis))
         if preds:
             force[node.name] = _all(preds, f"{layout.name} at {node.name}", _why_not(graph, node, mesh, layout,
                                                                                    batch_sizes))
@@ -112,6 +127,13 @@ def _why_not(graph, node, mesh, layout: Layout, batch_sizes) -> str:
     """What would keep ``node`` from running under ``layout``, in numbers (for the error a layout
     that cannot be forced gives): a batch or a weight dim the degree does not divide."""
     shape = tuple(getattr(node.meta, "shape", ()) or ())
+    if layout.cp > 1 and node.target == SDPA:
+        length = shape[-2] if len(shape) >= 2 else 0
+        if length % (2 * layout.cp):
+            return (f"its sequence of {length} does not cut into 2 x cp = {2 * layout.cp} equal chunks (ring attention "
+                    f"balances the causal work over them): use a sequence length that divides by {2 * layout.cp}")
+        if call_arg(node.args, node.kwargs, 4, "dropout_p", 0.0):
+            return "it runs dropout inside attention, which ring attention does not: set the attention dropout to 0"
     if layout.dp > 1 and shape and shape[0] in batch_sizes and shape[0] % layout.dp:
         b = shape[0]
         return (f"its batch of {b} does not divide by dp={layout.dp}: use a batch that does (e.g. "
@@ -219,6 +241,19 @@ def _weight_on(i: int, axis: int):
     def pred(s) -> bool:
         spec = s.inputs[i] if i < len(s.inputs) else None
         return spec is not None and axis in spec.used_axes
+    return pred
+
+
+def _stored_not_on(axis: int):
+    def pred(s) -> bool:
+        return s.output is None or axis not in s.output.used_axes
+    return pred
+
+
+def _ring_on(axis: int):
+    """Ring attention whose sequence runs over ``axis``."""
+    def pred(s) -> bool:
+        return bool(set(s.family.split("+")) & {RING, RING_CAUSAL}) and axis in ring_axes(s.output)
     return pred
 
 

@@ -170,8 +170,10 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
             strategies = strategies_for(ctx)
             comp = [sum(compute_model.node_time(node, s, graph, mesh, op_table)) for s in strategies]
             counted = counted_from_inputs(graph, node)
-            comm = [lowered_comm_s(node.target, s.family, s.inputs, s.output, mesh, counted_locally=counted)
-                    if needs_lowering(s.family) else 0.0 for s in strategies]
+            size = getattr(node.meta, "itemsize", 4)
+            comm = [lowered_comm_s(node.target, s.family, s.inputs, s.output, mesh, counted_locally=counted,
+                                   compute_s=c, value_itemsize=size)
+                    if needs_lowering(s.family) else 0.0 for s, c in zip(strategies, comp)]
             mem = [memory_model.node_activation_bytes(node, s, mesh, saved, peak, ctx.input_metas) for s in strategies]
             if node.name in peak.live or node.name == peak.node:
                 peak_mem = np.asarray([memory_model.node_peak_bytes(node, s, mesh, saved, peak, ctx.input_metas)

@@ -111,7 +111,8 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
             peak[u] += np_.peak_bytes
             if needs_lowering(np_.family):
                 micro[u] += lowered_comm_s(np_.target, np_.family, np_.inputs, np_.output, mesh,
-                                           counted_locally=counted_from_inputs(graph, node))
+                                           counted_locally=counted_from_inputs(graph, node), compute_s=np_.compute_s,
+                                           value_itemsize=getattr(node.meta, "itemsize", 4))
     for e in plan.edges:
         if e.dst in unit and (e.dst, e.position) not in unread:
             micro[unit[e.dst]] += e.cost_s

@@ -88,8 +88,15 @@ def test_sdpa(args, kwargs, families):
     assert families <= fams, fams
     if kwargs.get("is_causal"):
         assert "sp" not in " ".join(fams)
-    for s in seen:  # key length and head dims are never split
-        for spec in s.inputs[:3]:
+    # ring attention (lowered: codegen/ring_attention.py, exact in tests/codegen) for 4-D self-attention
+    ring = "ring(causal)" if kwargs.get("is_causal") else "ring"
+    assert any(ring in f.split("+") for f in fams) == (args[0].name == "q"), fams  # 4-D, L == S
+    for s in seen:
+        if "ring" in s.family:  # q, k, v and the output split alike along the sequence
+            assert s.inputs[0].dim_axes[-2] and all(x.dim_axes[-2] == s.inputs[0].dim_axes[-2] for x in s.inputs[:3])
+            assert s.output.dim_axes[-2] == s.inputs[0].dim_axes[-2], str(s)
+            continue
+        for spec in s.inputs[:3]:  # otherwise the key length and head dims are never split
             assert spec.dim_axes[-1] == () and (spec is s.inputs[0] or spec.dim_axes[-2] == ()), str(s)
 
 

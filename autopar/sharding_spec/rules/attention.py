@@ -11,14 +11,23 @@ Each active mesh axis splits one of:
                    query, not at its global position) and, for the fused kernels, only where their
                    log-sum-exp output is laid out per query (flash; not efficient attention, which
                    pads it).
-The key length S and the head dims E, Ev are never split (softmax and the contraction need them
-whole). Dropout inside attention is elementwise random, exact in distribution. Nothing is linear,
-so no pending sum. Parts join with "+" in the order dp, heads, sp.
+    ring           the sequence: q, k, v, the output and the mask's L dim split alike, over
+                   one or more axes; ``codegen.ring_attention`` passes key/value blocks around
+                   those ranks (a lowered family: "ring", or "ring(causal)" under is_causal, which
+                   balances the causal work). Self-attention only (L == S), the local length
+                   even, no dropout, 4-D (B, H, L, E); ``aten.scaled_dot_product_attention``
+                   itself (the fused variants are not lowered).
+The key length S and the head dims E, Ev are never split otherwise (softmax and the contraction
+need them whole). Dropout inside attention is elementwise random, exact in distribution. Nothing
+is linear, so no pending sum. Parts join with "+" in the order dp, heads, sp (or ring).
 """
 from __future__ import annotations
 
 from autopar.sharding_spec.rules._common import input_pos, is_tensor_meta, letter_choices, out_metas
 from autopar.sharding_spec.strategy import OpContext, Strategy, register
+
+SDPA = "aten.scaled_dot_product_attention.default"
+RING, RING_CAUSAL = "ring", "ring(causal)"
 
 # target -> (positional index of is_causal, of the mask (None: keyword only), the mask's keyword,
 #            log-sum-exp layout: "per-query" (B.., H, L), "padded" (L rounded up), None (no lse))
@@ -30,15 +39,29 @@ VARIANTS = {
 }
 
 
-def _family(assign, batch_letters) -> str:
+def _family(assign, batch_letters, sequence: str = "sp") -> str:
     parts = []
     if any(ch in assign for ch in batch_letters):
         parts.append("dp")
     if "h" in assign:
         parts.append("heads")
     if "l" in assign:
-        parts.append("sp")
+        parts.append(sequence)
     return "+".join(parts) or "replicate"
+
+
+def ring_axes(output) -> tuple[int, ...]:
+    """The mesh axes a ring strategy's sequence runs over: those splitting its output's L dim."""
+    out = output[0] if isinstance(output, tuple) else output
+    return tuple(out.dim_axes[-2])
+
+
+def ring_blocks(strategy, mesh) -> int:
+    """How many blocks of its local shapes a strategy's op computes: n for ring attention over n
+    ranks (its key/value blocks go round), 1 for any other."""
+    if strategy is None or not set(strategy.family.split("+")) & {RING, RING_CAUSAL}:
+        return 1
+    return mesh.axes_size(ring_axes(strategy.output))
 
 
 @register(*VARIANTS)
@@ -98,7 +121,18 @@ def attention_rule(ctx: OpContext) -> list[Strategy]:
         return []
     splittable = list(lead) + ([] if causal or lse == "padded" else ["l"])
     single = not isinstance(ctx.out_meta, tuple)
-    return [
+    out = [
         Strategy(c.inputs, c.output(single), _family(c.assign, batch), c.split_fraction)
         for c in letter_choices(ctx.mesh, ins, outs, splittable=splittable)
     ]
+    dropout = ctx.arg(4, "dropout_p", 0.0)
+    if ctx.node.target == SDPA and nd == 4 and q.shape[-2] == k.shape[-2] and not dropout:
+        # ring: k and v split along the sequence like q
+        ins[k_p] = (tuple(k.shape), k_letters[:-2] + ("l", None))
+        ins[v_p] = (tuple(v.shape), v_letters[:-2] + ("l", None))
+        name = RING_CAUSAL if causal else RING
+        for c in letter_choices(ctx.mesh, ins, outs, splittable=list(lead) + ["l"]):
+            ways = ctx.mesh.axes_size(c.assign["l"]) if "l" in c.assign else 1
+            if ways > 1 and q.shape[-2] % (2 * ways) == 0:  # 2 x ways equal chunks
+                out.append(Strategy(c.inputs, c.output(single), _family(c.assign, batch, name), c.split_fraction))
+    return out
