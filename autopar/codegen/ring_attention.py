@@ -6,14 +6,18 @@ from i - 1, shard order), one block per step, the next step's exchange started b
 attention runs. Each block gives a partial output and its log-sum-exp per query row; partials
 merge in fp32 (``_merge``), so the result is softmax over the whole key length. Backward runs the
 same ring with the final log-sum-exp: the query gradient stays, the key/value gradients travel
-with their block and arrive home after one more step. One code path for gloo and NCCL: the block
-math is plain matmuls and softmax in fp32 (no fused kernel), the exchanges ``batch_isend_irecv``.
+with their block (each pass overlapped with the next block's work: a block's part is added in
+when the traveling sum arrives) and arrive home after one more step. One code path for gloo and
+NCCL: the block math is plain matmuls and softmax in fp32 (no fused kernel), the exchanges
+``batch_isend_irecv``.
 
 Causal balance: under a causal mask the ranks holding late queries would do most of the work. The
-sequence is cut in 2n chunks and, for the attention only, rank r holds chunks r and 2n-1-r (an
-exchange of chunks before, and of the output after; ``_balance``); every rank then computes the
-same number of (query, key) block pairs (``causal_pairs``). The rest of the model keeps its
-contiguous shard, so positions (rotary tables, position ids) need no change.
+sequence is cut in 2n chunks and, for the attention only, rank r holds the query chunks r and
+2n-1-r (an exchange of query chunks before, and of the output after; ``_balance``; backward the
+same for the output's and the queries' gradients); keys and values stay as they are. Query chunk
+c reads c + 1/2 chunks of keys wherever they lie, so every rank computes the same number of
+(query, key) block pairs (``causal_pairs``). The rest of the model keeps its contiguous shard, so
+positions (rotary tables, position ids) need no change.
 
 Grouped-query attention: q's Hq heads are read as Hk groups of Hq / Hk (PyTorch's ``enable_gqa``
 order: query head h uses key/value head h // (Hq / Hk)), so only Hk heads of keys and values travel.
@@ -66,7 +70,8 @@ def _merge(out, lse, part, part_lse):
 
 # ---- which blocks a rank computes -------------------------------------------------------------------
 def chunk_ids(shard: int, n: int, balanced: bool) -> tuple[int, int]:
-    """The two sequence chunks (of 2n) a rank of shard index ``shard`` holds for the attention."""
+    """The two sequence chunks (of 2n) a rank of shard index ``shard`` holds: balanced (its queries
+    under a causal mask) or contiguous (keys and values, and everything outside attention)."""
     return (shard, 2 * n - 1 - shard) if balanced else (2 * shard, 2 * shard + 1)
 
 
@@ -87,7 +92,7 @@ def causal_pairs(n: int, balanced: bool, causal: bool = True) -> list[float]:
         work = 0.0
         for src in range(n):
             for qc in mine:
-                for kc in chunk_ids(src, n, balanced):
+                for kc in chunk_ids(src, n, False):
                     kind = pair_kind(qc, kc, causal)
                     work += {"full": 1.0, "diag": 0.5, None: 0.0}[kind]
         out.append(work)
@@ -153,8 +158,9 @@ def _balance(x: torch.Tensor, dim: int, g, inverse: bool = False) -> torch.Tenso
 
 # ---- the layout of one rank's attention ---------------------------------------------------------------
 class _Blocks:
-    """One rank's query chunks against a ring step's key chunks: which (query slot, key slot) pairs
-    it computes, and the grouped views (B, Hk, G*rows, ...) of query-side tensors by slot."""
+    """One rank's query chunks (balanced or contiguous) against a ring step's key chunks
+    (contiguous): which (query slot, key slot) pairs it computes, and the grouped views
+    (B, Hk, G*rows, ...) of query-side tensors by slot."""
 
     def __init__(self, g, q_shape, hk: int, causal: bool, balanced: bool):
         self.n, self.i, self.causal, self.balanced = g.size, g.index, causal, balanced
@@ -166,7 +172,7 @@ class _Blocks:
     def pairs(self, src: int):
         """(query slot, key slot, key chunk, kind) of the blocks against shard ``src``'s keys."""
         for qs, qc in enumerate(self.mine):
-            for ks, kc in enumerate(chunk_ids(src, self.n, self.balanced)):
+            for ks, kc in enumerate(chunk_ids(src, self.n, False)):
                 kind = pair_kind(qc, kc, self.causal)
                 if kind is not None:
                     yield qs, ks, kc, kind
@@ -214,7 +220,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, g, causal: bool, scale: float):
         balanced = causal and mask is None
         if balanced:
-            q, k, v = (_balance(t, 2, g) for t in (q, k, v))
+            q = _balance(q, 2, g)
         blocks = _Blocks(g, q.shape, k.shape[1], causal, balanced)
         qg = blocks.grouped(q)
         out = torch.zeros(*qg.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
@@ -250,11 +256,12 @@ class RingAttention(torch.autograd.Function):
         delta = (dog * out.float()).sum(-1)  # rowsum(dO * O) per query row
         dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
         kv = (k, v)
-        dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-               torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+        arriving, dworks = None, []  # the traveling key/value gradient sums of the block in hand
         for step in range(g.size):
             src = (g.index - step) % g.size
             nxt, works = _ring_pass(kv, g) if step < g.size - 1 else (None, [])
+            dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                   torch.zeros(v.shape, dtype=torch.float32, device=v.device))
             for qs, ks, kc, kind in blocks.pairs(src):
                 qb, kb, vb = blocks.rows(qg, qs).float(), blocks.keys(kv[0], ks).float(), blocks.keys(kv[1], ks).float()
                 s = _scores(qb, kb, scale, blocks.mask(mask, qs, kc), kind == "diag", blocks.half)
@@ -266,16 +273,21 @@ class RingAttention(torch.autograd.Function):
                 dq_view += (torch.matmul(ds, kb) * scale).view(dq_view.shape)
                 blocks.keys(dkv[0], ks).add_(torch.matmul(ds.transpose(-1, -2), qb) * scale)
                 blocks.keys(dkv[1], ks).add_(torch.matmul(p.transpose(-1, -2), do_b))
-            # the key/value gradients go on with their block; one more step than the blocks: home
-            dnxt, dworks = _ring_pass(dkv, g)
-            _wait(works + dworks)
-            dkv = tuple(dnxt)
+            # this block's part joins the sum that traveled with it (its pass overlapped the work
+            # above) and goes on; one more step than the blocks brings each sum home
+            _wait(dworks)
+            if arriving is not None:
+                dkv[0].add_(arriving[0])
+                dkv[1].add_(arriving[1])
+            arriving, dworks = _ring_pass(dkv, g)
+            _wait(works)
             if nxt is not None:
                 kv = tuple(nxt)
+        _wait(dworks)
         dq = blocks.ungrouped(dq).to(q.dtype)
-        dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        dk, dv = arriving[0].to(k.dtype), arriving[1].to(v.dtype)
         if blocks.balanced:
-            dq, dk, dv = (_balance(t, 2, g, inverse=True) for t in (dq, dk, dv))
+            dq = _balance(dq, 2, g, inverse=True)
         return dq, dk, dv, None, None, None, None
 
 

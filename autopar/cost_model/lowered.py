@@ -10,10 +10,10 @@ across ranks inside the op itself, not on a resharding edge, so their price live
     ring                    ring attention (codegen/ring_attention.py) over the sequence axes, n
                             ranks: forward n - 1 passes of the key/value block, each overlapped
                             with a block's attention (1 / n of the op's forward); backward n - 1
-                            such passes and n passes of the fp32 key/value gradients after each
-                            block; under a causal mask the balanced cut's exchanges of q, k, v
-                            and the output (forward), of the output gradient and q, k, v's
-                            gradients (backward), one pass each
+                            steps whose key/value pass and fp32 key/value-gradient pass overlap
+                            a block's backward, and the last gradient pass; under a causal mask
+                            the balanced cut's exchanges of the queries and the output (forward)
+                            and of their gradients (backward), one pass each
 
 A count the ranks can make from the whole user inputs (``ir.losses.counted_from_inputs``:
 ``counted_locally``) needs no all-reduce: the program recomputes the targets whole and counts them.
@@ -73,9 +73,10 @@ def ring_attention_s(inputs, output, mesh, compute_s: float, itemsize: int, caus
     q_bytes, k_bytes, v_bytes = (math.prod(s.local_shape(mesh)) * itemsize for s in (q, k, v))
     out_bytes = math.prod(output.local_shape(mesh)) * itemsize
     step_f, step_b = compute_s / 3 / n, compute_s * 2 / 3 / n
-    kv = ring_pass_time(k_bytes + v_bytes, mesh, axes)
-    dkv = ring_pass_time((k_bytes + v_bytes) * 4 / itemsize, mesh, axes)
-    total = (n - 1) * max(0.0, kv - step_f) + (n - 1) * max(0.0, kv - step_b) + n * dkv
-    if causal:  # the balanced cut: q, k, v and the output there and back, and their gradients
-        total += 2 * sum(ring_pass_time(b, mesh, axes) for b in (q_bytes, k_bytes, v_bytes, out_bytes))
+    grad_bytes = (k_bytes + v_bytes) * 4 / itemsize  # fp32 sums
+    total = ((n - 1) * max(0.0, ring_pass_time(k_bytes + v_bytes, mesh, axes) - step_f)
+             + (n - 1) * max(0.0, ring_pass_time(k_bytes + v_bytes + grad_bytes, mesh, axes) - step_b)
+             + ring_pass_time(grad_bytes, mesh, axes))
+    if causal:  # the balanced cut: the queries and the output there and back, and their gradients
+        total += 2 * (ring_pass_time(q_bytes, mesh, axes) + ring_pass_time(out_bytes, mesh, axes))
     return total

@@ -278,7 +278,7 @@ def attention_forms(plan) -> dict[int, str]:
         if parts & {"ring", "ring(causal)"}:
             for a in spec.dim_axes[-2]:
                 out[a] = "ring"
-        elif "heads" in parts and len(spec.dim_axes) >= 3:
+        if "heads" in parts and len(spec.dim_axes) >= 3:
             for a in spec.dim_axes[-3]:
                 out.setdefault(a, "all-to-all")
     return out

@@ -1,0 +1,50 @@
+"""Planning attention over a split sequence: ring attention (``rules/attention.py``'s ring families)
+beside the all-to-all form (attention split by heads, the sequence exchanged for heads around it),
+chosen by their prices; explain names the form."""
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar import models
+from autopar.ir import trace
+
+RING = {"ring", "ring(causal)"}
+
+
+def _llama(seq: int):
+    return models.build("llama", device="meta", layers=2, width=1024, heads=16, kv_heads=16, hidden=2048, seq=seq,
+                        batch=1, vocab=1024)
+
+
+def _attention_form(plan) -> str:
+    fams = {n.family for n in plan.nodes.values() if "scaled_dot_product" in n.target}
+    if any(RING & set(f.split("+")) for f in fams):
+        return "ring"
+    return "all-to-all" if any("heads" in f.split("+") for f in fams) else "other"
+
+
+def _forced(model, inputs, mesh, form: str):
+    """The plan with every attention op forced to ``form`` (the rest free)."""
+    graph = trace(model, inputs)
+    want = (lambda s: bool(RING & set(s.family.split("+")))) if form == "ring" else \
+        (lambda s: "heads" in s.family.split("+") and not RING & set(s.family.split("+")))
+    force = {n.name: want for n in graph.nodes.values() if n.target == "aten.scaled_dot_product_attention.default"}
+    return autopar.plan(model, mesh, inputs, pipeline=False, force=force, idle_axes=())
+
+
+@pytest.mark.parametrize("cluster,seq", [("cpu-gloo", 4096), ("a100-80g", 8192)])
+def test_the_attention_form_follows_the_prices(cluster, seq):
+    """Both forms fit (16 heads over 8 devices); the free plan takes the one whose plan is priced
+    cheaper. On the CPU preset the ring's point-to-point passes (gloo's latency and bandwidth) cost
+    more than the all-to-alls; on A100s a long sequence hides them behind the blocks' attention."""
+    model, inputs = _llama(seq)
+    mesh = autopar.Mesh((8,), cluster=cluster)
+    free = autopar.plan(model, mesh, inputs, pipeline=False, idle_axes=())
+    priced = {form: _forced(model, inputs, mesh, form).predicted["step_time_s"] for form in ("ring", "all-to-all")}
+    cheaper = min(priced, key=priced.get)
+    assert _attention_form(free) == cheaper, (priced, free.explain().split("\n")[2])
+    assert free.predicted["step_time_s"] <= priced[cheaper] * (1 + 1e-9)
+    assert f"context parallel 8 ({cheaper})" in free.explain().split("\n")[2]
+    # each shape is one where its form wins (the pair covers both)
+    assert cheaper == {"cpu-gloo": "all-to-all", "a100-80g": "ring"}[cluster], priced
