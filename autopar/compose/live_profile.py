@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from autopar.errors import AutoparError, PlanError
+from autopar.errors import AutoparError, ConfigError, PlanError
 from autopar.sharding_spec.mesh import Mesh
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,10 @@ def live_op_table(graph, mesh: Mesh, device, force=None, *, directory=None):
         views = [mesh] if isinstance(force, Layout) else [view_mesh(mesh, idle) for idle in idle_candidates(mesh, "auto")]
         new = OpTable(cached.device)
         for view in views:  # each view's local shapes differ: profile per view
-            choices = node_choices(graph, view, force=None if isinstance(force, Layout) else force)
+            try:  # a forced family may not exist on a view with idle axes: profile every strategy there
+                choices = node_choices(graph, view, force=None if isinstance(force, Layout) else force)
+            except ConfigError:
+                choices = node_choices(graph, view)
             pairs = [(graph.nodes[n], s) for n, c in choices.items() if graph.nodes[n].op == "call_function"
                      for s in c.strategies]
             new.entries.update(profile_ops(graph, view, pairs, device, repeats=5, cache=False, label=cached.device,
