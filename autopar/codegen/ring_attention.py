@@ -8,8 +8,10 @@ merge in fp32 (``_merge``), so the result is softmax over the whole key length. 
 same ring with the final log-sum-exp: the query gradient stays, the key/value gradients travel
 with their block (each pass overlapped with the next block's work: a block's part is added in
 when the traveling sum arrives) and arrive home after one more step. One code path for gloo and
-NCCL: the block math is plain matmuls and softmax in fp32 (no fused kernel), the exchanges
-``batch_isend_irecv``.
+NCCL, the exchanges ``batch_isend_irecv``. A block without a mask tensor runs the fused CPU
+kernel (``_scaled_dot_product_flash_attention_for_cpu``: its log-sum-exp out, its backward from
+the merged output and log-sum-exp, as ring implementations on flash attention do); a masked block,
+or one on another device, plain matmuls and softmax in fp32 (``_attend``).
 
 Causal balance: under a causal mask the ranks holding late queries would do most of the work. The
 sequence is cut in 2n chunks and, for the attention only, rank r holds the query chunks r and
@@ -51,12 +53,61 @@ def _scores(q, k, scale, mask, causal_diag: bool, rows: int):
     return s
 
 
-def _block_forward(q, k, v, scale, mask, causal_diag, rows):
-    """(output fp32, log-sum-exp fp32) of one block; rows no key reaches: output 0, lse -inf."""
-    s = _scores(q, k, scale, mask, causal_diag, rows)
+_FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _fused(q, k, mask) -> bool:
+    return mask is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _per_head(q, k, v, groups: int, rows: int):
+    """A causal diagonal block of grouped queries (B, Hk, G*rows, E) as the kernel's per-head call:
+    queries (B, Hk*G, rows, E), keys and values repeated per query head."""
+    b, hk = q.shape[:2]
+    return (q.reshape(b, hk * groups, rows, q.shape[-1]), k.repeat_interleave(groups, 1),
+            v.repeat_interleave(groups, 1))
+
+
+def _attend(q, k, v, scale, mask, diag: bool, rows: int, groups: int):
+    """(output fp32, log-sum-exp fp32) of one block: queries q (B, Hk, G*rows, E) against k, v
+    (B, Hk, rows, .); ``diag``: causal within the block (the same chunk); rows no key reaches:
+    output 0, log-sum-exp -inf."""
+    if _fused(q, k, mask):
+        b, hk = q.shape[:2]
+        if diag and groups > 1:
+            out, lse = _FUSED(*_per_head(q, k, v, groups, rows), 0.0, True, scale=scale)
+            return out.reshape(b, hk, groups * rows, -1).float(), lse.reshape(b, hk, groups * rows)
+        out, lse = _FUSED(q, k.contiguous(), v.contiguous(), 0.0, diag, scale=scale)
+        return out.float(), lse
+    s = _scores(q.float(), k.float(), scale, mask, diag, rows)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
     return torch.matmul(p, v.float()), lse
+
+
+def _attend_backward(do, q, k, v, out, lse, scale, mask, diag: bool, rows: int, groups: int):
+    """(dq, dk, dv), fp32, of one block from the output's gradient ``do``, the merged output ``out``
+    and log-sum-exp ``lse`` of its query rows (shapes as ``_attend``'s)."""
+    if _fused(q, k, mask):
+        b, hk = q.shape[:2]
+        dt = q.dtype
+        if diag and groups > 1:
+            qh, kh, vh = _per_head(q, k, v, groups, rows)
+            per = (b, hk * groups, rows)
+            dq, dk, dv = _FUSED_BACKWARD(do.to(dt).reshape(*per, -1), qh, kh, vh, out.reshape(*per, -1),
+                                         lse.reshape(per), 0.0, True, scale=scale)
+            fold = (b, hk, groups, rows, -1)
+            return dq.reshape(b, hk, groups * rows, -1).float(), dk.reshape(fold).sum(2).float(), \
+                dv.reshape(fold).sum(2).float()
+        dq, dk, dv = _FUSED_BACKWARD(do.to(dt), q, k.contiguous(), v.contiguous(), out, lse, 0.0, diag, scale=scale)
+        return dq.float(), dk.float(), dv.float()
+    qf, kf, vf = q.float(), k.float(), v.float()
+    s = _scores(qf, kf, scale, mask, diag, rows)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    delta = (do * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O)
+    ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
+    return torch.matmul(ds, kf) * scale, torch.matmul(ds.transpose(-1, -2), qf) * scale, torch.matmul(p.transpose(-1, -2), do)
 
 
 def _merge(out, lse, part, part_lse):
@@ -230,9 +281,8 @@ class RingAttention(torch.autograd.Function):
             src = (g.index - step) % g.size
             nxt, works = _ring_pass(kv, g) if step < g.size - 1 else (None, [])
             for qs, ks, kc, kind in blocks.pairs(src):
-                part, part_lse = _block_forward(blocks.rows(qg, qs).float(), blocks.keys(kv[0], ks).float(),
-                                                blocks.keys(kv[1], ks), scale, blocks.mask(mask, qs, kc),
-                                                kind == "diag", blocks.half)
+                part, part_lse = _attend(blocks.rows(qg, qs), blocks.keys(kv[0], ks), blocks.keys(kv[1], ks), scale,
+                                         blocks.mask(mask, qs, kc), kind == "diag", blocks.half, blocks.groups)
                 o_view, l_view = blocks.rows_view(out, qs), blocks.rows_view(lse, qs)
                 merged, merged_lse = _merge(o_view.reshape(part.shape), l_view.reshape(part_lse.shape), part, part_lse)
                 o_view.copy_(merged.view(o_view.shape))
@@ -253,7 +303,6 @@ class RingAttention(torch.autograd.Function):
         if blocks.balanced:
             grad_out = _balance(grad_out.contiguous(), 2, g)
         qg, dog = blocks.grouped(q), blocks.grouped(grad_out).float()
-        delta = (dog * out.float()).sum(-1)  # rowsum(dO * O) per query row
         dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
         kv = (k, v)
         arriving, dworks = None, []  # the traveling key/value gradient sums of the block in hand
@@ -263,16 +312,14 @@ class RingAttention(torch.autograd.Function):
             dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                    torch.zeros(v.shape, dtype=torch.float32, device=v.device))
             for qs, ks, kc, kind in blocks.pairs(src):
-                qb, kb, vb = blocks.rows(qg, qs).float(), blocks.keys(kv[0], ks).float(), blocks.keys(kv[1], ks).float()
-                s = _scores(qb, kb, scale, blocks.mask(mask, qs, kc), kind == "diag", blocks.half)
-                row_lse = blocks.rows(lse, qs)
-                p = torch.exp(s - torch.where(torch.isfinite(row_lse), row_lse, 0.0).unsqueeze(-1))
-                do_b = blocks.rows(dog, qs)
-                ds = p * (torch.matmul(do_b, vb.transpose(-1, -2)) - blocks.rows(delta, qs).unsqueeze(-1))
+                dq_b, dk_b, dv_b = _attend_backward(
+                    blocks.rows(dog, qs), blocks.rows(qg, qs), blocks.keys(kv[0], ks), blocks.keys(kv[1], ks),
+                    blocks.rows(out, qs), blocks.rows(lse, qs), scale, blocks.mask(mask, qs, kc), kind == "diag",
+                    blocks.half, blocks.groups)
                 dq_view = blocks.rows_view(dq, qs)
-                dq_view += (torch.matmul(ds, kb) * scale).view(dq_view.shape)
-                blocks.keys(dkv[0], ks).add_(torch.matmul(ds.transpose(-1, -2), qb) * scale)
-                blocks.keys(dkv[1], ks).add_(torch.matmul(p.transpose(-1, -2), do_b))
+                dq_view += dq_b.view(dq_view.shape)
+                blocks.keys(dkv[0], ks).add_(dk_b)
+                blocks.keys(dkv[1], ks).add_(dv_b)
             # this block's part joins the sum that traveled with it (its pass overlapped the work
             # above) and goes on; one more step than the blocks brings each sum home
             _wait(dworks)

@@ -2,8 +2,10 @@
 attention split over the cp axis, ``codegen/ring_attention.py``), trained 3 AdamW steps next to
 the single-process model at sequence length 1024 on 2 and 4 gloo ranks: forward, loss, every
 gradient and the trained state within 1e-5 (``parallel_harness``). Ring alone, ring x data
-parallel, ring x tensor parallel; the built-in LLaMA (grouped-query attention) and GPT, and
-transformers' LLaMA and Qwen2 (grouped-query), causal and left-padded (their 4-D masks)."""
+parallel, ring x tensor parallel, ring inside pipeline stages; the built-in LLaMA (grouped-query
+attention) and GPT, and transformers' LLaMA and Qwen2 (grouped-query), causal and left-padded,
+and Mistral with a sliding window shorter than the sequence (their 4-D masks, rows split with the
+queries)."""
 from __future__ import annotations
 
 import pytest
@@ -33,6 +35,8 @@ def hf_model(arch: str):
                   bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
     if arch == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    if arch == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=256, **common))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
 
 
@@ -60,7 +64,8 @@ def rank_2(rank, world):
     return [model_case("llama cp2", "llama", mesh, groups, LLAMA, force=cp2, steps=3),
             model_case("gpt cp2", "gpt", mesh, groups, GPT, force=cp2, steps=3),
             hf_case("hf llama cp2", "llama", mesh, groups, False, cp2),
-            hf_case("hf qwen2 cp2 padded", "qwen2", mesh, groups, True, cp2)]
+            hf_case("hf qwen2 cp2 padded", "qwen2", mesh, groups, True, cp2),
+            hf_case("hf mistral cp2 sliding window", "mistral", mesh, groups, False, cp2)]
 
 
 def pipeline_case(tag):
@@ -114,7 +119,7 @@ def results():
 
 
 def test_ring_attention_trains_whole_models_exactly(results):
-    assert len({r["tag"] for r in results}) == 9
+    assert len({r["tag"] for r in results}) == 10
     for r in results:
         assert "error" not in r, r.get("error")
         assert r["worst"] <= TOL, (r["tag"], r["worst"], r["bad_grads"])
