@@ -438,7 +438,7 @@ def test_gpt3_175b_plans_with_pipeline_stages_like_megatron():
     fp32 masters, gradients and Adam states) and its 96 microbatches: pipeline stages of whole
     nodes, model parallel inside the node, a model-FLOPs utilization near Megatron-LM's measured
     44-52%. The microbatch count is fixed to keep the suite short: benchmarks/gpt3_pipeline.py
-    searches it too (it finds 96) and prints the figures and the time to plan."""
+    searches it too (and prints the figures and the time to plan)."""
     model, inputs = models.build("gpt", device="meta", dtype=torch.bfloat16, layers=96, width=12288, heads=96, seq=2048,
                                  vocab=51200, batch=1536)
     mesh = autopar.Mesh((128, 8), cluster="a100-80g")
