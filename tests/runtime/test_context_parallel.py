@@ -1,5 +1,5 @@
 """Context parallelism: whole models with ring attention (``Layout(cp=...)``: the sequence of
-attention split over the cp axis, ``codegen/ring_attention.py``), trained 3 AdamW steps next to
+attention split over the cp axis, ``codegen/ring_attention.py``), trained 2 AdamW steps next to
 the single-process model at sequence length 1024 on 2 and 4 gloo ranks: forward, loss, every
 gradient and the trained state within 1e-5 (``parallel_harness``). Ring alone, ring x data
 parallel, ring x tensor parallel, ring inside pipeline stages; the built-in LLaMA (grouped-query
@@ -51,7 +51,7 @@ def hf_case(tag, arch, mesh, groups, padded: bool, layout):
         def kwargs(x):
             return {"input_ids": x[0], "labels": x[1], "attention_mask": mask, "use_cache": False}
 
-        return summary(tag, compare(model, (ids, labels), mesh, groups, kwargs_fn=kwargs, force=layout, steps=3))
+        return summary(tag, compare(model, (ids, labels), mesh, groups, kwargs_fn=kwargs, force=layout, steps=2))
 
     return run_case(tag, go)
 
@@ -60,7 +60,7 @@ def rank_2(rank, world):
     mesh = autopar.Mesh((2,))
     groups = MeshGroups(mesh)
     cp2 = autopar.Layout(cp=2)
-    return [model_case("llama cp2", "llama", mesh, groups, LLAMA, force=cp2, steps=3),
+    return [model_case("llama cp2", "llama", mesh, groups, LLAMA, force=cp2, steps=2),
             hf_case("hf llama cp2", "llama", mesh, groups, False, cp2),
             hf_case("hf qwen2 cp2 padded", "qwen2", mesh, groups, True, cp2),
             hf_case("hf mistral cp2 sliding window", "mistral", mesh, groups, False, cp2)]
@@ -100,11 +100,11 @@ def pipeline_case(tag):
 
 def rank_4(rank, world):
     mesh4, groups4 = autopar.Mesh((4,)), MeshGroups(autopar.Mesh((4,)))
-    out = [model_case("llama cp4", "llama", mesh4, groups4, LLAMA, force=autopar.Layout(cp=4), steps=3)]
+    out = [model_case("llama cp4", "llama", mesh4, groups4, LLAMA, force=autopar.Layout(cp=4), steps=2)]
     mesh = autopar.Mesh((2, 2))
     groups = MeshGroups(mesh)
-    out.append(model_case("llama dp2 x cp2", "llama", mesh, groups, LLAMA, force=autopar.Layout(dp=2, cp=2), steps=3))
-    out.append(model_case("llama cp2 x tp2", "llama", mesh, groups, LLAMA, force=autopar.Layout(cp=2, tp=2), steps=3))
+    out.append(model_case("llama dp2 x cp2", "llama", mesh, groups, LLAMA, force=autopar.Layout(dp=2, cp=2), steps=2))
+    out.append(model_case("llama cp2 x tp2", "llama", mesh, groups, LLAMA, force=autopar.Layout(cp=2, tp=2), steps=2))
     out.append(hf_case("hf llama cp4 padded", "llama", autopar.Mesh((4,)), MeshGroups(autopar.Mesh((4,))), True,
                        autopar.Layout(cp=4)))
     out.append(pipeline_case("llama pp2 x cp2"))

@@ -32,7 +32,6 @@ PLANS = {
     "dp2 x tp2": ((2, 2), dict(dp=2, tp=2), None),
     # ring attention: the sequence split over the cp axis, key/value blocks passed around
     "cp4": ((4,), dict(cp=4), None),
-    "dp2 x cp2": ((2, 2), dict(dp=2, cp=2), None),
     "pp2 x dp2": ((4,), dict(dp=2), dict(stages=2, schedule="1f1b", microbatches=2, recompute=False)),
     # every microbatch in flight on both stages; the loss's logits held once, at the last stage's peak
     "pp2 x dp2 gpipe": ((4,), dict(dp=2), dict(stages=2, schedule="gpipe", microbatches=4, recompute=False)),
