@@ -207,7 +207,6 @@ def autopar_mean_as_sum(op: str, args, kwargs, *, count: int):
     return _aten(_SUM_OF_MEAN[op])(*args, **kwargs) / count
 
 
-# ---- which lowering runs a node ------------------------------------------------------------------
 # ---- ring attention ----------------------------------------------------------------------------------
 def autopar_ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                       enable_gqa=False, *, seq_axes):
@@ -218,6 +217,7 @@ def autopar_ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     return ring_attention(query, key, value, handle(seq_axes), causal=bool(is_causal), scale=scale, mask=attn_mask)
 
 
+# ---- which lowering runs a node ------------------------------------------------------------------
 def lowering(node, node_plan, graph, identical=()):
     """(function, extra keyword arguments, how to pass the node's args) for a node whose strategy
     family needs lowering, on a plan whose gradients are whole on the ``identical`` axes. ``how``
@@ -239,7 +239,7 @@ def lowering(node, node_plan, graph, identical=()):
         if whole_on(class_axes, identical):
             extra["whole"] = True
         return autopar_vocab_parallel_cross_entropy, extra, "direct"
-    if lowered & {attention_rule.RING, attention_rule.RING_CAUSAL} and target == attention_rule.SDPA:
+    if attention_rule.ring_family(node_plan.family) and target == attention_rule.SDPA:
         return autopar_ring_sdpa, {"seq_axes": attention_rule.ring_axes(node_plan.output)}, "direct"
     if lowered == {"reduce-partial(mean)"} and target in _SUM_OF_MEAN:
         shape = graph.nodes[node.inputs[0]].meta.shape

@@ -24,7 +24,7 @@ import math
 
 from autopar.cost_model.comm import mesh_collective_time, ring_pass_time
 from autopar.cost_model.gradients import whole_on
-from autopar.sharding_spec.rules.attention import RING, RING_CAUSAL, ring_axes
+from autopar.sharding_spec.rules.attention import RING_CAUSAL, ring_axes, ring_family
 from autopar.sharding_spec.rules.loss import MEAN_SPLIT, VOCAB_PARALLEL
 
 _CLASS_LOSSES = ("cross_entropy", "nll_loss")
@@ -39,9 +39,9 @@ def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int
     backward, a third forward), ``value_itemsize`` its tensors' element size."""
     parts = set(family.split("+"))
     total = 0.0
-    ring = parts & {RING, RING_CAUSAL}
-    if ring:
-        return ring_attention_s(inputs, output, mesh, compute_s, value_itemsize, RING_CAUSAL in ring)
+    ring = ring_family(family)
+    if ring is not None:
+        return ring_attention_s(inputs, output, mesh, compute_s, value_itemsize, ring == RING_CAUSAL)
     if VOCAB_PARALLEL in parts and inputs and inputs[0] is not None:
         x = inputs[0]
         cdim = 1 if x.ndim >= 2 else 0

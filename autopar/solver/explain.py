@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from autopar.sharding_spec.rules.attention import ring_family
 from autopar.sharding_spec.spec import spec_str
 from autopar.solver.units import fmt_bytes, fmt_s
 
@@ -275,7 +276,7 @@ def attention_forms(plan) -> dict[int, str]:
         spec = n.output[0] if isinstance(n.output, tuple) else n.output
         if spec is None or "scaled_dot_product" not in n.target:
             continue
-        if parts & {"ring", "ring(causal)"}:
+        if ring_family(n.family) is not None:
             for a in spec.dim_axes[-2]:
                 out[a] = "ring"
         if "heads" in parts and len(spec.dim_axes) >= 3:

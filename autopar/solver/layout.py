@@ -33,7 +33,7 @@ from autopar.errors import ConfigError
 from autopar.ir.aliasing import write_paths
 from autopar.ir.graph import Role, call_arg
 from autopar.sharding_spec.rules import has_rule, strategies_for
-from autopar.sharding_spec.rules.attention import RING, RING_CAUSAL, SDPA, ring_axes
+from autopar.sharding_spec.rules.attention import SDPA, ring_axes, ring_family
 from autopar.sharding_spec.strategy import OpContext, active_axes
 
 # ops whose weight a tensor-parallel layout splits
@@ -253,7 +253,7 @@ def _stored_not_on(axis: int):
 def _ring_on(axis: int):
     """Ring attention whose sequence runs over ``axis``."""
     def pred(s) -> bool:
-        return bool(set(s.family.split("+")) & {RING, RING_CAUSAL}) and axis in ring_axes(s.output)
+        return ring_family(s.family) is not None and axis in ring_axes(s.output)
     return pred
 
 

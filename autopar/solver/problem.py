@@ -73,8 +73,8 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
     runtime's reducer runs it: in shared buckets, so a parameter pays its bytes and its share of the
     buckets' latencies (``bucketed_collective_time``; ``total_bytes``: the model's parameter
     bytes); ZeRO-2 adds the all-gather of the updated parameter, in the same buckets. Under a
-    ``precision`` that casts, gradients are summed in its reduction dtype and ZeRO-2 gathers the
-    working copy (``runtime.reducer``)."""
+    ``precision``, gradients are summed in its reduction dtype and ZeRO-2 gathers the working copy
+    (``runtime.reducer``)."""
     meta = node.meta
     itemsize = meta.itemsize
     grad_scale = precision.reduce_dtype.itemsize / itemsize if precision is not None else 1.0

@@ -50,6 +50,11 @@ def _family(assign, batch_letters, sequence: str = "sp") -> str:
     return "+".join(parts) or "replicate"
 
 
+def ring_family(family: str) -> str | None:
+    """The ring part of a strategy family ("ring" or "ring(causal)"), or None."""
+    return next((p for p in family.split("+") if p in (RING, RING_CAUSAL)), None)
+
+
 def ring_axes(output) -> tuple[int, ...]:
     """The mesh axes a ring strategy's sequence runs over: those splitting its output's L dim."""
     out = output[0] if isinstance(output, tuple) else output
@@ -59,7 +64,7 @@ def ring_axes(output) -> tuple[int, ...]:
 def ring_blocks(strategy, mesh) -> int:
     """How many blocks of its local shapes a strategy's op computes: n for ring attention over n
     ranks (its key/value blocks go round), 1 for any other."""
-    if strategy is None or not set(strategy.family.split("+")) & {RING, RING_CAUSAL}:
+    if strategy is None or ring_family(strategy.family) is None:
         return 1
     return mesh.axes_size(ring_axes(strategy.output))
 
