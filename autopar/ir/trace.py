@@ -24,6 +24,7 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.errors import TraceError
+from autopar.ir.attention import fold_causal_masks, fuse_attention
 from autopar.ir.blocks import assign_layers, find_blocks
 from autopar.ir.flops import count_flops
 from autopar.ir.graph import Graph, Meta, Node, NodeRef, Role, TensorMeta
@@ -69,6 +70,8 @@ def trace(
     finally:
         torch.fx.config.do_not_emit_stack_traces = saved
     keep_leading_dims(exported.graph_module)
+    fuse_attention(exported)
+    fold_causal_masks(exported)
     graph = from_exported(model, exported, name=name)
     graph.notes = tuple(notes)
     check_lookups(graph, model, example_inputs, example_kwargs)

@@ -5,8 +5,11 @@ gradient and the trained state within 1e-5 (``parallel_harness``). Ring alone, r
 parallel, ring x tensor parallel, ring inside pipeline stages; the built-in LLaMA (grouped-query
 attention), and transformers' LLaMA and Qwen2 (grouped-query), causal and left-padded,
 and Mistral with a sliding window shorter than the sequence (their 4-D masks, rows split with the
-queries)."""
+queries); minGPT's attention written out by hand (fused into causal SDPA at trace time)."""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,13 +48,25 @@ def hf_case(tag, arch, mesh, groups, padded: bool, layout):
         g = torch.Generator().manual_seed(0)
         ids, labels = (torch.randint(0, HF_VOCAB, (2, SEQ), generator=g) for _ in range(2))
         mask = torch.ones(2, SEQ, dtype=torch.long)
-        if padded:
-            mask[1, :100] = 0  # the second sequence left-padded by 100 tokens
+        mask[1, :100] = 0  # the second sequence left-padded by 100 tokens
 
-        def kwargs(x):
-            return {"input_ids": x[0], "labels": x[1], "attention_mask": mask, "use_cache": False}
+        def kwargs(x):  # unpadded: called as pretraining calls it, without a mask (a causal mask is built)
+            return {"input_ids": x[0], "labels": x[1], "use_cache": False} | ({"attention_mask": mask} if padded else {})
 
         return summary(tag, compare(model, (ids, labels), mesh, groups, kwargs_fn=kwargs, force=layout, steps=2))
+
+    return run_case(tag, go)
+
+
+def mingpt_case(tag, mesh, groups, layout):
+    """minGPT's attention written out (q @ k^T, masked_fill from a tril buffer, softmax, @ v):
+    traced into causal SDPA (``ir/attention.py``), so the ring runs it balanced."""
+    def go():
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import models_zoo
+
+        model, inputs = models_zoo.mingpt(block_size=SEQ, batch=2, n_layer=1)
+        return summary(tag, compare(model, inputs, mesh, groups, force=layout, steps=2))
 
     return run_case(tag, go)
 
@@ -63,7 +78,8 @@ def rank_2(rank, world):
     return [model_case("llama cp2", "llama", mesh, groups, LLAMA, force=cp2, steps=2),
             hf_case("hf llama cp2", "llama", mesh, groups, False, cp2),
             hf_case("hf qwen2 cp2 padded", "qwen2", mesh, groups, True, cp2),
-            hf_case("hf mistral cp2 sliding window", "mistral", mesh, groups, False, cp2)]
+            hf_case("hf mistral cp2 sliding window", "mistral", mesh, groups, False, cp2),
+            mingpt_case("mingpt cp2", mesh, groups, cp2)]
 
 
 def pipeline_case(tag):
@@ -117,7 +133,7 @@ def results():
 
 
 def test_ring_attention_trains_whole_models_exactly(results):
-    assert len({r["tag"] for r in results}) == 9
+    assert len({r["tag"] for r in results}) == 10
     for r in results:
         assert "error" not in r, r.get("error")
         assert r["worst"] <= TOL, (r["tag"], r["worst"], r["bad_grads"])
@@ -128,6 +144,10 @@ def test_each_case_ran_ring_attention(results):
     for r in results:
         ring = [f for f in r["families"] if {"ring", "ring(causal)"} & set(f.split("+"))]
         assert ring, (r["tag"], r["families"])
+        # causal masks run balanced without a mask tensor: is_causal, transformers' mask built
+        # without padding, minGPT's tril buffer; padding and sliding windows run their masks
+        masked = "padded" in r["tag"] or "sliding" in r["tag"]
+        assert all(("ring(causal)" in f.split("+")) != masked for f in ring), (r["tag"], ring)
         if "dp2" in r["tag"]:
             assert any(f.startswith("dp+") for f in ring), (r["tag"], ring)
         if "tp2" in r["tag"]:
