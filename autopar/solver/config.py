@@ -84,7 +84,7 @@ class PlanConfig:
         example inputs, a mesh whose slowest axis has one row, a forced ``Layout``, a model with no
         layers to cut). A ``Pipeline``: search with its given fields fixed. None / False: one stage.
     force: an ``autopar.Layout`` (e.g. ``Layout(dp=2, tp=2, zero=2)``): the plan of that
-        hand-style layout, on every mesh axis; or node name -> family label (e.g. ``{"linear":
+        hand-style layout, on every mesh axis (but those a tuple of ``idle_axes`` names); or node name -> family label (e.g. ``{"linear":
         "1d-row", "p_fc_weight": "sharded"}``) or -> a predicate on a ``Strategy``: restricts that
         node's candidates (hand-written plans, tests).
     optimizer: the optimizer whose states are priced: "adamw" / "adam" (2 fp32 values a parameter),

@@ -99,8 +99,9 @@ def one_stage(graph, mesh, call: dict, budget, budget_from, config: PlanConfig) 
     t_trace = time.perf_counter()
     force, idle_axes = config.force, config.idle_axes
     layout = force if isinstance(force, Layout) else None
-    if layout is not None:
-        force, idle_axes = layout_force(graph, mesh, layout), ()
+    if layout is not None:  # a layout uses every mesh axis but those named idle
+        idle_axes = () if idle_axes == "auto" else idle_axes
+        force = layout_force(graph, view_mesh(mesh, idle_candidates(mesh, idle_axes)[0]), layout)
     best, first_error = None, None
     replicated_s = None
     for idle in idle_candidates(mesh, idle_axes):

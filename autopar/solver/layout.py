@@ -23,7 +23,8 @@ A ``Layout`` names what a person configures by hand (Megatron / Colossal-AI's hy
 ``layout_force(graph, mesh, layout)`` turns it into ``force`` predicates (node -> Strategy test)
 for ``autopar.plan``; ``autopar.plan(..., force=Layout(...))`` does that itself. The mesh's active
 axes are read as (dp, cp, tp) in order (Megatron's order, tp innermost): a (4,) mesh runs dp=4,
-cp=4 or tp=4, a (2, 2) mesh dp=2 x tp=2. Pipeline degrees come with pipeline stages.
+cp=4 or tp=4, a (2, 2) mesh dp=2 x tp=2; axes named in a tuple of ``idle_axes`` are left out (the
+ranks along them repeat the work: a (2, 2) mesh with ``idle_axes=(0,)`` runs cp=2 twice). Pipeline degrees come with pipeline stages.
 """
 from __future__ import annotations
 

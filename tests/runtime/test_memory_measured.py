@@ -24,13 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from memory_fidelity import live_storages, tracked_peak  # noqa: E402  (the benchmark's measurement)
 
 MODEL = dict(vocab=2048, width=128, layers=4, heads=4, seq=64, batch=16)
-# name -> (mesh shape, Layout fields, Pipeline fields or None)
+# name -> (mesh shape, Layout fields, Pipeline fields or None[, idle mesh axes])
 PLANS = {
     "dp4": ((4,), dict(dp=4), None),
     "zero2": ((4,), dict(dp=4, zero=2), None),
     "zero3": ((4,), dict(dp=4, zero=3), None),
     "dp2 x tp2": ((2, 2), dict(dp=2, tp=2), None),
-    # ring attention: the sequence split over the cp axis, key/value blocks passed around
+    # ring attention: the sequence split over the cp axis, key/value blocks passed around; the
+    # ring degree grows at a fixed batch a replica (the other ranks along an idle axis repeat it)
+    "cp1": ((4,), dict(), None, (0,)),
+    "cp2": ((2, 2), dict(cp=2), None, (0,)),
     "cp4": ((4,), dict(cp=4), None),
     "pp2 x dp2": ((4,), dict(dp=2), dict(stages=2, schedule="1f1b", microbatches=2, recompute=False)),
     # every microbatch in flight on both stages; the loss's logits held once, at the last stage's peak
@@ -42,13 +45,14 @@ TOLERANCE = 0.15
 def rank_cases(rank, world):
     warnings.simplefilter("ignore")
     out = {}
-    for name, (shape, fields, pipe) in PLANS.items():
+    for name, (shape, fields, pipe, *idle) in PLANS.items():
         # what earlier plans left is not this plan's; held alive until measured, so no tensor of this
         # plan takes a freed one's address and is left out for it
         before = live_storages()
         model, (idx, targets) = models.build("gpt", **MODEL)
         pm = autopar.parallelize(model, autopar.Mesh(shape), (idx, targets), force=autopar.Layout(**fields),
-                                 pipeline=autopar.Pipeline(**pipe) if pipe else False)
+                                 pipeline=autopar.Pipeline(**pipe) if pipe else False,
+                                 idle_axes=idle[0] if idle else "auto")
         del model
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
 
@@ -89,3 +93,14 @@ def test_zero_holds_less_than_data_parallel_by_about_what_it_predicts(measured):
         for z in (z2, z3):
             saved, predicted = dp["measured"] - z["measured"], dp["predicted"] - z["predicted"]
             assert saved == pytest.approx(predicted, rel=0.3), (saved, predicted)
+
+
+def test_memory_falls_with_the_ring_degree_as_predicted(measured):
+    """One replica's batch with its sequence split over 1, 2 and 4 ranks: each rank holds its
+    share of the activations (and the key/value blocks in flight) beside whole weights."""
+    for rank, res in enumerate(measured):
+        cp1, cp2, cp4 = (res[k] for k in ("cp1", "cp2", "cp4"))
+        assert cp1["measured"] > cp2["measured"] > cp4["measured"], (rank, cp1, cp2, cp4)
+        for hi, lo in ((cp1, cp2), (cp2, cp4)):
+            saved, predicted = hi["measured"] - lo["measured"], hi["predicted"] - lo["predicted"]
+            assert saved == pytest.approx(predicted, rel=0.15), (rank, saved, predicted)
