@@ -5,7 +5,8 @@ gradient and the trained state within 1e-5 (``parallel_harness``). Ring alone, r
 parallel, ring x tensor parallel, ring inside pipeline stages; the built-in LLaMA (grouped-query
 attention), and transformers' LLaMA and Qwen2 (grouped-query), causal and left-padded,
 and Mistral with a sliding window shorter than the sequence (their 4-D masks, rows split with the
-queries); minGPT's attention written out by hand (fused into causal SDPA at trace time)."""
+queries); minGPT's attention written out by hand (fused into causal SDPA at trace time). And the
+all-to-all form: the sequence split everywhere but attention, which splits its heads."""
 from __future__ import annotations
 
 import sys
@@ -71,6 +72,35 @@ def mingpt_case(tag, mesh, groups, layout):
     return run_case(tag, go)
 
 
+def all_to_all_case(tag, mesh, groups):
+    """The all-to-all form (DeepSpeed-Ulysses): every op that has the sequence dim splits it over
+    the mesh, attention splits its heads instead; all-to-alls swap the two around attention."""
+    def go():
+        from autopar import models
+        from autopar.ir import trace
+
+        model, inputs = models.build("llama", **LLAMA)
+        graph = trace(model, inputs)
+
+        def split_sequence(shape):
+            def pred(s):
+                out = s.output[0] if isinstance(s.output, tuple) else s.output
+                return all(bool(out.dim_axes[d]) == (n == SEQ) for d, n in enumerate(shape))
+            return pred
+
+        force = {}
+        for n in graph.nodes.values():
+            if n.target == "aten.scaled_dot_product_attention.default":
+                force[n.name] = "heads"
+            elif n.op == "call_function" and SEQ in (getattr(n.meta, "shape", None) or ()):
+                force[n.name] = split_sequence(tuple(n.meta.shape))
+        res = compare(model, inputs, mesh, groups, force=force, steps=2)
+        steps = [st.kind for e in res["plan"].edges for st in e.steps]
+        return summary(tag, res) | {"all_to_alls": steps.count("all_to_all")}
+
+    return run_case(tag, go)
+
+
 def rank_2(rank, world):
     mesh = autopar.Mesh((2,))
     groups = MeshGroups(mesh)
@@ -79,7 +109,8 @@ def rank_2(rank, world):
             hf_case("hf llama cp2", "llama", mesh, groups, False, cp2),
             hf_case("hf qwen2 cp2 padded", "qwen2", mesh, groups, True, cp2),
             hf_case("hf mistral cp2 sliding window", "mistral", mesh, groups, False, cp2),
-            mingpt_case("mingpt cp2", mesh, groups, cp2)]
+            mingpt_case("mingpt cp2", mesh, groups, cp2),
+            all_to_all_case("llama all-to-all sp2", mesh, groups)]
 
 
 def pipeline_case(tag):
@@ -133,15 +164,21 @@ def results():
 
 
 def test_ring_attention_trains_whole_models_exactly(results):
-    assert len({r["tag"] for r in results}) == 10
+    assert len({r["tag"] for r in results}) == 11
     for r in results:
         assert "error" not in r, r.get("error")
         assert r["worst"] <= TOL, (r["tag"], r["worst"], r["bad_grads"])
         assert r["state_err"] <= TRAINED_STATE_TOL, (r["tag"], r["state_err"])
 
 
+def test_the_all_to_all_form_ran_heads_split_attention(results):
+    for r in (r for r in results if "all-to-all" in r["tag"]):  # each rank's
+        assert "heads" in r["families"] and not any("ring" in f for f in r["families"]), r["families"]
+        assert r["all_to_alls"] >= 2 * LLAMA["layers"], r["all_to_alls"]  # into and out of each attention
+
+
 def test_each_case_ran_ring_attention(results):
-    for r in results:
+    for r in (r for r in results if "all-to-all" not in r["tag"]):
         ring = [f for f in r["families"] if {"ring", "ring(causal)"} & set(f.split("+"))]
         assert ring, (r["tag"], r["families"])
         # causal masks run balanced without a mask tensor: is_causal, transformers' mask built
