@@ -17,6 +17,11 @@ padding masks, built from an input: those stay decomposed). Not fused: dropout w
 (its random draws would change), scores that other ops also read (attention weights returned),
 softmax over another dim or into another dtype that stays.
 
+``unexpand_kv_heads``: grouped-query attention written as key/value heads repeated before SDPA
+(``repeat_kv``) passes SDPA the Hk heads with ``enable_gqa=True``: the repeated copies are neither
+made nor held for backward, and what attention moves (ring blocks, all-to-alls) is Hk heads, not
+Hq. Tensor parallelism over the heads then splits Hk (as Megatron requires of its query groups).
+
 ``fold_causal_masks``: an SDPA whose mask depends on no input (built from aranges, or from a
 constant buffer such as minGPT's ``tril`` ``bias``) is evaluated here; if it is the causal mask
 (boolean, or 0 / -inf or the dtype's lowest where additive) it becomes ``is_causal=True``, which
@@ -56,6 +61,57 @@ def fuse_attention(exported: torch.export.ExportedProgram) -> int:
         gm.graph.lint()
         gm.recompile()
     return done
+
+
+def unexpand_kv_heads(exported: torch.export.ExportedProgram) -> int:
+    """Give each SDPA whose key and value heads were repeated for grouped-query attention
+    (``x[:, :, None].expand(B, Hk, rep, S, D).reshape(B, Hk * rep, S, D)``, transformers'
+    ``repeat_kv``) the Hk heads themselves with ``enable_gqa=True``; returns how many."""
+    gm = exported.graph_module
+    done = 0
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == SDPA]:
+        if _arg(node, 7, "enable_gqa", False) or len(node.args) < 3:
+            continue
+        k, v = _repeated_heads(node.args[1]), _repeated_heads(node.args[2])
+        if k is None or v is None or k[1] != v[1]:
+            continue
+        args = list(node.args)
+        old = args[1:3]
+        args[1], args[2] = k[0], v[0]
+        kwargs = dict(node.kwargs)
+        if len(args) > 7:
+            args[7] = True
+        else:
+            kwargs["enable_gqa"] = True
+        node.args, node.kwargs = tuple(args), kwargs
+        _erase_unused(gm.graph, old)
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _repeated_heads(node) -> tuple[torch.fx.Node, int] | None:
+    """(x, rep) where ``node`` is x (B, Hk, S, D) with each head repeated rep times in place,
+    head h of the result being head h // rep of x; None otherwise."""
+    if not isinstance(node, torch.fx.Node) or node.target not in (aten.reshape.default, aten.view.default):
+        return None
+    expand = node.args[0]
+    if not isinstance(expand, torch.fx.Node) or expand.target != aten.expand.default:
+        return None
+    unsq = expand.args[0]
+    if not isinstance(unsq, torch.fx.Node) or unsq.target != aten.unsqueeze.default or unsq.args[1] not in (2, -3):
+        return None
+    x, out, big = unsq.args[0], _val(node), _val(expand)
+    xv = _val(x)
+    if xv is None or out is None or big is None or xv.dim() != 4 or big.dim() != 5:
+        return None
+    b, hk, s, d = xv.shape
+    rep = big.shape[2]
+    if tuple(big.shape) != (b, hk, rep, s, d) or tuple(out.shape) != (b, hk * rep, s, d) or rep < 2:
+        return None
+    return x, rep
 
 
 def fold_causal_masks(exported: torch.export.ExportedProgram) -> int:
@@ -119,22 +175,21 @@ def _match(softmax: torch.fx.Node, exported):
     if probs is None or probs.target not in _MATMULS or probs.args[0] is not chain[-1]:
         return None
     out, v = probs, probs.args[1]
-    # back from the softmax input to the q @ k^T product
-    node, reader, mask, scale = scores_in, softmax, None, 1.0
-    if _single_reader(node, reader) and (node.target == aten.masked_fill.Scalar
-                                         or (node.target == aten.add.Tensor and not node.kwargs)):
+    # back from the softmax input to the q @ k^T product, through casts that change nothing
+    (node, reader), mask, scale = _through_casts(scores_in, softmax, chain), None, 1.0
+    if _single_reader(node, reader) and node.target in _MASKS and not node.kwargs:
         mask = _mask_of(node, exported)
         if mask is None:
             return None
         chain.append(node)
-        node, reader = node.args[0], node
-    if _single_reader(node, reader) and node.target in (aten.mul.Tensor, aten.div.Tensor) and _number(node.args[1]):
-        c = float(node.args[1])
-        if c == 0:
+        node, reader = _through_casts(_MASKS[node.target](node), node, chain)
+    if _single_reader(node, reader) and node.target in (aten.mul.Tensor, aten.div.Tensor):
+        c = _scalar(node.args[1], exported)
+        if not c:
             return None
         scale = c if node.target == aten.mul.Tensor else 1.0 / c
         chain.append(node)
-        node, reader = node.args[0], node
+        node, reader = _through_casts(node.args[0], node, chain)
     if not _single_reader(node, reader) or node.target not in _MATMULS:
         return None
     chain.append(node)
@@ -150,11 +205,22 @@ def _match(softmax: torch.fx.Node, exported):
     return q, k, kt, v, mask, scale, chain, out
 
 
+# ops that mask the scores -> the scores they read
+_MASKS = {
+    aten.masked_fill.Scalar: lambda n: n.args[0],
+    aten.add.Tensor: lambda n: n.args[0],
+    aten.where.self: lambda n: n.args[1],
+    aten.where.ScalarOther: lambda n: n.args[1],
+}
+
+
 def _mask_of(node: torch.fx.Node, exported):
-    """The SDPA mask for a masked_fill or an add on the scores: ("keep", bool mask to negate) or
-    ("add", float mask), or None where SDPA would compute something else."""
-    scores, other = node.args[0], node.args[1]
-    if not isinstance(other, torch.fx.Node) or _val(other) is None:
+    """The SDPA mask of an op masking the scores: ("drop", a boolean mask to negate: masked_fill),
+    ("keep", a boolean mask as it is: where), ("add", a float mask), or None where SDPA would
+    compute something else."""
+    scores = _MASKS[node.target](node)
+    other = node.args[0] if node.target in (aten.where.self, aten.where.ScalarOther) else node.args[1]
+    if not isinstance(other, torch.fx.Node) or _val(other) is None or _val(scores) is None:
         return None
     ov, sv = _val(other), _val(scores)
     try:
@@ -167,15 +233,16 @@ def _mask_of(node: torch.fx.Node, exported):
             return None
         value = _constant_value(other, exported)  # exact only where no row is dropped whole (below)
         return ("add", other) if value is not None and _every_row_kept(value > torch.finfo(ov.dtype).min / 2) else None
-    fill = node.args[2]
-    if ov.dtype != torch.bool or not _number(fill):
+    if ov.dtype != torch.bool:
+        return None
+    kind = "drop" if node.target == aten.masked_fill.Scalar else "keep"
+    fill = _scalar(node.args[2], exported)
+    if fill is None or fill > FINITE_FILL:
         return None
     if fill == -math.inf:
-        return ("keep", other)
-    if float(fill) > FINITE_FILL:
-        return None
+        return (kind, other)
     value = _constant_value(other, exported)
-    return ("keep", other) if value is not None and _every_row_kept(~value) else None
+    return (kind, other) if value is not None and _every_row_kept(~value if kind == "drop" else value) else None
 
 
 def _every_row_kept(keep: torch.Tensor) -> bool:
@@ -193,7 +260,7 @@ def _replace(graph: torch.fx.Graph, q, k, kt, v, mask, scale, chain, out) -> Non
         if mask is not None:
             kind, m = mask
             attn_mask = m
-            if kind == "keep":
+            if kind == "drop":
                 attn_mask = graph.call_function(aten.logical_not.default, (m,))
                 attn_mask.meta.update(m.meta, val=torch.logical_not(_val(m)))
         kwargs = {"attn_mask": attn_mask, "scale": scale} if attn_mask is not None else {"scale": scale}
@@ -275,6 +342,26 @@ def _arg(node: torch.fx.Node, pos: int, name: str, default=None):
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _scalar(x, exported) -> float | None:
+    """A number, or the value of a constant one-element tensor node (``torch.full([], c)``)."""
+    if _number(x):
+        return float(x)
+    val = _val(x)
+    if val is None or val.numel() != 1:
+        return None
+    value = _constant_value(x, exported)
+    return None if value is None else float(value.reshape(()))
+
+
+def _through_casts(node, reader, chain: list) -> tuple:
+    """(node, its reader) after stepping up through casts to the dtype they read (added to ``chain``)."""
+    while (_single_reader(node, reader) and node.target in _CASTS and _val(node) is not None
+           and _val(node.args[0]) is not None and _cast_dtype(node) == _val(node.args[0]).dtype == _val(node).dtype):
+        chain.append(node)
+        node, reader = node.args[0], node
+    return node, reader
 
 
 def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -24,7 +24,7 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.errors import TraceError
-from autopar.ir.attention import fold_causal_masks, fuse_attention
+from autopar.ir.attention import fold_causal_masks, fuse_attention, unexpand_kv_heads
 from autopar.ir.blocks import assign_layers, find_blocks
 from autopar.ir.flops import count_flops
 from autopar.ir.graph import Graph, Meta, Node, NodeRef, Role, TensorMeta
@@ -72,6 +72,7 @@ def trace(
     keep_leading_dims(exported.graph_module)
     fuse_attention(exported)
     fold_causal_masks(exported)
+    unexpand_kv_heads(exported)
     graph = from_exported(model, exported, name=name)
     graph.notes = tuple(notes)
     check_lookups(graph, model, example_inputs, example_kwargs)

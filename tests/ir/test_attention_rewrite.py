@@ -1,5 +1,6 @@
-"""``autopar.ir.attention``: decomposed attention fused into SDPA and constant causal masks folded
-into ``is_causal``, exactly where the values (and gradients) stay, and nowhere else."""
+"""``autopar.ir.attention``: decomposed attention fused into SDPA, constant causal masks folded
+into ``is_causal``, repeated key/value heads given to SDPA once (``enable_gqa``), exactly where the
+values (and gradients) stay, and nowhere else."""
 from __future__ import annotations
 
 import math
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from autopar import ir
 from autopar.ir import attention
-from autopar.ir.attention import fold_causal_masks, fuse_attention
+from autopar.ir.attention import fold_causal_masks, fuse_attention, unexpand_kv_heads
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import models_zoo  # noqa: E402
@@ -23,10 +24,11 @@ SDPA = "aten.scaled_dot_product_attention.default"
 
 class HandAttention(nn.Module):
     """Self-attention written out, in the ways models write it. ``mask``: "causal" (a tril buffer,
-    filled with ``fill``), "window" (a banded buffer), "bias" (an additive constant), "row" (a
-    constant mask with its first row masked whole), "input" (a boolean mask passed in, -inf).
+    filled with ``fill``), "where" (the same buffer kept by ``torch.where``, the dtype's lowest
+    elsewhere), "window" (a banded buffer), "bias" (an additive constant), "row" (a constant mask
+    with its first row masked whole), "input" (a boolean mask passed in, -inf).
     ``kt``: "transpose" (k.transpose(-2, -1)), or "permute" (k^T laid out directly, no transpose
-    of k). ``scale``: "div", "mul" or "none". ``weights``: also return the attention weights.
+    of k). ``scale``: "div", "mul", "tensor" (divided by a 0-d tensor) or "none". ``weights``: also return the attention weights.
     ``heads=0``: 3-D (batch, length, dim) with bmm."""
 
     def __init__(self, seq=16, dim=16, heads=2, mask="causal", fill=-math.inf, kt="transpose", scale="div",
@@ -54,14 +56,19 @@ class HandAttention(nn.Module):
             kt = k.permute(0, 2, 1) if self.kt == "permute" else k.transpose(-2, -1)
         att = (q @ kt) if self.heads else torch.bmm(q, kt)
         d = q.shape[-1]
-        att = att / math.sqrt(d) if self.scale == "div" else att * (1 / math.sqrt(d)) if self.scale == "mul" else att
-        if self.mask in ("causal", "window", "row"):
+        if self.scale == "tensor":  # transformers 4.x GPT-2: a 0-d tensor, a no-op cast, a where
+            att = (att / torch.full([], d ** 0.5, dtype=att.dtype)).to(att.dtype)
+        else:
+            att = att / math.sqrt(d) if self.scale == "div" else att * (1 / math.sqrt(d)) if self.scale == "mul" else att
+        if self.mask == "where":
+            att = torch.where(self.tri[:t, :t].bool(), att, torch.full([], torch.finfo(att.dtype).min, dtype=att.dtype))
+        elif self.mask in ("causal", "window", "row"):
             att = att.masked_fill(self.tri[:t, :t] == 0, self.fill)
         elif self.mask == "bias":
             att = att + self.bias[:t, :t]
         elif self.mask == "input":
             att = att.masked_fill(~pad, -math.inf)
-        p = self.drop(F.softmax(att, dim=-1))
+        p = self.drop(F.softmax(att, dim=-1).type(v.dtype))
         y = (p @ v) if self.heads else torch.bmm(p, v)
         y = y.transpose(1, 2).reshape(b, t, c) if self.heads else y
         out = self.proj(y).square().mean()
@@ -72,6 +79,53 @@ def rewritten(model, args):
     """(how many fused, how many folded, the rewritten exported program)."""
     ep = torch.export.export(model, args, strict=False)
     return fuse_attention(ep), fold_causal_masks(ep), ep
+
+
+class RepeatedKV(nn.Module):
+    """Grouped-query attention with the key/value heads repeated before SDPA (the built-in LLaMA's
+    and transformers' ``repeat_kv``); ``only_k``: the values' heads are repeated another way."""
+
+    def __init__(self, heads=4, kv_heads=2, dim=16, only_k=False):
+        super().__init__()
+        self.q, self.kv = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim * kv_heads // heads)
+        self.heads, self.kv_heads, self.only_k = heads, kv_heads, only_k
+
+    def forward(self, x):
+        b, t, c = x.shape
+        hd, rep = c // self.heads, self.heads // self.kv_heads
+        q = self.q(x).view(b, t, self.heads, hd).transpose(1, 2)
+        k, v = (y.view(b, t, self.kv_heads, hd).transpose(1, 2) for y in self.kv(x).chunk(2, dim=-1))
+        k = k[:, :, None].expand(b, self.kv_heads, rep, t, hd).reshape(b, self.heads, t, hd)
+        v = (v.repeat(1, rep, 1, 1) if self.only_k
+             else v[:, :, None].expand(b, self.kv_heads, rep, t, hd).reshape(b, self.heads, t, hd))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).square().mean()
+
+
+def test_repeated_key_value_heads_reach_sdpa_once():
+    torch.manual_seed(0)
+    model = RepeatedKV()
+    ep = torch.export.export(model, X, strict=False)
+    assert unexpand_kv_heads(ep) == 1
+    (node,) = sdpa_nodes(ep)
+    assert node.kwargs["enable_gqa"] is True
+    assert [tuple(a.meta["val"].shape) for a in node.args[:3]] == [(2, 4, 16, 4), (2, 2, 16, 4), (2, 2, 16, 4)]
+    assert "aten.expand.default" not in ops(ep)
+    assert_same(model, ep, X)
+    # values repeated head-major (v.repeat) are other heads in another order: left alone
+    ep = torch.export.export(RepeatedKV(only_k=True), X, strict=False)
+    assert unexpand_kv_heads(ep) == 0 and "aten.expand.default" in ops(ep)
+
+
+def test_the_builtin_llama_traces_grouped_query_attention():
+    from autopar import models
+
+    model, inputs = models.build("llama", layers=2, width=64, heads=4, kv_heads=2, hidden=96, seq=16, batch=2, vocab=64)
+    graph = ir.trace(model, inputs)
+    sdpa = [n for n in graph.nodes.values() if n.target == SDPA]
+    assert len(sdpa) == 2
+    for n in sdpa:
+        q, k, v = (graph.nodes[i].meta.shape for i in n.inputs[:3])
+        assert n.kwargs.get("enable_gqa") and q[1] == 4 and k[1] == v[1] == 2
 
 
 def assert_same(model, ep, args, tol=1e-6):
@@ -100,7 +154,7 @@ def ops(ep) -> set[str]:
 X = (torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0)),)
 
 
-@pytest.mark.parametrize("scale", ["div", "mul", "none"])
+@pytest.mark.parametrize("scale", ["div", "mul", "tensor", "none"])
 @pytest.mark.parametrize("kt", ["transpose", "permute"])
 @pytest.mark.parametrize("heads", [2, 0])
 def test_causal_attention_written_out_becomes_causal_sdpa(scale, kt, heads):
@@ -114,6 +168,19 @@ def test_causal_attention_written_out_becomes_causal_sdpa(scale, kt, heads):
     assert node.kwargs["scale"] == pytest.approx(1.0 if scale == "none" else 1 / math.sqrt(d))
     assert not ops(ep) & {"aten.softmax.int", "aten.masked_fill.Scalar", "aten.eq.Scalar"}
     assert_same(model, ep, X)
+
+
+def test_transformers_4_gpt2_attention_becomes_causal_sdpa():
+    """A causal buffer kept by ``torch.where`` (the lowest value elsewhere), scaled by a 0-d tensor,
+    casts to the dtype it already has (transformers 4.x GPT-2's eager attention)."""
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        model = HandAttention(mask="where", scale="tensor").to(dtype)
+        args = (X[0].to(dtype),)
+        fused, folded, ep = rewritten(model, args)
+        assert (fused, folded) == (1, 1), dtype
+        assert not ops(ep) & {"aten.softmax.int", "aten.where.self", "aten.div.Tensor"}
+        assert_same(model, ep, args, tol=tol)
 
 
 def test_a_finite_fill_folds_only_where_no_row_is_filled_whole():
@@ -197,6 +264,7 @@ def test_transformers_causal_lm_without_padding_runs_causal_sdpa(impl):
     kwargs = {"input_ids": ids, "labels": ids}
     ep = torch.export.export(model, (), kwargs, strict=False)
     assert (fuse_attention(ep), fold_causal_masks(ep)) == ((2 if impl == "eager" else 0), 2)
+    assert unexpand_kv_heads(ep) == 2  # repeat_kv undone: 2 key/value heads reach SDPA
     assert all(n.kwargs.get("is_causal") and n.args[3:4] in ((), (None,)) for n in sdpa_nodes(ep))
     # the mask's ops went: nothing (16, 16) is computed any more
     assert not [n for n in ep.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)

@@ -48,3 +48,16 @@ def test_the_attention_form_follows_the_prices(cluster, seq):
     assert f"context parallel 8 ({cheaper})" in free.explain().split("\n")[2]
     # each shape is one where its form wins (the pair covers both)
     assert cheaper == {"cpu-gloo": "all-to-all", "a100-80g": "ring"}[cluster], priced
+
+
+def test_a_layout_leaves_the_axes_named_idle_to_repeat_its_work():
+    """``Layout(cp=2)`` on a (2, 2) mesh with ``idle_axes=(0,)``: the ring over axis 1, axis 0 idle;
+    without the idle axis the layout does not fit the mesh (a typed error naming the shape)."""
+    model, inputs = models.build("llama", layers=1, width=64, heads=4, kv_heads=2, hidden=96, seq=64, batch=2, vocab=64)
+    mesh = autopar.Mesh((2, 2))
+    plan = autopar.plan(model, mesh, inputs, pipeline=False, force=autopar.Layout(cp=2), idle_axes=(0,))
+    assert plan.idle_axes == (0,)
+    rings = [n for n in plan.nodes.values() if RING & set(n.family.split("+"))]
+    assert rings and all(tuple(n.output.dim_axes[2]) == (1,) for n in rings)
+    with pytest.raises(autopar.ConfigError, match="needs a mesh"):
+        autopar.plan(model, mesh, inputs, pipeline=False, force=autopar.Layout(cp=2))
