@@ -22,7 +22,7 @@ the set can run at all (``identical_ok``) and the seconds it moves in backward
 """
 from __future__ import annotations
 
-from autopar.cost_model.comm import mesh_collective_time
+from autopar.cost_model.comm import is_zero2_sync, mesh_collective_time
 from autopar.ir.graph import Role, edge_itemsize
 from autopar.sharding_spec.reshard import local_bytes, spec_after
 from autopar.sharding_spec.spec import ShardingSpec
@@ -164,7 +164,7 @@ def identical_ok(plan, graph, identical, sync: dict) -> str | None:
             if identical & classes and not classes <= identical:
                 return f"{n.name}: class axes {sorted(classes)} only partly identical"
     for fqn, p in plan.params.items():
-        if p.grad_sync is not None and p.grad_sync[0] != "all_reduce" and tuple(sync[fqn]) != tuple(p.grad_sync[1]):
+        if p.grad_sync is not None and is_zero2_sync(p.grad_sync[0]) and tuple(sync[fqn]) != tuple(p.grad_sync[1]):
             return f"{fqn}: a ZeRO-2 gradient would come out whole on axes {sorted(set(p.grad_sync[1]) - set(sync[fqn]))}"
     return None
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.cost_model.comm import mesh_collective_time
+from autopar.cost_model.comm import is_zero2_sync, mesh_collective_time
 from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s, whole_on
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.graph import Role, edge_itemsize, per_graph
@@ -186,7 +186,7 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
             first, *rest = kind.split("+")
             key = (first, tuple(axes), str(meta.dtype), tuple(rest), round(local / nbytes, 6) if nbytes else 1.0)
             synced.append((first_use.get(p.node, 0), key, int(nbytes)))
-            if kind.startswith("reduce_scatter"):
+            if is_zero2_sync(kind):
                 local = local / math.prod(mesh.shape[a] for a in axes)
         elements += local / meta.itemsize
         tensors += 1

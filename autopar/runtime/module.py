@@ -37,6 +37,7 @@ import torch.utils._pytree as pytree
 from torch.fx import _pytree as fx_pytree
 
 from autopar.codegen import ops
+from autopar.cost_model.comm import is_zero2_sync
 from autopar.errors import ConfigError
 from autopar.ir.graph import Role
 from autopar.ir.precision import kept_dtype
@@ -93,7 +94,7 @@ class ParallelModule(nn.Module):
                     param = nn.Parameter(chunk_of(shard, g.index, g.size).clone(), requires_grad=True)
                     full = shard.to(precision.param_dtype) if cast else shard
                     entries.append(SyncEntry(slot, param, "reduce_scatter", sync[1], first_use.get(ph, 0), full=full,
-                                             wire_dtype=wire))
+                                             wire_dtype=wire, scatter_by=sync[2]))
                     split |= set(sync[1])
                 else:
                     param = nn.Parameter(shard, requires_grad=trainable)
@@ -523,15 +524,16 @@ class _State:
         return state
 
 
-def _grad_sync(param_plan) -> tuple[str, tuple[int, ...]] | None:
-    """(collective, mesh axes) that synchronises a parameter's gradient under its plan, or None."""
+def _grad_sync(param_plan) -> tuple | None:
+    """(kind, mesh axes[, the collective that sums and splits a ZeRO-2 gradient]) that
+    synchronises a parameter's gradient under its plan, or None."""
     if param_plan is None or param_plan.grad_sync is None:
         return None
     kind, axes, _ = param_plan.grad_sync
     if kind == "all_reduce":
         return "all_reduce", tuple(axes)
-    if kind == "reduce_scatter+all_gather":
-        return "reduce_scatter", tuple(axes)
+    if is_zero2_sync(kind):  # summed and split by the collective the plan names
+        return "reduce_scatter", tuple(axes), kind.split("+")[0]
     raise ConfigError(f"parameter {param_plan.name}: gradient sync {kind!r} (family {param_plan.family}) is not supported by the runtime")
 
 

@@ -78,7 +78,9 @@ class SyncEntry:
     parameter is a dim-0 chunk of the storage shard, ``full`` the working copy the program reads);
     axes: the mesh axes of the collective; first_use: position of its first reader in the forward;
     wire_dtype: the dtype the collective sums in (a mixed-precision ``reduce_dtype``), None: the
-    parameter's."""
+    parameter's; scatter_by: the collective that sums and splits a ZeRO-2 bucket, "reduce_scatter"
+    or "all_reduce" (each rank keeping its chunk of the sum: the plan's choice where the links run
+    it faster)."""
 
     slot: int
     param: torch.nn.Parameter
@@ -87,6 +89,7 @@ class SyncEntry:
     first_use: int
     full: torch.Tensor | None = None
     wire_dtype: torch.dtype | None = None
+    scatter_by: str = "reduce_scatter"
     # set by the bucket
     offset: int = 0
     numel: int = 0  # elements in the flat buffer: the gradient's (all_reduce), one chunk's (reduce_scatter)
@@ -112,6 +115,7 @@ class _Bucket:
         ref = entries[0].param
         self.dtype, self.device = ref.dtype, ref.device
         self.wire = entries[0].wire_dtype or ref.dtype  # parts add up in ``dtype``, the collective sums in ``wire``
+        self.scatter_by = entries[0].scatter_by
         offset = 0
         for e in entries:
             shape = e.full.shape if kind == "reduce_scatter" else e.param.shape
@@ -185,6 +189,8 @@ class _Bucket:
         sent = buf if self.wire == self.dtype else buf.to(self.wire)
         if self.kind == "all_reduce":
             return _Flight(self, sent, dist.all_reduce(sent, group=pg, async_op=True), received, buf)
+        if self.scatter_by == "all_reduce":  # the sum of the whole bucket; finish keeps this rank's chunk
+            return _Flight(self, sent, dist.all_reduce(sent, group=pg, async_op=True), received)
         out = sent.new_empty(self.numel)
         try:
             return _Flight(self, out, _reduce_scatter_flat(out, sent, group=pg, async_op=True), received)
@@ -200,8 +206,10 @@ class _Bucket:
         skips it, weight decay included), cast back from the wire dtype once. Every rank runs the
         same program, so all agree."""
         result, received = flight.result, flight.received
-        if self.kind == "reduce_scatter" and result.numel() != self.numel:  # emulated: the whole buffer
+        if self.kind == "reduce_scatter" and result.numel() != self.numel:  # all-reduced: the whole buffer
             result = result.view(self.n, self.numel)[self.row_of_shard[self.handle.index]]
+            if result.dtype == self.dtype:
+                result = result.clone()  # the chunk alone: a view would hold the whole bucket
         if result.dtype != self.dtype:
             # an all-reduce's sum goes back into the buffer its parts were added in (kept from
             # step to step); a scatter's chunk is small and new
@@ -329,7 +337,7 @@ class GradReducer:
 
     def _make_buckets(self, entries: list[SyncEntry]) -> list[_Bucket]:
         order = sorted(entries, key=lambda e: -e.first_use)  # the order backward finishes them
-        items = [((e.kind, tuple(e.axes), e.param.dtype, e.wire_dtype, e.param.device),
+        items = [((e.kind, tuple(e.axes), e.param.dtype, e.wire_dtype, e.param.device, e.scatter_by),
                   (e.full if e.kind == "reduce_scatter" else e.param).numel() * (e.wire_dtype or e.param.dtype).itemsize)
                  for e in order]
         made = assign_buckets(items, self.bucket_bytes, self.first_bucket_bytes)  # as the step model prices them

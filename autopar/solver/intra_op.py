@@ -13,6 +13,7 @@ import math
 import time
 
 from autopar.cost_model import memory as memory_model
+from autopar.cost_model.comm import is_zero2_sync
 from autopar.cost_model.gradients import identical_ok, param_sync_axes
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time
 from autopar.errors import ConfigError, PlanError
@@ -347,7 +348,7 @@ def memory_parts(plan, graph, mesh, total: float, precision=None) -> dict:
         if p.buffer:
             params += node.memory_bytes
             continue
-        zero_axes = p.grad_sync[1] if p.grad_sync and p.grad_sync[0].startswith("reduce_scatter") else ()
+        zero_axes = p.grad_sync[1] if p.grad_sync and is_zero2_sync(p.grad_sync[0]) else ()
         parts = memory_model.param_memory_parts(graph.nodes[p.node].meta, p.storage, mesh, opt_state_sharded_axes=zero_axes,
                                                 precision=precision)
         params += parts["parameters"]

@@ -20,7 +20,7 @@ import numpy as np
 
 from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
-from autopar.cost_model.comm import mesh_collective_time
+from autopar.cost_model.comm import ZERO2_SYNCS, mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.gradients import output_whole_axes
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_count, reshard_s
@@ -103,15 +103,17 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
         syncs.append(sync)
         acc.append(accumulate_s(grad, sync is not None, step_share, cluster))
         if repl and optimizer_sharding:
-            # ZeRO-2: reduce-scatter the gradient, update a shard, all-gather the new parameter.
-            cost_z = (bucketed_collective_time("reduce_scatter", grad, mesh, repl, bucket_bytes, total_bytes)
-                      + bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes, total_bytes))
+            # ZeRO-2: sum and split the gradient (a reduce-scatter, or an all-reduce keeping this
+            # rank's chunk: the cheaper), update a shard, all-gather the new parameter.
+            gather = bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes, total_bytes)
+            cost_z, kind_z = min((bucketed_collective_time(k.split("+")[0], grad, mesh, repl, bucket_bytes, total_bytes)
+                                  + gather, k) for k in ZERO2_SYNCS)
             strategies.append(Strategy((), spec, "zero2" if spec.is_replicated else "sharded+zero2", 1.0))
             opt.append(optimizer_s(local / math.prod(mesh.shape[a] for a in repl)))
             costs.append(cost_z)
             mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl,
                                                   precision=precision))
-            syncs.append(("reduce_scatter+all_gather", repl, grad))
+            syncs.append((kind_z, repl, grad))
             acc.append(accumulate_s(grad, True, step_share, cluster))
     comp = [o * step_share + a for o, a in zip(opt, acc)]
     return strategies, comp, [c * step_share for c in costs], mems, syncs, acc

@@ -21,6 +21,7 @@ import torch
 
 import autopar
 from autopar import models
+from autopar.cost_model.comm import is_zero2_sync
 from autopar.runtime.launch import spawn
 from autopar.runtime.process_groups import MeshGroups
 
@@ -145,7 +146,7 @@ def held_case(tag, mesh, groups, layout):
     live += sum(b.numel() * b.element_size() for b in pm.buffers())
     live += sum(e.full.numel() * e.full.element_size() for e in pm._ap.zero2.values())
     working = sum(math.prod(p.storage.local_shape(mesh)) * 2 for p in pm.plan.params.values()
-                  if not p.buffer and not (p.grad_sync and p.grad_sync[0].startswith("reduce_scatter")))
+                  if not p.buffer and not (p.grad_sync and is_zero2_sync(p.grad_sync[0])))
     parts = pm.plan.predicted["memory_parts"]
     priced = parts["parameters"] + parts["gradients"] + parts["optimizer_states"] - working
     return {"tag": tag, "live": live, "priced": priced, "parts": parts, "working": working}
