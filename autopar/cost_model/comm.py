@@ -25,9 +25,10 @@ from autopar.cluster import Link
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 # ZeRO-2's gradient sync as plans name it: the gradient summed and split, by a reduce-scatter or by an
-# all-reduce of which each rank keeps its chunk (the planner takes the cheaper on the group's links:
-# gloo's reduce-scatter moves a byte about 4x slower than its all-reduce), then the updated chunk
-# all-gathered into the working copy
+# all-reduce of which each rank keeps its chunk (the planner takes the cheaper on the group's links;
+# the cpu-gloo preset's fits price gloo's reduce-scatter ~4x slower a byte than its all-reduce, and
+# 16 MiB on 4 ranks here measured 34.9 ms against 30.7 for the all-reduce and keep), then the updated
+# chunk all-gathered into the working copy
 ZERO2_SYNCS = ("reduce_scatter+all_gather", "all_reduce+all_gather")
 
 
