@@ -3,19 +3,21 @@
 ``fuse_attention``: the decomposed form models write by hand (minGPT, nanoGPT's slow path,
 transformers' "eager" attention),
 
-    scores = q @ k^T [* scale | / d] [masked_fill(m, fill) | + mask]
+    scores = q @ k^T [* scale | / scale]  [masked_fill(m, fill) | where(m, ., fill) | + mask]
     out = dropout(softmax(scores, -1), p=0) @ v
 
 becomes one ``aten.scaled_dot_product_attention(q, k, v, attn_mask, scale=...)``: the same values
 (up to rounding), and an op the planner can split along the sequence (ring attention, the
-all-to-all) and runs fused, without the (L, S) scores held for backward. A boolean ``masked_fill``
-keeps the entries it leaves alone (the SDPA mask is its negation); its fill must be -inf, or at most
-``FINITE_FILL`` with the mask a constant with no row filled whole (a row filled whole with a finite value comes out uniform,
-with a gradient SDPA does not give). An additive float mask is SDPA's own float mask where it is a
-constant with no row dropped whole, for the same reason (transformers' "eager" attention adds its
-padding masks, built from an input: those stay decomposed). Not fused: dropout with p > 0 in training
-(its random draws would change), scores that other ops also read (attention weights returned),
-softmax over another dim or into another dtype that stays.
+all-to-all) and runs fused, without the (L, S) scores held for backward. The scale is a number or
+a constant one-element tensor; casts to the dtype a value already has are stepped over. A boolean
+mask keeps the entries ``masked_fill`` leaves alone (SDPA's mask is its negation) or those
+``where`` keeps; the fill must be -inf, or at most ``FINITE_FILL`` with the mask a constant with no
+row filled whole (a row filled whole with a finite value comes out uniform, with a gradient SDPA
+does not give). An additive float mask is SDPA's own float mask where it is a constant with no row
+dropped whole, for the same reason (transformers' "eager" attention adds its padding masks, built
+from an input: those stay decomposed). Not fused: dropout with p > 0 in training (its random
+draws would change), scores that other ops also read (attention weights returned), softmax over
+another dim or into another dtype that stays.
 
 ``unexpand_kv_heads``: grouped-query attention written as key/value heads repeated before SDPA
 (``repeat_kv``) passes SDPA the Hk heads with ``enable_gqa=True``: the repeated copies are neither

@@ -2,7 +2,7 @@
 attention split over the cp axis, ``codegen/ring_attention.py``), trained 2 AdamW steps next to
 the single-process model at sequence length 1024 on 2 and 4 gloo ranks: forward, loss, every
 gradient and the trained state within 1e-5 (``parallel_harness``). Ring alone, ring x data
-parallel, ring x tensor parallel, ring inside pipeline stages; the built-in LLaMA (grouped-query
+parallel (and ZeRO-2), ring x tensor parallel, ring inside pipeline stages; the built-in LLaMA (grouped-query
 attention), and transformers' LLaMA and Qwen2 (grouped-query), causal and left-padded,
 and Mistral with a sliding window shorter than the sequence (their 4-D masks, rows split with the
 queries); minGPT's attention written out by hand (fused into causal SDPA at trace time). And the
@@ -151,6 +151,8 @@ def rank_4(rank, world):
     mesh = autopar.Mesh((2, 2))
     groups = MeshGroups(mesh)
     out.append(model_case("llama dp2 x cp2", "llama", mesh, groups, LLAMA, force=autopar.Layout(dp=2, cp=2), steps=2))
+    out.append(model_case("llama dp2 zero2 x cp2", "llama", mesh, groups, LLAMA, force=autopar.Layout(dp=2, cp=2, zero=2),
+                          steps=2))
     out.append(model_case("llama cp2 x tp2", "llama", mesh, groups, LLAMA, force=autopar.Layout(cp=2, tp=2), steps=2))
     out.append(hf_case("hf llama cp4 padded", "llama", autopar.Mesh((4,)), MeshGroups(autopar.Mesh((4,))), True,
                        autopar.Layout(cp=4)))
@@ -164,7 +166,7 @@ def results():
 
 
 def test_ring_attention_trains_whole_models_exactly(results):
-    assert len({r["tag"] for r in results}) == 11
+    assert len({r["tag"] for r in results}) == 12
     for r in results:
         assert "error" not in r, r.get("error")
         assert r["worst"] <= TOL, (r["tag"], r["worst"], r["bad_grads"])
@@ -187,6 +189,9 @@ def test_each_case_ran_ring_attention(results):
         assert all(("ring(causal)" in f.split("+")) != masked for f in ring), (r["tag"], ring)
         if "dp2" in r["tag"]:
             assert any(f.startswith("dp+") for f in ring), (r["tag"], ring)
+        if "zero2" in r["tag"]:  # gradients summed over dp and cp, split over dp
+            others = {k: fam for k, (_, fam) in r["storage"].items() if fam != "buffer" and not fam.endswith("zero2")}
+            assert not others, others
         if "tp2" in r["tag"]:
             assert any("heads" in f for f in ring), (r["tag"], ring)
         if "pp2" in r["tag"]:
