@@ -133,6 +133,7 @@ class _Bucket:
         self.accum: torch.Tensor | None = None  # parts summed since the last launch
         self.received: set[int] = set()  # slots of the entries that got a part since the last launch
         self._storage: torch.Tensor | None = None  # the flat buffer, kept from step to step
+        self._wire_storage: torch.Tensor | None = None  # the buffer sent in the wire dtype, likewise
         self.fired = 0  # entries reported in the current backward
         self.slots = {e.slot for e in entries}
         self._versions: tuple | None = None  # ZeRO-2: chunk versions at the last gather
@@ -163,6 +164,14 @@ class _Bucket:
                 self._storage = buf
         return buf.zero_()
 
+    def _wire_buffer(self, numel: int) -> torch.Tensor:
+        """The buffer a collective in another dtype sends, kept from step to step (every flight has
+        finished, its sum copied out, before the next step's launch): a new one each step paid its
+        page faults again, as much as the bytes the narrower dtype saves."""
+        if self._wire_storage is None or self._wire_storage.numel() != numel:
+            self._wire_storage = torch.empty(numel, dtype=self.wire, device=self.device)
+        return self._wire_storage
+
     def _view(self, buf: torch.Tensor, e: SyncEntry) -> torch.Tensor:
         if self.kind == "all_reduce":
             return buf[e.offset: e.offset + e.numel].view(e.param.shape)
@@ -186,7 +195,7 @@ class _Bucket:
         buf, self.accum = self.accum, None
         received, self.received = self.received, set()
         pg = self.handle.pg
-        sent = buf if self.wire == self.dtype else buf.to(self.wire)
+        sent = buf if self.wire == self.dtype else self._wire_buffer(buf.numel()).copy_(buf)
         if self.kind == "all_reduce":
             return _Flight(self, sent, dist.all_reduce(sent, group=pg, async_op=True), received, buf)
         if self.scatter_by == "all_reduce":  # the sum of the whole bucket; finish keeps this rank's chunk
