@@ -23,8 +23,9 @@ Everything runs inside one spawn of ``--ranks`` processes (one torch thread each
        that is not exact is reported and not timed. The exact ones stay alive for step 4.
     3. autopar's plans of the same model in the same processes: ``autopar.parallelize`` on
        ``Mesh((4,))``, the one-stage plan (``pipeline=False``) and the default ``pipeline="auto"``,
-       in fp32 and in bf16 (``precision="bf16"``: bf16 compute on fp32 masters, the plugin's
-       recipe), trained with ``pmodel.train_step`` and ``torch.optim.AdamW(pmodel.parameters())``,
+       in fp32 and in bf16 (``precision="bf16"``: bf16 compute on fp32 masters, gradients summed
+       in fp32; and, the plugin's recipe whole, summed in bf16: ``MixedPrecision(torch.bfloat16,
+       reduce_dtype=torch.bfloat16)``), trained with ``pmodel.train_step`` and ``torch.optim.AdamW(pmodel.parameters())``,
        checked the same way as the plugin's rows of their precision.
     4. ``--rounds`` alternating rounds (the order rotates each round) of ``--round-steps`` steps of
        every live variant; every step is bracketed by barriers, its time is the slowest rank's,
@@ -74,6 +75,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = dict(vocab=8192, width=256, layers=8, heads=8, seq=128, batch=16)
 TINY = dict(vocab=256, width=32, layers=8, heads=4, seq=16, batch=16)  # vocab: a multiple of 64 x tp
 LR = 1e-3
+BF16_SUMS = "bf16, bf16 sums"  # an autopar variant: MixedPrecision(bf16, reduce_dtype=bf16)
 TOL = 1e-5
 BF16_TOL = 2e-2  # a bfloat16 first-step loss against a bfloat16 single-process copy (8-bit mantissa)
 CHUNKS = 2  # model chunks per rank under the interleaved schedule
@@ -464,9 +466,12 @@ def rank_main(rank, world, opts):
     for name, pipeline, precision in opts["autopar"]:
         t0 = time.perf_counter()
         model, call = build_model(kw)
+        policy = (autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.bfloat16) if precision == BF16_SUMS
+                  else precision)  # the plugin's recipe whole: bf16 compute and bf16 gradient sums
         v = AutoparVariant(model, (), call, autopar.Mesh((world,)), pipeline=pipeline, lr=LR,
-                           options={"precision": precision} if precision else None)
+                           options={"precision": policy} if policy else None)
         build_s = time.perf_counter() - t0
+        precision = "bf16" if precision == BF16_SUMS else precision
         verdict = check_first_step(v, ref, bf16=precision == "bf16")
         if "failed" in verdict:
             v.close()
@@ -568,7 +573,8 @@ def main():
     shapes = TINY if a.tiny else SHAPES
     only = [s for s in a.only.split(",") if s]
     plans = [("autopar 4 one-stage", False, None), ("autopar 4 auto", "auto", None),
-             ("autopar 4 one-stage bf16", False, "bf16"), ("autopar 4 auto bf16", "auto", "bf16")]
+             ("autopar 4 one-stage bf16", False, "bf16"), ("autopar 4 auto bf16", "auto", "bf16"),
+             ("autopar 4 auto bf16 sums", "auto", BF16_SUMS)]
     plans = [(n.replace(" 4 ", f" {a.ranks} "), pl, pr) for n, pl, pr in plans]
     opts = dict(shapes=shapes, rounds=a.rounds, round_steps=a.round_steps, only=only,
                 autopar=[(n, pl, pr) for n, pl, pr in plans if not only or any(s in n for s in only)])
