@@ -497,9 +497,11 @@ class _State:
         self.all_state_keys = self.state_keys  # every stage's keys (full_state_dict)
         # Mixed precision (the MixedPrecision the module runs, or None): the programs read the slots
         # of ``masters`` (floating parameters, kept in the master dtype) cast to the working dtype
-        # in every call; the cast's backward hands the reducer's taps master-dtype gradients.
+        # in every call, before the reducer's taps (which add the working dtype's gradients into
+        # their master-dtype sums).
         self.precision = None
         self.masters: frozenset = frozenset()
+        self.zero2: dict = {}  # slot -> ZeRO-2 SyncEntry
 
     def held_dtype(self, graph, ph: str) -> torch.dtype:
         """The dtype this module keeps placeholder ``ph`` of ``graph`` in (``kept_dtype``)."""
@@ -518,10 +520,20 @@ class _State:
         gradients are enabled; ``sync``: see ``GradReducer.tap``) or their working copies, then in
         the working dtype."""
         state = [owner._parameters[a] if a in owner._parameters else owner._buffers[a] for owner, a in self.slots]
-        state = self.reducer.tap(state, sync) if torch.is_grad_enabled() else self.reducer.working_copies(state)
-        if self.masters:
-            state = [t.to(self.precision.param_dtype) if i in self.masters else t for i, t in enumerate(state)]
-        return state
+        if not torch.is_grad_enabled():
+            return self._working(self.reducer.working_copies(state))
+        # cast, then tap: the buckets take the working dtype's gradients and add them into their
+        # fp32 sums themselves; tapped before the cast, every parameter's gradient came back
+        # through the cast's backward as a new fp32 tensor each step (its page faults included)
+        return self.reducer.tap(self._working(state, skip=self.zero2), sync)
+
+    def _working(self, state: list, skip=()) -> list:
+        """``state`` with the fp32 masters cast to the working dtype (``skip``: slots another
+        working copy replaces: ZeRO-2's gathered ones)."""
+        if not self.masters:
+            return state
+        dtype = self.precision.param_dtype
+        return [t.to(dtype) if i in self.masters and i not in skip else t for i, t in enumerate(state)]
 
 
 def _grad_sync(param_plan) -> tuple | None:
