@@ -150,12 +150,13 @@ class VariantBuilder:
                                    idle_axes=tuple(self.main_plan.idle_axes), identical_axes="auto")
 
     def _user_force(self, graph) -> dict:
+        from autopar.solver.intra_op import view_mesh
         from autopar.solver.layout import Layout, layout_force
 
         force = self.config.force
         if isinstance(force, Layout):
-            try:
-                return layout_force(graph, self.pricing_mesh, force)
+            try:  # on the mesh the main plan used (its idle axes at size 1)
+                return layout_force(graph, view_mesh(self.pricing_mesh, tuple(self.main_plan.idle_axes)), force)
             except (PlanError, ConfigError):
                 return {}
         if isinstance(force, dict):

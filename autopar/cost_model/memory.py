@@ -75,7 +75,8 @@ def param_memory_parts(param_meta, storage_spec, mesh, optimizer: str = "adamw",
     ``precision`` (an ``ir.precision.MixedPrecision`` that casts; the meta's dtype is then the
     working dtype): what the runtime keeps instead: the master (the parameter the optimizer sees:
     the storage shard, with ZeRO-2 its chunk) and the working copy of the storage shard (cast for
-    the step; ZeRO-2 keeps it, gathered), the gradient and the states in the master dtype."""
+    the step; ZeRO-2 keeps it, gathered), the gradient and the states in the master dtype (and a
+    gradient summed by an all-reduce in another ``reduce_dtype``: the bucket's buffer in it)."""
     meta = getattr(param_meta, "meta", param_meta)
     states = OPTIMIZER_STATES.get(optimizer.lower())
     if states is None:
@@ -87,7 +88,10 @@ def param_memory_parts(param_meta, storage_spec, mesh, optimizer: str = "adamw",
     chunk = math.ceil(numel / ways)
     if precision is not None and precision.casts:
         master = precision.master_dtype.itemsize
-        return {"parameters": chunk * master + numel * size, "gradients": chunk * master,
+        # a gradient summed in another dtype: its all-reduce bucket keeps the buffer it sends
+        summed = any(s > 1 and a not in already for a, s in enumerate(mesh.shape))
+        wire = precision.reduce_dtype.itemsize if (ways == 1 and summed and precision.reduce_dtype != precision.master_dtype) else 0
+        return {"parameters": chunk * master + numel * size, "gradients": chunk * master + numel * wire,
                 "optimizer_states": chunk * states * master}
     # Without a policy torch's optimizer keeps its states in the parameter's own dtype, no master.
     per_element = states * size

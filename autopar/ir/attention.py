@@ -13,7 +13,7 @@ a constant one-element tensor; casts to the dtype a value already has are steppe
 mask keeps the entries ``masked_fill`` leaves alone (SDPA's mask is its negation) or those
 ``where`` keeps; the fill must be -inf, or at most ``FINITE_FILL`` with the mask a constant with no
 row filled whole (a row filled whole with a finite value comes out uniform, with a gradient SDPA
-does not give). An additive float mask is SDPA's own float mask where it is a constant with no row
+does not give; one filled whole with -inf is NaN written out, and 0 from SDPA). An additive float mask is SDPA's own float mask where it is a constant with no row
 dropped whole, for the same reason (transformers' "eager" attention adds its padding masks, built
 from an input: those stay decomposed). Not fused: dropout with p > 0 in training (its random
 draws would change), scores that other ops also read (attention weights returned), softmax over
@@ -272,9 +272,10 @@ def _replace(graph: torch.fx.Graph, q, k, kt, v, mask, scale, chain, out) -> Non
     _erase_unused(graph, [kt], consumed=[out, *chain])
 
 
-def _constant_value(node: torch.fx.Node, exported) -> torch.Tensor | None:
-    """``node``'s value if it depends on no input and no random draw (constants, unmutated buffers,
-    factory ops), evaluated here; None otherwise or where a tensor on the way exceeds FOLD_LIMIT."""
+def _constant_value(node: torch.fx.Node, exported, buffers: bool = True) -> torch.Tensor | None:
+    """``node``'s value if it depends on no input and no random draw (constants, unmutated buffers
+    unless ``buffers`` is False, factory ops), evaluated here; None otherwise or where a tensor on
+    the way exceeds FOLD_LIMIT."""
     sig = exported.graph_signature
     kinds = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
     mutated = set(sig.buffers_to_mutate.values())
@@ -289,7 +290,8 @@ def _constant_value(node: torch.fx.Node, exported) -> torch.Tensor | None:
             return None
         if n.op == "placeholder":
             spec = kinds.get(n.name)
-            if spec is None or spec.kind not in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR) or spec.target in mutated:
+            kinds_ok = (InputKind.BUFFER, InputKind.CONSTANT_TENSOR) if buffers else (InputKind.CONSTANT_TENSOR,)
+            if spec is None or spec.kind not in kinds_ok or spec.target in mutated:
                 return None
         elif n.op == "get_attr":
             pass
@@ -347,13 +349,14 @@ def _number(x) -> bool:
 
 
 def _scalar(x, exported) -> float | None:
-    """A number, or the value of a constant one-element tensor node (``torch.full([], c)``)."""
+    """A number, or the value of a constant one-element tensor node (``torch.full([], c)``; not a
+    buffer, which a user may load or schedule: a scale read from one stays decomposed)."""
     if _number(x):
         return float(x)
     val = _val(x)
     if val is None or val.numel() != 1:
         return None
-    value = _constant_value(x, exported)
+    value = _constant_value(x, exported, buffers=False)
     return None if value is None else float(value.reshape(()))
 
 

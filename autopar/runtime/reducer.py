@@ -42,9 +42,10 @@ the whole bucket of gradients lives from its first part until its scatter is don
 from step to step: the chunk, its gradient and states, and the working copy.
 
 Mixed precision (``ir.precision.MixedPrecision``): the parameters are the fp32 masters and the
-program reads their working-dtype casts. Parts reach the buckets in the masters' dtype (the cast's
-backward) and add up there; a bucket's collective sums in the policy's ``reduce_dtype`` (its
-``wire`` dtype: the buffer is cast before, the sum cast back once after), and a ZeRO-2 working copy
+program reads their working-dtype casts, tapped after the cast: parts reach the buckets in the
+working dtype and add up in the masters' dtype there; a bucket's collective sums in the policy's
+``reduce_dtype`` (its ``wire`` dtype: the buffer is cast before into a wire buffer an all-reduce
+bucket keeps from step to step, the sum cast back once after), and a ZeRO-2 working copy
 is kept and gathered in the working dtype (the masters' chunks cast into it): half the bytes of
 gathering masters, as Megatron's distributed optimizer and FSDP2 gather bf16 parameters.
 """
@@ -134,6 +135,7 @@ class _Bucket:
         self.received: set[int] = set()  # slots of the entries that got a part since the last launch
         self._storage: torch.Tensor | None = None  # the flat buffer, kept from step to step
         self._wire_storage: torch.Tensor | None = None  # the buffer sent in the wire dtype, likewise
+        self._wire_busy = False  # a flight of this bucket is using ``_wire_storage``
         self.fired = 0  # entries reported in the current backward
         self.slots = {e.slot for e in entries}
         self._versions: tuple | None = None  # ZeRO-2: chunk versions at the last gather
@@ -165,11 +167,15 @@ class _Bucket:
         return buf.zero_()
 
     def _wire_buffer(self, numel: int) -> torch.Tensor:
-        """The buffer a collective in another dtype sends, kept from step to step (every flight has
-        finished, its sum copied out, before the next step's launch): a new one each step paid its
-        page faults again, as much as the bytes the narrower dtype saves."""
+        """The buffer a collective in another dtype sends. An all-reduce bucket keeps it from step to
+        step as it keeps its sum (a new one each step paid its page faults again, as much as the
+        bytes the narrower dtype saves; priced with the gradients), unless a flight of this bucket
+        still uses it; ZeRO-2 holds no whole bucket between steps, so its is new each time."""
+        if self.kind != "all_reduce" or self._wire_busy:
+            return torch.empty(numel, dtype=self.wire, device=self.device)
         if self._wire_storage is None or self._wire_storage.numel() != numel:
             self._wire_storage = torch.empty(numel, dtype=self.wire, device=self.device)
+        self._wire_busy = True
         return self._wire_storage
 
     def _view(self, buf: torch.Tensor, e: SyncEntry) -> torch.Tensor:
@@ -215,6 +221,7 @@ class _Bucket:
         skips it, weight decay included), cast back from the wire dtype once. Every rank runs the
         same program, so all agree."""
         result, received = flight.result, flight.received
+        self._wire_busy = False  # flights of a bucket finish in launch order
         if self.kind == "reduce_scatter" and result.numel() != self.numel:  # all-reduced: the whole buffer
             result = result.view(self.n, self.numel)[self.row_of_shard[self.handle.index]]
             if result.dtype == self.dtype:

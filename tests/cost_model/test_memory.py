@@ -72,9 +72,14 @@ def test_bf16_params_are_priced_as_torch_keeps_them_and_a_policy_as_it_runs():
     # ZeRO-2 over 2: the master's chunk and the bf16 working copy it gathers; the chunk's gradient and states
     assert param_memory_parts(BF16_1M, None, mesh, opt_state_sharded_axes=(0,), precision=bf16) == {
         "parameters": (2 + 2) * M, "gradients": 2 * M, "optimizer_states": 4 * M}
-    # gradients summed in bf16 still land in the fp32 masters' .grad
+    # gradients summed in bf16 still land in the fp32 masters' .grad; the all-reduce bucket also
+    # keeps the bf16 buffer it sends (not where nothing is summed: split storage, ZeRO-2's chunk)
     bf16_sums = MixedPrecision(reduce_dtype=torch.bfloat16)
-    assert param_memory_parts(BF16_1M, None, mesh, precision=bf16_sums) == param_memory_parts(BF16_1M, None, mesh, precision=bf16)
+    assert param_memory_parts(BF16_1M, None, mesh, precision=bf16_sums) == {
+        "parameters": (4 + 2) * M, "gradients": (4 + 2) * M, "optimizer_states": 8 * M}
+    for kw in (dict(storage_spec=_spec("[S0, R]", mesh)), dict(storage_spec=None, opt_state_sharded_axes=(0,))):
+        assert (param_memory_parts(BF16_1M, mesh=mesh, precision=bf16_sums, **kw)
+                == param_memory_parts(BF16_1M, mesh=mesh, precision=bf16, **kw))
     with pytest.raises(ConfigError, match="optimizer"):
         param_memory(FP32_1M, None, mesh, "lion")
 

@@ -43,6 +43,7 @@ class HandAttention(nn.Module):
         if mask == "row":
             tril[0] = 0
         self.register_buffer("tri", tril)
+        self.register_buffer("inv_scale", torch.tensor(0.5))
         self.register_buffer("bias", -0.1 * (torch.arange(seq)[:, None] - torch.arange(seq)[None]).abs().float())
 
     def forward(self, x, pad=None):
@@ -58,6 +59,8 @@ class HandAttention(nn.Module):
         d = q.shape[-1]
         if self.scale == "tensor":  # transformers 4.x GPT-2: a 0-d tensor, a no-op cast, a where
             att = (att / torch.full([], d ** 0.5, dtype=att.dtype)).to(att.dtype)
+        elif self.scale == "buffer":  # a scale a user may load or schedule
+            att = att * self.inv_scale
         else:
             att = att / math.sqrt(d) if self.scale == "div" else att * (1 / math.sqrt(d)) if self.scale == "mul" else att
         if self.mask == "where":
@@ -226,6 +229,11 @@ def test_what_would_change_is_left_as_written():
     fused, folded, ep = rewritten(model, X)
     assert (fused, folded) == (1, 1)
     assert_same(model, ep, X)
+
+
+def test_a_scale_read_from_a_buffer_stays_written_out():
+    fused, _, ep = rewritten(HandAttention(scale="buffer"), X)
+    assert fused == 0 and "aten.softmax.int" in ops(ep)
 
 
 def test_masks_past_the_fold_limit_stay(monkeypatch):
