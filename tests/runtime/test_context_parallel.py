@@ -72,14 +72,14 @@ def mingpt_case(tag, mesh, groups, layout):
     return run_case(tag, go)
 
 
-def all_to_all_case(tag, mesh, groups):
+def all_to_all_case(tag, mesh, groups, **build):
     """The all-to-all form (DeepSpeed-Ulysses): every op that has the sequence dim splits it over
     the mesh, attention splits its heads instead; all-to-alls swap the two around attention."""
     def go():
         from autopar import models
         from autopar.ir import trace
 
-        model, inputs = models.build("llama", **LLAMA)
+        model, inputs = models.build("llama", **(LLAMA | build))
         graph = trace(model, inputs)
 
         def split_sequence(shape):
@@ -157,6 +157,8 @@ def rank_4(rank, world):
     out.append(hf_case("hf llama cp4 padded", "llama", autopar.Mesh((4,)), MeshGroups(autopar.Mesh((4,))), True,
                        autopar.Layout(cp=4)))
     out.append(pipeline_case("llama pp2 x cp2"))
+    # 4-way heads need 4 key/value heads (grouped-query attention splits its key/value heads)
+    out.append(all_to_all_case("llama all-to-all sp4", mesh4, groups4, kv_heads=4))
     return out
 
 
@@ -166,7 +168,7 @@ def results():
 
 
 def test_ring_attention_trains_whole_models_exactly(results):
-    assert len({r["tag"] for r in results}) == 12
+    assert len({r["tag"] for r in results}) == 13
     for r in results:
         assert "error" not in r, r.get("error")
         assert r["worst"] <= TOL, (r["tag"], r["worst"], r["bad_grads"])
