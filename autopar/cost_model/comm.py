@@ -32,9 +32,11 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 ZERO2_SYNCS = ("reduce_scatter+all_gather", "all_reduce+all_gather")
 
 
+SCALAR_BYTES = 8  # one value of any dtype: what ``scalar_all_reduce_alphas`` prices
+
+
 def is_zero2_sync(kind: str | None) -> bool:
     return kind in ZERO2_SYNCS
-SCALAR_BYTES = 8  # one value of any dtype: what ``scalar_all_reduce_alphas`` prices
 
 
 def group_link(links: Sequence[Link]) -> Link:

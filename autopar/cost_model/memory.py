@@ -55,6 +55,7 @@ from autopar.cost_model.ops import (
 )
 from autopar.errors import ConfigError
 from autopar.ir.graph import per_graph
+from autopar.sharding_spec.strategy import active_axes
 
 # Optimizer states kept per parameter element.
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "momentum": 1}
@@ -89,7 +90,7 @@ def param_memory_parts(param_meta, storage_spec, mesh, optimizer: str = "adamw",
     if precision is not None and precision.casts:
         master = precision.master_dtype.itemsize
         # a gradient summed in another dtype: its all-reduce bucket keeps the buffer it sends
-        summed = any(s > 1 and a not in already for a, s in enumerate(mesh.shape))
+        summed = any(a not in already for a in active_axes(mesh))
         wire = precision.reduce_dtype.itemsize if (ways == 1 and summed and precision.reduce_dtype != precision.master_dtype) else 0
         return {"parameters": chunk * master + numel * size, "gradients": chunk * master + numel * wire,
                 "optimizer_states": chunk * states * master}

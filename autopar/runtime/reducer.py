@@ -202,18 +202,18 @@ class _Bucket:
         received, self.received = self.received, set()
         pg = self.handle.pg
         sent = buf if self.wire == self.dtype else self._wire_buffer(buf.numel()).copy_(buf)
-        if self.kind == "all_reduce":
-            return _Flight(self, sent, dist.all_reduce(sent, group=pg, async_op=True), received, buf)
-        if self.scatter_by == "all_reduce":  # the sum of the whole bucket; finish keeps this rank's chunk
-            return _Flight(self, sent, dist.all_reduce(sent, group=pg, async_op=True), received)
-        out = sent.new_empty(self.numel)
-        try:
-            return _Flight(self, out, _reduce_scatter_flat(out, sent, group=pg, async_op=True), received)
-        except (RuntimeError, NotImplementedError, ValueError) as err:
-            if "support" not in str(err).lower() and "implement" not in str(err).lower():
-                raise
-            # the backend lacks reduce_scatter: all-reduce the whole buffer, keep this rank's row
-            return _Flight(self, sent, dist.all_reduce(sent, group=pg, async_op=True), received)
+        if self.kind == "reduce_scatter" and self.scatter_by == "reduce_scatter":
+            out = sent.new_empty(self.numel)
+            try:
+                return _Flight(self, out, _reduce_scatter_flat(out, sent, group=pg, async_op=True), received)
+            except (RuntimeError, NotImplementedError, ValueError) as err:
+                if "support" not in str(err).lower() and "implement" not in str(err).lower():
+                    raise
+                # the backend lacks reduce_scatter: all-reduce the whole buffer below
+        # an all-reduce; a ZeRO-2 bucket's finish keeps this rank's chunk of the sum, an all-reduce
+        # bucket's sum goes back into the buffer its parts were added in
+        home = buf if self.kind == "all_reduce" else None
+        return _Flight(self, sent, dist.all_reduce(sent, group=pg, async_op=True), received, home)
 
     def finish(self, flight: _Flight) -> None:
         """Add a finished collective's result into the ``.grad`` of the parameters that got parts
