@@ -136,35 +136,60 @@ class _Bucket:
         self._storage: torch.Tensor | None = None  # the flat buffer, kept from step to step
         self._wire_storage: torch.Tensor | None = None  # the buffer sent in the wire dtype, likewise
         self._wire_busy = False  # a flight of this bucket is using ``_wire_storage``
+        self._storage_busy = False  # parts or a flight of this bucket are using ``_storage``
         self.fired = 0  # entries reported in the current backward
         self.slots = {e.slot for e in entries}
         self._versions: tuple | None = None  # ZeRO-2: chunk versions at the last gather
 
     # ---- gradients in --------------------------------------------------------------------------
     def add(self, grads) -> None:
+        """Add one part per entry (None: no part). An entry's first part since the last launch is
+        copied in (nothing to zero first); where parts come in the wire dtype (a casting policy's
+        working dtype summed in it) the first parts go straight into the buffer the collective sends,
+        and the bucket moves to a master-dtype buffer only when an entry gets a second part (then
+        the parts add up there, as before): a step without accumulation neither zeroes, nor adds
+        into, nor casts out of a master-dtype buffer."""
+        parts = [(e, g) for e, g in zip(self.entries, grads) if g is not None]
+        if not parts:
+            return
+        again = any(e.slot in self.received for e, _ in parts)
         if self.accum is None:
-            self.accum = self._fresh_buffer()
-        for e, g in zip(self.entries, grads):
-            if g is not None:
-                self._view(self.accum, e).add_(self._layout(e, g))
+            in_wire = self.wire != self.dtype and all(g.dtype == self.wire for _, g in parts)
+            self.accum = self._wire_buffer(self._flat_numel()) if in_wire else self._fresh_buffer()
+        elif self.accum.dtype != self.dtype and (again or any(g.dtype != self.wire for _, g in parts)):
+            # a second part (or one in another dtype): the sum needs the master dtype
+            self.accum = self._fresh_buffer().copy_(self.accum)
+            self._wire_busy = False  # left unsent; the launch casts the sum back into it
+        for e, g in parts:
+            view = self._view(self.accum, e)
+            if e.slot in self.received:
+                view.add_(self._layout(e, g))
+            else:
+                view.copy_(self._layout(e, g))
                 self.received.add(e.slot)
 
+    def _flat_numel(self) -> int:
+        return self.numel * (self.n if self.kind == "reduce_scatter" else 1)
+
     def _fresh_buffer(self) -> torch.Tensor:
-        """A zeroed flat buffer: the one of the last step when no ``.grad`` still views it (the
-        usual ``zero_grad()`` sets them to None), else a new one. As DDP keeps its buckets: a new
-        multi-MB buffer each step cost its page faults again (50-150 ms a step on 4 ranks of the
-        10M GPT, more than the all-reduce of it)."""
+        """A flat buffer in the master dtype (not zeroed: entries are copied in first): the one of
+        the last step when no ``.grad`` still views it (the usual ``zero_grad()`` sets them to
+        None), else a new one. As DDP keeps its buckets: a new multi-MB buffer each step cost its
+        page faults again (50-150 ms a step on 4 ranks of the 10M GPT, more than the all-reduce
+        of it)."""
         buf = self._storage
         if buf is not None:
             ptr = buf.untyped_storage().data_ptr()
-            if any(e.param.grad is not None and e.param.grad.untyped_storage().data_ptr() == ptr for e in self.entries):
+            if self._storage_busy or any(e.param.grad is not None and e.param.grad.untyped_storage().data_ptr() == ptr
+                                         for e in self.entries):
                 buf = None
         if buf is None:
-            size = self.numel * (self.n if self.kind == "reduce_scatter" else 1)
-            buf = torch.empty(size, dtype=self.dtype, device=self.device)
-            if self.kind == "all_reduce":  # ZeRO-2 keeps only its chunk: the whole buffer goes after the scatter
-                self._storage = buf
-        return buf.zero_()
+            buf = torch.empty(self._flat_numel(), dtype=self.dtype, device=self.device)
+            if self.kind != "all_reduce":  # ZeRO-2 keeps only its chunk: the whole buffer goes after the scatter
+                return buf
+            self._storage = buf
+        self._storage_busy = True  # until the flight that sums it finishes
+        return buf
 
     def _wire_buffer(self, numel: int) -> torch.Tensor:
         """The buffer a collective in another dtype sends. An all-reduce bucket keeps it from step to
@@ -200,8 +225,14 @@ class _Bucket:
         """Start this bucket's collective on its accumulated parts (cast to the wire dtype)."""
         buf, self.accum = self.accum, None
         received, self.received = self.received, set()
+        for e in self.entries:  # every rank runs the same program: an entry without parts is zero everywhere
+            if e.slot not in received:
+                self._view(buf, e).zero_()
         pg = self.handle.pg
-        sent = buf if self.wire == self.dtype else self._wire_buffer(buf.numel()).copy_(buf)
+        if buf.dtype == self.wire:  # summed in the dtype the parts were added in (or went straight into)
+            sent = buf
+        else:
+            sent = self._wire_buffer(buf.numel()).copy_(buf)
         if self.kind == "reduce_scatter" and self.scatter_by == "reduce_scatter":
             out = sent.new_empty(self.numel)
             try:
@@ -212,7 +243,9 @@ class _Bucket:
                 # the backend lacks reduce_scatter: all-reduce the whole buffer below
         # an all-reduce; a ZeRO-2 bucket's finish keeps this rank's chunk of the sum, an all-reduce
         # bucket's sum goes back into the buffer its parts were added in
-        home = buf if self.kind == "all_reduce" else None
+        home = None
+        if self.kind == "all_reduce" and sent.dtype != self.dtype:
+            home = buf if buf.dtype == self.dtype else self._fresh_buffer()
         return _Flight(self, sent, dist.all_reduce(sent, group=pg, async_op=True), received, home)
 
     def finish(self, flight: _Flight) -> None:
@@ -221,7 +254,7 @@ class _Bucket:
         skips it, weight decay included), cast back from the wire dtype once. Every rank runs the
         same program, so all agree."""
         result, received = flight.result, flight.received
-        self._wire_busy = False  # flights of a bucket finish in launch order
+        self._wire_busy = self._storage_busy = False  # flights of a bucket finish in launch order
         if self.kind == "reduce_scatter" and result.numel() != self.numel:  # all-reduced: the whole buffer
             result = result.view(self.n, self.numel)[self.row_of_shard[self.handle.index]]
             if result.dtype == self.dtype:

@@ -180,6 +180,69 @@ def no_grad_case(mesh, groups):
             "requires_grad": out.requires_grad, "zero2": sum(b.kind == "reduce_scatter" for b in pm.reducer.buckets)}
 
 
+def parts_case(mesh, groups):
+    """Parts into one data-parallel bucket, bit for bit, on hand-made fp32 parameters (2 ranks):
+    every rank knows every rank's parts (seeded by rank), so it computes what each path must give.
+
+    - wire bf16, one part a step: the parts go straight into the bf16 buffer the all-reduce sends;
+    - wire bf16, three parts (two under ``no_sync``): they add up in fp32 (1 + 2^-8 + 2^-8 is
+      1 + 2^-7 there, 1 in bf16), then one bf16 sum;
+    - an entry without a part in a micro-step, and one that never gets a part (``.grad`` None);
+    - two forwards, one backward: the bucket is launched twice in one synchronisation; the second
+      flight must not reuse the buffer the first one is summing (fp32 and bf16 wires)."""
+    rank, bf16 = torch.distributed.get_rank(), torch.bfloat16
+
+    def parts_of(r, step, shape, dtype):
+        g = torch.Generator().manual_seed(1000 * r + 17 * step + shape[-1])
+        return torch.randn(shape, generator=g).to(dtype)
+
+    def run(wire, dtype, steps, forwards=1, constant=None):
+        params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(2, 3)),
+                  torch.nn.Parameter(torch.zeros(3))]
+        entries = [SyncEntry(k, p, "all_reduce", (0,), 3 - k, wire_dtype=wire) for k, p in enumerate(params)]
+        reducer = GradReducer(entries, groups)
+        assert len(reducer.buckets) == 1
+        for step in range(steps):
+            losses = []
+            for f in range(forwards):
+                tapped = reducer.tap([p.to(dtype) for p in params], sync=step == steps - 1)
+                # the second parameter gets no part in the first micro-step; the third never
+                used = [0] + ([1] if step > 0 or steps == 1 else [])
+                for k in used:
+                    part = (constant[step] * torch.ones(params[k].shape, dtype=dtype) if constant
+                            else parts_of(rank, 10 * step + f, params[k].shape, dtype))
+                    losses.append((tapped[k] * part).sum())
+            sum(losses).backward()
+        assert not reducer.pending()
+        want = []
+        for k, p in enumerate(params[:2]):
+            total = None
+            for f in range(forwards):
+                per_rank = []
+                for r in range(2):
+                    acc = torch.zeros(p.shape)
+                    for step in range(steps):
+                        if k == 1 and step == 0 and steps > 1:
+                            continue
+                        part = (constant[step] * torch.ones(p.shape, dtype=dtype) if constant
+                                else parts_of(r, 10 * step + f, p.shape, dtype))
+                        acc += part.float()
+                    per_rank.append(acc.to(wire or torch.float32))
+                summed = (per_rank[0].float() + per_rank[1].float()).to(wire or torch.float32).float()
+                total = summed if total is None else total + summed
+            want.append(total)
+        bad = [k for k, w in enumerate(want) if params[k].grad is None or not torch.equal(params[k].grad, w)]
+        return {"bad": bad, "third_grad": params[2].grad, "flights": reducer.launched}
+
+    return {"tag": "parts",
+            "one part, bf16 wire": run(bf16, bf16, 1),
+            "three parts, bf16 wire": run(bf16, bf16, 3),
+            "three constant parts, bf16 wire": run(bf16, bf16, 3, constant=[1.0, 2.0 ** -8, 2.0 ** -8]),
+            "fp32 parts, bf16 wire": run(bf16, torch.float32, 2),
+            "two forwards, fp32": run(None, torch.float32, 1, forwards=2),
+            "two forwards, bf16 wire": run(bf16, bf16, 1, forwards=2)}
+
+
 def rank_cases(rank, world, shapes):
     warnings.simplefilter("ignore")
     out = []
@@ -201,6 +264,7 @@ def rank_cases(rank, world, shapes):
             out.append(accumulation_case(f"tiny-buckets-{s}", mesh, groups, micro=1, bucket_bytes=1024,
                                          force=autopar.Layout(dp=mesh.size)))
             out.append(run_case("no-grad", no_grad_case, mesh, groups))
+            out.append(run_case("parts", parts_case, mesh, groups))
     return out
 
 
@@ -294,6 +358,17 @@ def test_no_grad_forward_runs_no_bookkeeping(two_ranks):
     case = _ok(two_ranks["no-grad"])
     assert case["err"] <= TOL and not case["pending"] and not case["requires_grad"]
     assert case["zero2"] >= 1
+
+
+@pytest.mark.multirank
+def test_parts_add_up_as_each_path_must(two_ranks):
+    case = _ok(two_ranks["parts"])
+    runs = {name: got for name, got in case.items() if isinstance(got, dict)}
+    assert len(runs) == 6
+    for name, got in runs.items():
+        assert got["bad"] == [], name
+        assert got["third_grad"] is None, name  # no part ever: .grad stays None
+    assert case["two forwards, fp32"]["flights"] == 2
 
 
 @pytest.mark.multirank
