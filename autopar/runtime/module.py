@@ -496,12 +496,13 @@ class _State:
         self.plan_full = None  # the plan with every stage (``plan`` is this stage's)
         self.all_state_keys = self.state_keys  # every stage's keys (full_state_dict)
         # Mixed precision (the MixedPrecision the module runs, or None): the programs read the slots
-        # of ``masters`` (floating parameters, kept in the master dtype) cast to the working dtype
-        # in every call, before the reducer's taps (which add the working dtype's gradients into
-        # their master-dtype sums).
+        # of ``masters`` (floating parameters, kept in the master dtype) as working-dtype copies
+        # kept from call to call (``_working``); the reducer's taps take them beside the masters
+        # and add the working dtype's gradients into their master-dtype sums.
         self.precision = None
         self.masters: frozenset = frozenset()
         self.zero2: dict = {}  # slot -> ZeRO-2 SyncEntry
+        self._kept: dict = {}  # master slot -> (the master, its version when cast, the working copy)
 
     def held_dtype(self, graph, ph: str) -> torch.dtype:
         """The dtype this module keeps placeholder ``ph`` of ``graph`` in (``kept_dtype``)."""
@@ -516,24 +517,52 @@ class _State:
                 if isinstance(x, torch.Tensor) else x for x in flat]
 
     def program_state(self, sync: bool | None = None) -> list:
-        """What the program reads for each slot: the parameters through the reducer's taps (when
-        gradients are enabled; ``sync``: see ``GradReducer.tap``) or their working copies, then in
-        the working dtype."""
+        """What the program reads for each slot: the parameters (or their working copies) through
+        the reducer's taps when gradients are enabled (``sync``: see ``GradReducer.tap``), else the
+        working copies."""
         state = [owner._parameters[a] if a in owner._parameters else owner._buffers[a] for owner, a in self.slots]
         if not torch.is_grad_enabled():
             return self._working(self.reducer.working_copies(state))
-        # cast, then tap: the buckets take the working dtype's gradients and add them into their
-        # fp32 sums themselves; tapped before the cast, every parameter's gradient came back
-        # through the cast's backward as a new fp32 tensor each step (its page faults included)
-        return self.reducer.tap(self._working(state, skip=self.zero2), sync)
+        return self.reducer.tap(state, sync, reads=self._working(state, skip=self.zero2, link=True))
 
-    def _working(self, state: list, skip=()) -> list:
-        """``state`` with the fp32 masters cast to the working dtype (``skip``: slots another
-        working copy replaces: ZeRO-2's gathered ones)."""
+    def _working(self, state: list, skip=(), link: bool = False) -> list:
+        """``state`` with each master replaced by its working-dtype copy (``skip``: slots another
+        working copy replaces: ZeRO-2's gathered ones). The copy is kept from call to call and cast
+        again only when its master changed (an optimizer step or a loaded state moves the master's
+        version), so a step casts once however many microbatches or forwards it runs, into memory
+        it already has: cast anew each forward, the copies paid their allocation's page faults
+        every microbatch, and their cast's backward ran once per parameter. ``link``: a master no
+        bucket taps reads it through ``_FromWorking``, which gives it its gradient."""
         if not self.masters:
             return state
-        dtype = self.precision.param_dtype
-        return [t.to(dtype) if i in self.masters and i not in skip else t for i, t in enumerate(state)]
+        out = list(state)
+        for i in self.masters:
+            if i in skip:
+                continue
+            master = state[i]
+            kept = self._kept.get(i)
+            if kept is None or kept[0] is not master or kept[1] != master._version:
+                copy = kept[2] if kept is not None and kept[0] is master else torch.empty_like(
+                    master, dtype=self.precision.param_dtype, requires_grad=False)
+                with torch.no_grad():
+                    copy.copy_(master)
+                kept = self._kept[i] = (master, master._version, copy)
+            out[i] = _FromWorking.apply(master, kept[2]) if link and i not in self.reducer.tapped else kept[2]
+        return out
+
+
+class _FromWorking(torch.autograd.Function):
+    """A master's kept working copy as the program reads it, with the master's gradient (the
+    working dtype's, cast to the master's dtype: what ``master.to(dtype)``'s backward gives)."""
+
+    @staticmethod
+    def forward(ctx, master, working):
+        ctx.dtype = master.dtype
+        return working.view_as(working)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None if grad is None else grad.to(ctx.dtype)), None
 
 
 def _grad_sync(param_plan) -> tuple | None:

@@ -42,7 +42,7 @@ the whole bucket of gradients lives from its first part until its scatter is don
 from step to step: the chunk, its gradient and states, and the working copy.
 
 Mixed precision (``ir.precision.MixedPrecision``): the parameters are the fp32 masters and the
-program reads their working-dtype casts, tapped after the cast: parts reach the buckets in the
+program reads working-dtype copies of them through the taps: parts reach the buckets in the
 working dtype and add up in the masters' dtype there; a bucket's collective sums in the policy's
 ``reduce_dtype`` (its ``wire`` dtype: the buffer is cast before into a wire buffer an all-reduce
 bucket keeps from step to step, the sum cast back once after), and a ZeRO-2 working copy
@@ -319,21 +319,22 @@ class _Flight(NamedTuple):
 
 
 class _BucketTap(torch.autograd.Function):
-    """Identity on a bucket's tensors in forward; in backward, hands their gradients to the
-    reducer and returns none (so autograd accumulates nothing into ``.grad`` itself)."""
+    """Identity on what the program reads of a bucket's parameters in forward; in backward, hands
+    their gradients to the reducer and returns none (so autograd accumulates nothing into
+    ``.grad`` itself). It takes (what the program reads..., the parameters...): the parameters make
+    autograd record it; the program reads the first half (the parameters themselves, a policy's
+    working copies, ZeRO-2's gathered ones)."""
 
     @staticmethod
     def forward(ctx, call, bucket, *tensors):
         ctx.call, ctx.bucket = call, bucket
         ctx.set_materialize_grads(False)
-        n = len(bucket.entries)
-        # ZeRO-2 taps take (working copies..., chunks...): the program reads the working copies.
-        return tuple(t.view_as(t) for t in tensors[:n])
+        return tuple(t.view_as(t) for t in tensors[: len(bucket.entries)])
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.call.reducer._on_grads(ctx.bucket, grads, ctx.call.sync)
-        return (None, None) + (None,) * (len(grads) * (2 if ctx.bucket.kind == "reduce_scatter" else 1))
+        return (None, None) + (None,) * (2 * len(grads))
 
 
 @dataclasses.dataclass
@@ -371,6 +372,7 @@ class GradReducer:
         self.bucket_bytes, self.first_bucket_bytes = bucket_bytes, first_bucket_bytes
         self.buckets = self._make_buckets(entries)
         self._by_slot = {e.slot: b for b in self.buckets for e in b.entries}
+        self.tapped = frozenset(self._by_slot)  # the state slots a tap reads
         self._next = 0  # the next bucket to launch in this backward
         self._ready: set[int] = set()
         self._inflight: list[_Flight] = []
@@ -404,21 +406,22 @@ class GradReducer:
         finally:
             self._sync_enabled = old
 
-    def tap(self, state: list, sync: bool | None = None) -> list:
+    def tap(self, state: list, sync: bool | None = None, reads: list | None = None) -> list:
         """The program's state inputs with every synchronised parameter read through its bucket's
         tap (call when autograd records the forward). ``sync`` overrides whether this forward's
-        backward synchronises (a pipeline's last microbatch does, inside ``no_sync()``)."""
+        backward synchronises (a pipeline's last microbatch does, inside ``no_sync()``). ``reads``:
+        what the program reads in place of ``state``'s parameters (a policy's working copies)."""
         call = _Call(self, self._sync_enabled if sync is None else sync)
-        state = list(state)
+        out = list(state if reads is None else reads)
         for b in self.buckets:
             if b.kind == "reduce_scatter":
                 b.gather_if_stale()
                 ins = [e.full for e in b.entries] + [e.param for e in b.entries]
             else:
-                ins = [state[e.slot] for e in b.entries]
+                ins = [out[e.slot] for e in b.entries] + [state[e.slot] for e in b.entries]
             for e, t in zip(b.entries, _BucketTap.apply(call, b, *ins)):
-                state[e.slot] = t
-        return state
+                out[e.slot] = t
+        return out
 
     def working_copies(self, state: list) -> list:
         """The program's state inputs without taps (no-grad forwards): ZeRO-2 parameters replaced by
