@@ -296,16 +296,17 @@ class ParallelModule(nn.Module):
         return self._ap.reducer
 
     @torch.no_grad()
-    def _storage_shards(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Canonical fqn -> this rank's storage shard (or its gradient, None where there is none).
-        Collective where ZeRO-2 chunks must be gathered."""
+    def _storage_shards(self, grads: bool = False, names=None) -> dict[str, torch.Tensor]:
+        """Canonical fqn -> this rank's storage shard (or its gradient, None where there is none),
+        of every parameter and buffer or of ``names``. Collective where ZeRO-2 chunks must be
+        gathered (every rank of their group asks for the same names)."""
         ap = self._ap
         fqn_of = {ph: fqn for fqn, ph in {**ap.graph.params, **ap.graph.buffers}.items()}
         out = {}
         if not grads:
             ap.reducer.working_copies([None] * len(ap.slots))  # refresh ZeRO-2 working copies
         for slot, ((owner, a), ph) in enumerate(zip(ap.slots, ap.state_names)):
-            if ph not in fqn_of:
+            if ph not in fqn_of or (names is not None and fqn_of[ph] not in names):
                 continue
             t = owner._parameters[a] if a in owner._parameters else owner._buffers[a]
             entry = ap.zero2.get(slot)

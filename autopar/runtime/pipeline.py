@@ -413,7 +413,9 @@ class PipelineRunner:
         fqn_of = {ph: fqn for fqn, ph in ap.graph.params.items()}
         groups = ap.groups
         blocks_of = {ph: frozenset(s % self.sg.blocks for s in st) for ph, st in self.shared.items()}
-        grads = pm._storage_shards(grads=True)  # (a collective inside the stage where ZeRO-2 chunks are)
+        # the shared parameters' gradients alone (a collective inside the stage where ZeRO-2 chunks
+        # are: all of them gathered, every parameter's gradient crossed the stage each step)
+        grads = pm._storage_shards(grads=True, names={fqn_of[ph] for ph in self.shared if ph in fqn_of})
         held = pm.local_state()
         for members in sorted({b for b in blocks_of.values() if len(b) > 1}, key=sorted):
             pg = self.sg.shared.get(members)
