@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.cost_model.comm import is_zero2_sync, mesh_collective_time
+from autopar.cost_model.comm import is_zero2_sync, local_sum_time, mesh_collective_time
 from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s, whole_on
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.graph import Role, edge_itemsize, per_graph
@@ -34,6 +34,18 @@ DEFAULT_BUCKET_BYTES = 25 << 20
 FIRST_BUCKET_BYTES = 1 << 20
 # ZeRO-2 reduce-scatters in flight at once (``runtime.reducer``): each holds a whole bucket.
 SCATTERS_IN_FLIGHT = 2
+
+
+def zero2_pool_bytes(grad_bytes: float, kind: str, total_bytes: float | None,
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
+    """Bytes a ZeRO-2 gradient of ``grad_bytes`` (in its reduction dtype) adds to the reducer's
+    pool, which keeps the whole-bucket buffers a sum uses from step to step (the one sent, and for
+    an all-to-all the one received: ``kind``, a ``ZERO2_SYNCS`` name). The pool holds at most the
+    buckets in use at once (``SCATTERS_IN_FLIGHT`` and one filling), so a gradient pays its share
+    of that bound among ``total_bytes`` (every gradient's bytes)."""
+    buffers = 2 if kind.startswith("all_to_all") else 1
+    share = 1.0 if not total_bytes else min(1.0, (SCATTERS_IN_FLIGHT + 1) * bucket_bytes / total_bytes)
+    return buffers * grad_bytes * share
 
 
 def bucket_sizes(total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[int]:
@@ -83,13 +95,13 @@ def bucket_count(total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
 def accumulate_s(nbytes: float, bucketed: bool, step_share: float, cluster) -> float:
     """Seconds per run of the graph (one microbatch) the runtime spends adding one parameter's
     local gradient (``nbytes``) into what holds it: memory-bound, three passes (read the sum, read
-    the part, write the sum) and one op. A bucketed gradient (the reducer's) is added every run
-    into a buffer zeroed once per step (a fourth pass, per step); the others are autograd's, whose
-    first run keeps its gradient as it is. ``step_share``: the share of a step one run is. With
+    the part, write the sum) and one op. A bucketed gradient (the reducer's) is copied into its
+    buffer by the step's first run (two passes) and added by the others; the others are autograd's,
+    whose first run keeps its gradient as it is. ``step_share``: the share of a step one run is. With
     many microbatches this is real work: GPT-3 on a stage holding whole attention weights adds
     ~4.5 GB of bfloat16 gradients per microbatch, ~16% of its compute on an A100."""
     runs = 1.0 if bucketed else 1.0 - step_share
-    passes = 3.0 * runs + (step_share if bucketed else 0.0)
+    passes = 3.0 * runs - (step_share if bucketed else 0.0)
     return nbytes * passes / cluster.sustained_memory_bandwidth + runs * cluster.backward_op_overhead_s
 
 
@@ -198,7 +210,8 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     for (kind, axes, _, after, gathered), _, nbytes in assign_buckets([(key, n) for _, key, n in synced], bucket_bytes):
         for k, n in ((kind, nbytes), *((a, int(nbytes * gathered)) for a in after)):
             if (k, axes, n) not in priced:
-                priced[(k, axes, n)] = mesh_collective_time(k, n, mesh, axes)
+                ways = math.prod(mesh.shape[a] for a in axes)
+                priced[(k, axes, n)] = mesh_collective_time(k, n, mesh, axes) + local_sum_time(k, n, ways, cluster)
         buckets.append(priced[(kind, axes, nbytes)])
         gathers += sum(priced[(k, axes, int(nbytes * gathered))] for k in after)
     sync = sum(buckets)

@@ -109,9 +109,49 @@ def chunk_of(full: torch.Tensor, index: int, n: int) -> torch.Tensor:
     return flat.narrow(0, start, min(c, flat.shape[0] - start))
 
 
+class _Pool:
+    """Flat buffers that ZeRO-2 buckets use only while they are summed or gathered, kept for the
+    next use. Made anew each time, their pages were faulted in again every step: on this 2-core
+    VM's 4 gloo ranks a new 32 MiB buffer cost 15-30 ms, as much as the collective that fills it.
+    The smallest free buffer that fits is lent first; the pool keeps at most ``cap_bytes`` free
+    (what the memory model prices: ``cost_model.step.zero2_pool_bytes``), a buffer given back past
+    that is freed."""
+
+    def __init__(self, cap_bytes: int | None = None):
+        self.cap_bytes = cap_bytes
+        self._free: list[torch.Tensor] = []  # byte buffers
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its byte buffer
+
+    def take(self, numel: int, dtype: torch.dtype, device, at_least: int = 0) -> torch.Tensor:
+        """A flat buffer of ``numel`` ``dtype`` elements; one made new has ``at_least`` bytes (a
+        bucket's whole buffer: the gather's smaller ones then serve its sum later)."""
+        nbytes = max(1, numel * dtype.itemsize)
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes and b.device == device]
+        if fits:
+            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        else:
+            buf = torch.empty(max(nbytes, at_least), dtype=torch.uint8, device=device)
+        view = buf[: numel * dtype.itemsize].view(dtype)
+        self._lent[view.data_ptr()] = buf
+        return view
+
+    def give(self, *views) -> None:
+        """Return buffers lent by ``take`` (anything else is ignored)."""
+        for v in views:
+            if v is not None:
+                buf = self._lent.pop(v.data_ptr(), None)
+                if buf is not None and (self.cap_bytes is None
+                                        or sum(b.numel() for b in self._free) + buf.numel() <= self.cap_bytes):
+                    self._free.append(buf)
+
+    def held_bytes(self) -> int:
+        return sum(b.numel() for b in self._free) + sum(b.numel() for b in self._lent.values())
+
+
 class _Bucket:
-    def __init__(self, index: int, kind: str, handle, entries: list[SyncEntry]):
+    def __init__(self, index: int, kind: str, handle, entries: list[SyncEntry], pool: _Pool | None = None):
         self.index, self.kind, self.handle, self.entries = index, kind, handle, entries
+        self.pool = pool if pool is not None else _Pool()
         self.n = handle.size
         ref = entries[0].param
         self.dtype, self.device = ref.dtype, ref.device
@@ -158,7 +198,8 @@ class _Bucket:
             self.accum = self._wire_buffer(self._flat_numel()) if in_wire else self._fresh_buffer()
         elif self.accum.dtype != self.dtype and (again or any(g.dtype != self.wire for _, g in parts)):
             # a second part (or one in another dtype): the sum needs the master dtype
-            self.accum = self._fresh_buffer().copy_(self.accum)
+            in_wire, self.accum = self.accum, self._fresh_buffer().copy_(self.accum)
+            self.pool.give(in_wire)
             self._wire_busy = False  # left unsent; the launch casts the sum back into it
         for e, g in parts:
             view = self._view(self.accum, e)
@@ -170,6 +211,10 @@ class _Bucket:
 
     def _flat_numel(self) -> int:
         return self.numel * (self.n if self.kind == "reduce_scatter" else 1)
+
+    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer from the pool; one made new holds this bucket whole in the wire dtype."""
+        return self.pool.take(numel, dtype, self.device, at_least=self._flat_numel() * self.wire.itemsize)
 
     def _fresh_buffer(self) -> torch.Tensor:
         """A flat buffer in the master dtype (not zeroed: entries are copied in first): the one of
@@ -184,10 +229,9 @@ class _Bucket:
                                          for e in self.entries):
                 buf = None
         if buf is None:
-            buf = torch.empty(self._flat_numel(), dtype=self.dtype, device=self.device)
-            if self.kind != "all_reduce":  # ZeRO-2 keeps only its chunk: the whole buffer goes after the scatter
-                return buf
-            self._storage = buf
+            if self.kind != "all_reduce":  # ZeRO-2 keeps only its chunk: the whole buffer goes back after the scatter
+                return self._take(self._flat_numel(), self.dtype)
+            buf = self._storage = torch.empty(self._flat_numel(), dtype=self.dtype, device=self.device)
         self._storage_busy = True  # until the flight that sums it finishes
         return buf
 
@@ -195,8 +239,10 @@ class _Bucket:
         """The buffer a collective in another dtype sends. An all-reduce bucket keeps it from step to
         step as it keeps its sum (a new one each step paid its page faults again, as much as the
         bytes the narrower dtype saves; priced with the gradients), unless a flight of this bucket
-        still uses it; ZeRO-2 holds no whole bucket between steps, so its is new each time."""
-        if self.kind != "all_reduce" or self._wire_busy:
+        still uses it; a ZeRO-2 bucket's comes from the reducer's pool."""
+        if self.kind != "all_reduce":
+            return self._take(numel, self.wire)
+        if self._wire_busy:
             return torch.empty(numel, dtype=self.wire, device=self.device)
         if self._wire_storage is None or self._wire_storage.numel() != numel:
             self._wire_storage = torch.empty(numel, dtype=self.wire, device=self.device)
@@ -233,20 +279,27 @@ class _Bucket:
             sent = buf
         else:
             sent = self._wire_buffer(buf.numel()).copy_(buf)
-        if self.kind == "reduce_scatter" and self.scatter_by == "reduce_scatter":
-            out = sent.new_empty(self.numel)
+            self.pool.give(buf)  # (a ZeRO-2 bucket's: the pool lends it again)
+        if self.kind == "reduce_scatter" and self.scatter_by != "all_reduce":
+            got = None
             try:
-                return _Flight(self, out, _reduce_scatter_flat(out, sent, group=pg, async_op=True), received)
+                if self.scatter_by == "all_to_all":  # every rank's parts of this rank's rows, summed at finish
+                    got = self._take(sent.numel(), sent.dtype)
+                    work = dist.all_to_all_single(got, sent, group=pg, async_op=True)
+                    return _Flight(self, got, work, received, lent=(sent, got), parts=True)
+                out = sent.new_empty(self.numel)
+                return _Flight(self, out, _reduce_scatter_flat(out, sent, group=pg, async_op=True), received,
+                               lent=(sent,))
             except (RuntimeError, NotImplementedError, ValueError) as err:
                 if "support" not in str(err).lower() and "implement" not in str(err).lower():
                     raise
-                # the backend lacks reduce_scatter: all-reduce the whole buffer below
+                self.pool.give(got)  # the backend lacks it: all-reduce the whole buffer below
         # an all-reduce; a ZeRO-2 bucket's finish keeps this rank's chunk of the sum, an all-reduce
         # bucket's sum goes back into the buffer its parts were added in
         home = None
         if self.kind == "all_reduce" and sent.dtype != self.dtype:
             home = buf if buf.dtype == self.dtype else self._fresh_buffer()
-        return _Flight(self, sent, dist.all_reduce(sent, group=pg, async_op=True), received, home)
+        return _Flight(self, sent, dist.all_reduce(sent, group=pg, async_op=True), received, home, lent=(sent,))
 
     def finish(self, flight: _Flight) -> None:
         """Add a finished collective's result into the ``.grad`` of the parameters that got parts
@@ -255,10 +308,14 @@ class _Bucket:
         same program, so all agree."""
         result, received = flight.result, flight.received
         self._wire_busy = self._storage_busy = False  # flights of a bucket finish in launch order
-        if self.kind == "reduce_scatter" and result.numel() != self.numel:  # all-reduced: the whole buffer
-            result = result.view(self.n, self.numel)[self.row_of_shard[self.handle.index]]
-            if result.dtype == self.dtype:
-                result = result.clone()  # the chunk alone: a view would hold the whole bucket
+        if self.kind == "reduce_scatter" and result.numel() != self.numel:  # a whole bucket's rows
+            rows = result.view(self.n, self.numel)
+            if flight.parts:  # every rank's part of this rank's rows (all-to-all): summed in the master dtype
+                result = rows.sum(0, dtype=self.dtype)
+            else:  # all-reduced: this rank's row of the sum
+                result = rows[self.row_of_shard[self.handle.index]]
+                if result.dtype == self.dtype:
+                    result = result.clone()  # the chunk alone: the bucket goes back to the pool
         if result.dtype != self.dtype:
             # an all-reduce's sum goes back into the buffer its parts were added in (kept from
             # step to step); a scatter's chunk is small and new
@@ -275,6 +332,7 @@ class _Bucket:
                 p.grad = g
             else:
                 p.grad.add_(g)
+        self.pool.give(*flight.lent)
 
     # ---- ZeRO-2 working copies --------------------------------------------------------------------
     def gather_if_stale(self) -> None:
@@ -286,8 +344,8 @@ class _Bucket:
         # parameters (ZeRO-2 measured no saving over data parallel). A forward starts with few
         # activations alive, so they do not raise the step's peak.
         dtype = self.entries[0].full.dtype  # the working copies' (a policy's working dtype)
-        shard = torch.zeros(self.numel, dtype=dtype, device=self.device)
-        out = torch.empty(self.n * self.numel, dtype=dtype, device=self.device)
+        shard = self._take(self.numel, dtype)  # (a chunk's padding rows are never read)
+        out = self._take(self.n * self.numel, dtype)
         for e in self.entries:
             shard[e.offset: e.offset + e.param.numel()].copy_(e.param.detach().reshape(-1))
         _all_gather_flat(out, shard, group=self.handle.pg)
@@ -300,18 +358,22 @@ class _Bucket:
                 c = chunk_rows(full.shape[0], self.n)
                 whole = rows[:, e.offset: e.offset + e.numel].reshape(self.n * c, full.shape[1])
                 full.copy_(whole[: full.shape[0]])
+        self.pool.give(shard, out)
         self._versions = tuple(e.param._version for e in self.entries)
 
 
 class _Flight(NamedTuple):
     """A launched collective: its bucket, the tensor it writes, its work handle, the slots that
-    got parts, and (an all-reduce in another dtype) the buffer its sum goes back into."""
+    got parts, (an all-reduce in another dtype) the buffer its sum goes back into, the pool's
+    buffers it uses, and whether ``result`` holds every rank's parts (an all-to-all) or their sum."""
 
     bucket: _Bucket
     result: torch.Tensor
     work: object
     received: set
     home: torch.Tensor | None = None
+    lent: tuple = ()
+    parts: bool = False
 
     def finish(self) -> None:
         self.work.wait()
@@ -370,7 +432,11 @@ class GradReducer:
             raise ConfigError(f"bucket sizes must be positive, got bucket_bytes={bucket_bytes}, first_bucket_bytes={first_bucket_bytes}")
         self.groups = groups
         self.bucket_bytes, self.first_bucket_bytes = bucket_bytes, first_bucket_bytes
+        self.pool = _Pool()  # the ZeRO-2 buckets' buffers while they are summed or gathered
         self.buckets = self._make_buckets(entries)
+        # kept: at most the buckets in use at once (their sent buffers, and an all-to-all's received ones)
+        sums = {b.scatter_by for b in self.buckets if b.kind == "reduce_scatter"}
+        self.pool.cap_bytes = (SCATTERS_IN_FLIGHT + 1) * bucket_bytes * (2 if "all_to_all" in sums else 1) if sums else 0
         self._by_slot = {e.slot: b for b in self.buckets for e in b.entries}
         self.tapped = frozenset(self._by_slot)  # the state slots a tap reads
         self._next = 0  # the next bucket to launch in this backward
@@ -392,7 +458,7 @@ class GradReducer:
                   (e.full if e.kind == "reduce_scatter" else e.param).numel() * (e.wire_dtype or e.param.dtype).itemsize)
                  for e in order]
         made = assign_buckets(items, self.bucket_bytes, self.first_bucket_bytes)  # as the step model prices them
-        return [_Bucket(i, key[0], self.groups.handle(key[1]), [order[k] for k in members])
+        return [_Bucket(i, key[0], self.groups.handle(key[1]), [order[k] for k in members], self.pool)
                 for i, (key, members, _) in enumerate(made)]
 
     # ---- forward ------------------------------------------------------------------------------------

@@ -269,19 +269,28 @@ def axis_roles(plan) -> dict[int, str]:
 def attention_forms(plan) -> dict[int, str]:
     """Mesh axis -> how attention runs over a sequence it splits: "ring" (ring attention over the
     axis), "all-to-all" (attention split by heads on it: the sequence is exchanged for heads
-    around the op); axes attention does neither on are absent."""
-    out: dict[int, str] = {}
+    around the op), or both with their counts where the plan mixes them ("ring in 1 attention
+    op, all-to-all in 1"); axes attention does neither on are absent."""
+    counts: dict[int, Counter] = {}
     for n in plan.nodes.values():
         parts = set(n.family.split("+"))
         spec = n.output[0] if isinstance(n.output, tuple) else n.output
         if spec is None or "scaled_dot_product" not in n.target:
             continue
-        if ring_family(n.family) is not None:
-            for a in spec.dim_axes[-2]:
-                out[a] = "ring"
+        ring_axes = set(spec.dim_axes[-2]) if ring_family(n.family) is not None else set()
+        for a in ring_axes:
+            counts.setdefault(a, Counter())["ring"] += 1
         if "heads" in parts and len(spec.dim_axes) >= 3:
-            for a in spec.dim_axes[-3]:
-                out.setdefault(a, "all-to-all")
+            for a in set(spec.dim_axes[-3]) - ring_axes:
+                counts.setdefault(a, Counter())["all-to-all"] += 1
+    out = {}
+    for a, c in counts.items():
+        if len(c) == 1:
+            out[a] = next(iter(c))
+        else:
+            ops = sorted(c.items())
+            out[a] = f"{ops[0][0]} in {ops[0][1]} attention op{'s' * (ops[0][1] > 1)}, " + ", ".join(
+                f"{form} in {k}" for form, k in ops[1:])
     return out
 
 

@@ -15,7 +15,7 @@ import time
 from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import is_zero2_sync
 from autopar.cost_model.gradients import identical_ok, param_sync_axes
-from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time
+from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time, zero2_pool_bytes
 from autopar.errors import ConfigError, PlanError
 from autopar.ir import trace
 from autopar.ir.graph import Role
@@ -331,14 +331,17 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
     # The ILP's objective ranks plans; the prediction prices what the runtime runs (buckets,
     # overheads, optimizer): see autopar.cost_model.step.
     plan.predicted = dict(step_time(plan, graph, mesh, bucket_bytes=bucket_bytes), memory_bytes_per_device=memory,
-                          memory_parts=memory_parts(plan, graph, mesh, memory, precision))
+                          memory_parts=memory_parts(plan, graph, mesh, memory, precision, bucket_bytes))
     return plan
 
 
-def memory_parts(plan, graph, mesh, total: float, precision=None) -> dict:
+def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     """Memory per device by kind: parameters (their stored shards; under ZeRO-2 the working copy
-    and the updated chunk), gradients, optimizer states (and fp32 master copies), and activations
-    (the rest of the total: saved values and the reshards kept for backward)."""
+    and the updated chunk), gradients (with ZeRO-2's share of the reducer's pool of bucket
+    buffers), optimizer states (and fp32 master copies), and activations (the rest of the total:
+    saved values and the reshards kept for backward)."""
+    grad_scale = precision.reduce_dtype.itemsize / precision.param_dtype.itemsize if precision is not None else 1.0
+    all_grads = graph.param_bytes() * grad_scale  # (as the ILP priced the pool's share: ``_param_choices``)
     params = grads = held = 0.0
     for p in plan.params.values():
         node = plan.nodes.get(p.node)
@@ -353,5 +356,7 @@ def memory_parts(plan, graph, mesh, total: float, precision=None) -> dict:
                                                 precision=precision)
         params += parts["parameters"]
         grads += parts["gradients"]
+        if zero_axes:
+            grads += zero2_pool_bytes(p.grad_sync[2], p.grad_sync[0], all_grads, bucket_bytes)
     return {"parameters": params, "gradients": grads, "optimizer_states": max(0.0, held - params - grads),
             "activations": max(0.0, total - held)}

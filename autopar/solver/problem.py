@@ -20,10 +20,10 @@ import numpy as np
 
 from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
-from autopar.cost_model.comm import ZERO2_SYNCS, mesh_collective_time
+from autopar.cost_model.comm import ZERO2_SYNCS, local_sum_time, mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.gradients import output_whole_axes
-from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_count, reshard_s
+from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_count, reshard_s, zero2_pool_bytes
 from autopar.cost_model.ops import alias_roots, needs_grad
 from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role, edge_itemsize
@@ -103,16 +103,18 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
         syncs.append(sync)
         acc.append(accumulate_s(grad, sync is not None, step_share, cluster))
         if repl and optimizer_sharding:
-            # ZeRO-2: sum and split the gradient (a reduce-scatter, or an all-reduce keeping this
-            # rank's chunk: the cheaper), update a shard, all-gather the new parameter.
+            # ZeRO-2: sum and split the gradient (a reduce-scatter, an all-reduce keeping this rank's
+            # chunk or an all-to-all and a sum: the cheapest), update a shard, all-gather the new parameter.
             gather = bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes, total_bytes)
-            cost_z, kind_z = min((bucketed_collective_time(k.split("+")[0], grad, mesh, repl, bucket_bytes, total_bytes)
-                                  + gather, k) for k in ZERO2_SYNCS)
+            ways = math.prod(mesh.shape[a] for a in repl)
+            cost_z, kind_z = min(((bucketed_collective_time(k.split("+")[0], grad, mesh, repl, bucket_bytes, total_bytes)
+                                   + local_sum_time(k.split("+")[0], grad, ways, cluster) + gather, k) for k in ZERO2_SYNCS),
+                                 key=lambda priced: priced[0])  # the first on a tie
             strategies.append(Strategy((), spec, "zero2" if spec.is_replicated else "sharded+zero2", 1.0))
             opt.append(optimizer_s(local / math.prod(mesh.shape[a] for a in repl)))
             costs.append(cost_z)
             mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl,
-                                                  precision=precision))
+                                                  precision=precision) + zero2_pool_bytes(grad, kind_z, total_bytes, bucket_bytes))
             syncs.append((kind_z, repl, grad))
             acc.append(accumulate_s(grad, True, step_share, cluster))
     comp = [o * step_share + a for o, a in zip(opt, acc)]

@@ -39,6 +39,10 @@ PLANS = {
     # every microbatch in flight on both stages; the loss's logits held once, at the last stage's peak
     "pp2 x dp2 gpipe": ((4,), dict(dp=2), dict(stages=2, schedule="gpipe", microbatches=4, recompute=False)),
 }
+# ZeRO-2's buckets at 256 KiB: the reducer's pool keeps the buffers of the buckets in use at once
+# (the sum's sent and received ones), a bound the model's 4 MiB of gradients would not reach with
+# the default 25 MiB buckets (ZeRO-2 would then keep as much as data parallel does)
+OPTIONS = {"zero2": dict(bucket_bytes=256 << 10)}
 TOLERANCE = 0.15
 
 
@@ -52,7 +56,7 @@ def rank_cases(rank, world):
         model, (idx, targets) = models.build("gpt", **MODEL)
         pm = autopar.parallelize(model, autopar.Mesh(shape), (idx, targets), force=autopar.Layout(**fields),
                                  pipeline=autopar.Pipeline(**pipe) if pipe else False,
-                                 idle_axes=idle[0] if idle else "auto")
+                                 idle_axes=idle[0] if idle else "auto", **OPTIONS.get(name, {}))
         del model
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
 

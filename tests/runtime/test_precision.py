@@ -21,7 +21,6 @@ import torch
 
 import autopar
 from autopar import models
-from autopar.cost_model.comm import is_zero2_sync
 from autopar.runtime.launch import spawn
 from autopar.runtime.process_groups import MeshGroups
 
@@ -130,8 +129,8 @@ def case(tag, mesh, groups, layout=None, name="gpt", build=None, precision="bf16
 
 def held_case(tag, mesh, groups, layout):
     """What a bf16-policy module keeps after a step (masters, their gradients, AdamW's states,
-    buffers, the bf16 working copies: ZeRO-2's gathered ones and the others' kept casts) against
-    the plan's memory by kind."""
+    buffers, the bf16 working copies: ZeRO-2's gathered ones and the others' kept casts, and the
+    reducer's pool of ZeRO-2 bucket buffers) against the plan's memory by kind."""
     torch.manual_seed(0)
     model, inputs = models.build("gpt", layers=2)
     pm = autopar.parallelize(model, mesh, inputs, groups=groups, precision="bf16", force=layout, idle_axes=(),
@@ -146,7 +145,7 @@ def held_case(tag, mesh, groups, layout):
     live += sum(b.numel() * b.element_size() for b in pm.buffers())
     live += sum(e.full.numel() * e.full.element_size() for e in pm._ap.zero2.values())
     working = sum(w.numel() * w.element_size() for _, _, w in pm._ap._kept.values())
-    live += working
+    live += working + pm.reducer.pool.held_bytes()  # (ZeRO-2's bucket buffers, kept for the next step)
     parts = pm.plan.predicted["memory_parts"]
     priced = parts["parameters"] + parts["gradients"] + parts["optimizer_states"]
     return {"tag": tag, "live": live, "priced": priced, "parts": parts, "working": working}
@@ -324,7 +323,8 @@ def test_a_bad_or_unsupported_precision_is_a_config_error():
 def test_gradient_sums_are_priced_in_the_reduction_dtype():
     """Under data parallel, ``reduce_dtype=bfloat16`` halves the gradient bytes the plan syncs (and
     its ZeRO-2 gathers move the bf16 working copy either way); memory by kind is the same but for
-    the bf16 buffer a data-parallel bucket keeps to send."""
+    the bf16 buffer a data-parallel bucket keeps to send, and ZeRO-2's pooled bucket buffers, in
+    bf16 (the a100 preset reduce-scatters: one sent buffer a bucket)."""
     model, inputs = models.build("gpt", layers=2)
     mesh = autopar.Mesh((4,), cluster="a100-80g")
     plans = {name: autopar.plan(model, mesh, inputs, pipeline=False, force=autopar.Layout(dp=4, zero=zero),
@@ -335,9 +335,12 @@ def test_gradient_sums_are_priced_in_the_reduction_dtype():
         fp32, bf16 = plans[f"fp32 sums zero{zero}"], plans[f"bf16 sums zero{zero}"]
         synced = [sum(p.grad_sync[2] for p in plan.params.values() if p.grad_sync) for plan in (fp32, bf16)]
         assert synced[1] == pytest.approx(synced[0] / 2), synced
-        # memory by kind: the same, but the all-reduce buckets (zero 0) keep the bf16 buffer they send
+        # memory by kind: the same, but the all-reduce buckets (zero 0) keep the bf16 buffer they
+        # send, and ZeRO-2's pool keeps its buckets' in bf16 (2 bytes a parameter less than fp32)
+        assert {p.grad_sync[0] for p in bf16.params.values() if p.grad_sync} == (
+            {"all_reduce"} if zero == 0 else {"reduce_scatter+all_gather"})
         held = {k: bf16.predicted["memory_parts"][k] - v for k, v in fp32.predicted["memory_parts"].items()}
-        kept = 2 * sum(p.numel() for p in model.parameters()) if zero == 0 else 0
+        kept = 2 * sum(p.numel() for p in model.parameters()) * (1 if zero == 0 else -1)
         assert held == {k: pytest.approx(kept if k == "gradients" else 0, abs=1) for k in held}, held
         assert bf16.predicted["step_time_s"] < fp32.predicted["step_time_s"]
 

@@ -156,13 +156,16 @@ def accumulation_case(tag, mesh, groups, *, micro=4, last_no_sync=False, resync=
             opt_par.step()
             opt_ref.zero_grad(set_to_none=set_to_none)
             opt_par.zero_grad(set_to_none=set_to_none)
-            buffers.append([b._storage.data_ptr() for b in pm.reducer.buckets])
+            # the all-reduce buckets' own buffers and the ZeRO-2 buckets' pool
+            buffers.append(([b._storage.data_ptr() for b in pm.reducer.buckets if b.kind == "all_reduce"],
+                            sorted(b.data_ptr() for b in pm.reducer.pool._free)))
         state = pm.full_state_dict()
         state_err = max(rel(state[k], v) for k, v in ref.state_dict().items())
         return {"tag": tag, "grad_err": grad_err, "state_err": state_err, "buckets": len(pm.reducer.buckets),
                 "predicted_buckets": pm.plan.predicted["buckets"],
                 "launched": pm.reducer.launched - launched0, "pending": pm.reducer.pending(),
-                "same_buffers": buffers[0] == buffers[1]}
+                "same_buffers": buffers[0] == buffers[1],
+                "kinds": sorted({(b.kind, b.scatter_by if b.kind == "reduce_scatter" else "") for b in pm.reducer.buckets})}
 
     return run_case(tag, go)
 

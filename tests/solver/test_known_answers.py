@@ -220,15 +220,15 @@ def test_a_model_too_small_to_split_is_replicated_where_its_buckets_cost_more_th
 
 
 def test_gradient_accumulation_is_priced_per_run_as_the_runtime_adds():
-    # the reducer adds each run's gradient into a bucket zeroed once per step (3 passes a run, one
-    # a step); autograd keeps the first run's gradient and adds the others (3 passes each)
+    # the reducer copies a step's first run's gradient into its bucket (2 passes) and adds the
+    # others' (3 passes each); autograd keeps the first run's gradient and adds the others
     from autopar.cost_model.step import accumulate_s
 
     cluster = PRESETS["a100-80g"]
     bw, op = cluster.sustained_memory_bandwidth, cluster.backward_op_overhead_s
     nbytes = 1 << 30
-    assert accumulate_s(nbytes, True, 1.0, cluster) == pytest.approx(4 * nbytes / bw + op)
-    assert accumulate_s(nbytes, True, 0.25, cluster) == pytest.approx(3.25 * nbytes / bw + op)
+    assert accumulate_s(nbytes, True, 1.0, cluster) == pytest.approx(2 * nbytes / bw + op)
+    assert accumulate_s(nbytes, True, 0.25, cluster) == pytest.approx(2.75 * nbytes / bw + op)
     assert accumulate_s(nbytes, False, 1.0, cluster) == 0.0
     assert accumulate_s(nbytes, False, 0.25, cluster) == pytest.approx(0.75 * (3 * nbytes / bw + op))
 

@@ -6,7 +6,7 @@ import pytest
 
 import autopar
 from autopar import Layout, models
-from autopar.cost_model.comm import ZERO2_SYNCS, mesh_collective_time
+from autopar.cost_model.comm import ZERO2_SYNCS, local_sum_time, mesh_collective_time
 from autopar.cost_model.step import bucket_count, bucket_sizes, step_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -64,18 +64,24 @@ def test_zero_1_and_2_shard_gradients_and_states(gpt, zero):
     assert all(p.family == "zero2" and p.grad_sync[0] in ZERO2_SYNCS for p in plan.params.values())
 
 
-@pytest.mark.parametrize("cluster, sync", [("cpu-gloo", "all_reduce+all_gather"),
+@pytest.mark.parametrize("cluster, sync", [("cpu-gloo", "all_to_all+all_gather"),
                                            ("a100-80g", "reduce_scatter+all_gather")])
-def test_zero2_sums_and_splits_by_the_cheaper_collective(gpt, cluster, sync):
-    """gloo's reduce-scatter moves a byte ~4x slower than its all-reduce: summing the whole bucket
-    and keeping this rank's chunk is cheaper there; NCCL-class links reduce-scatter (half the bytes)."""
+def test_zero2_sums_and_splits_by_the_cheapest_collective(gpt, cluster, sync):
+    """gloo's reduce-scatter moves a byte ~4x slower than its all-reduce and its all-to-all faster
+    still: there each rank gathers its chunk's parts by all-to-all and sums them; NCCL-class links
+    reduce-scatter (the all-to-all moves as many bytes and leaves a sum to do)."""
     model, _, graph = gpt
     mesh = autopar.Mesh((4,), cluster=cluster)
     plan = autopar.plan(model, mesh, graph=graph, force=Layout(dp=4, zero=2))
     assert {p.grad_sync[0] for p in plan.params.values()} == {sync}
     nbytes = 64 << 20
-    by = {k: mesh_collective_time(k.split("+")[0], nbytes, mesh, (0,)) for k in ZERO2_SYNCS}
+    cl = mesh.resolved_cluster()
+    by = {k: mesh_collective_time(k.split("+")[0], nbytes, mesh, (0,)) + local_sum_time(k.split("+")[0], nbytes, 4, cl)
+          for k in ZERO2_SYNCS}
     assert min(by, key=by.get) == sync
+    # the sum an all-to-all leaves: read the 4 parts, write one
+    assert local_sum_time("all_to_all", nbytes, 4, cl) == pytest.approx(1.25 * nbytes / cl.sustained_memory_bandwidth)
+    assert local_sum_time("reduce_scatter", nbytes, 4, cl) == 0.0
 
 
 def test_zero_3_stores_parameters_split_over_the_data_axis(gpt):
@@ -136,11 +142,11 @@ def test_step_time_prices_buckets_not_parameters(gpt):
     assert tiny["buckets"] > 10 and tiny["grad_sync_s"] > one["grad_sync_s"]
     parts = one["compute_s"] + one["overhead_s"] + one["comm_s"] + one["optimizer_s"] + one["grad_accumulate_s"]
     assert one["step_time_s"] == pytest.approx(parts)
-    # every parameter is replicated and bucketed: each adds its whole gradient into a zeroed bucket
+    # every parameter is replicated and bucketed: each copies its whole gradient into its bucket
     cluster = mesh.resolved_cluster()
     params = graph.param_bytes()
     assert one["grad_accumulate_s"] == pytest.approx(
-        4 * params / cluster.sustained_memory_bandwidth + len(graph.params) * cluster.backward_op_overhead_s)
+        2 * params / cluster.sustained_memory_bandwidth + len(graph.params) * cluster.backward_op_overhead_s)
 
 
 def test_zero3_gathers_are_priced_per_layer_as_they_run():
