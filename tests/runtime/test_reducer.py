@@ -18,6 +18,7 @@ import torch
 
 import autopar
 from autopar import ir, models
+from autopar.cost_model.comm import ZERO2_SYNCS
 from autopar.runtime.launch import spawn
 from autopar.runtime.process_groups import MeshGroups
 from autopar.runtime.reducer import GradReducer, SyncEntry, _Bucket, chunk_of, chunk_rows
@@ -246,6 +247,17 @@ def parts_case(mesh, groups):
             "two forwards, bf16 wire": run(bf16, bf16, 1, forwards=2)}
 
 
+def zero2_plan_by(kind, name, mesh, build_kw):
+    """The ZeRO-2 plan of ``name`` with every gradient summed and split by ``kind`` (a
+    ``ZERO2_SYNCS`` name) whatever the links price cheapest."""
+    model, inputs = models.build(name, **build_kw)
+    plan = autopar.plan(model, mesh, inputs, force=zero2_force(name, build_kw), idle_axes=(), pipeline=False)
+    for p in plan.params.values():
+        if p.grad_sync is not None:
+            p.grad_sync = (kind, *p.grad_sync[1:])
+    return plan
+
+
 def rank_cases(rank, world, shapes):
     warnings.simplefilter("ignore")
     out = []
@@ -256,6 +268,11 @@ def rank_cases(rank, world, shapes):
         for name in ("gpt", "llama"):
             kw = {"layers": 2}
             out.append(model_case(f"zero2-{name}-{s}", name, mesh, groups, kw, force=zero2_force(name, kw), steps=4))
+        if shape == (4,):  # each way to sum and split (the cpu-gloo preset's prices take the all-to-all)
+            kw = {"layers": 2}
+            for kind in ZERO2_SYNCS:
+                out.append(model_case(f"zero2-gpt-4 by {kind}", "gpt", mesh, groups, kw, steps=3,
+                                      plan=zero2_plan_by(kind, "gpt", mesh, kw)))
         out.append(accumulation_case(f"accumulate-{s}", mesh, groups))
         if shape == shapes[0]:
             out.append(accumulation_case(f"flush-{s}", mesh, groups, last_no_sync=True))
@@ -305,6 +322,20 @@ def test_zero2_is_exact_on_4_ranks(four_ranks, tag):
     case = _ok(four_ranks[tag])
     assert case["worst"] <= TOL, case["bad_grads"]
     assert case["state_err"] <= TOL
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ZERO2_SYNCS)
+def test_zero2_is_exact_whichever_collective_sums_and_splits(four_ranks, kind):
+    case = _ok(four_ranks[f"zero2-gpt-4 by {kind}"])
+    assert case["worst"] <= TOL, case["bad_grads"]
+    assert case["state_err"] <= TOL
+    assert case["grad_syncs"] == [kind]
+
+
+@pytest.mark.multirank
+def test_the_cpu_preset_sums_zero2_by_all_to_all(four_ranks):
+    assert _ok(four_ranks["zero2-gpt-4"])["grad_syncs"] == ["all_to_all+all_gather"]
 
 
 @pytest.mark.multirank
