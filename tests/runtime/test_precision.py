@@ -222,11 +222,41 @@ def fp16_case(tag, mesh, groups, rank):
             "restored_scale": float(again.get_scale())}
 
 
+def kept_case(mesh, groups):
+    """The working copies are cast once and again only when a master changes: two forwards cast
+    once; a change under ``no_grad`` (an optimizer's, a user's: here every parameter zeroed, so the
+    loss becomes log(vocabulary)) is read by the next forward."""
+    torch.manual_seed(0)
+    model, inputs = models.build("gpt", layers=1)
+    with torch.no_grad():  # confident logits: a loss far from log(vocabulary)
+        for p in model.parameters():
+            p.mul_(8)
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, mesh, inputs, groups=groups, precision="bf16", force=autopar.Layout(dp=2),
+                             idle_axes=(), pipeline=False)
+    casts = lambda: sum(w._version for _, _, w in pm._ap._kept.values())  # noqa: E731 (each cast bumps its copy)
+    with torch.no_grad():
+        first = float(pm(*inputs))
+        once = casts()
+        again = float(pm(*inputs))
+        twice = casts()
+        for p in pm.parameters():
+            p.zero_()
+        for p in ref.parameters():
+            p.zero_()
+        changed = float(pm(*inputs))
+        after = casts()
+        want = float(ref.to(torch.bfloat16)(*inputs))
+    return {"tag": "kept", "copies": len(pm._ap._kept), "same": first == again, "casts": (once, twice, after),
+            "changed_err": abs(changed - want), "moved": abs(changed - first), "losses": (first, changed, want)}
+
+
 def rank_2(rank, world):
     mesh = autopar.Mesh((2,))
     groups = MeshGroups(mesh)
     out = [held_case(f"held {layout.name}", mesh, groups, layout)
            for layout in (autopar.Layout(dp=2), autopar.Layout(dp=2, zero=2), autopar.Layout(dp=2, zero=3))]
+    out.append(kept_case(mesh, groups))
     box = [tempfile.mkdtemp(prefix="autopar-precision-") if rank == 0 else None]
     torch.distributed.broadcast_object_list(box, src=0)
     out.append(checkpoint_case("checkpoint", mesh, groups, box[0]))
@@ -285,9 +315,18 @@ def test_the_plan_prices_what_a_bf16_module_keeps(results):
         assert r["working"] > 0 or "zero2" in r["tag"], r  # the kept casts are counted, not assumed
 
 
+def test_the_working_copies_are_cast_again_only_when_a_master_changes(results):
+    (r,) = [r for r in results if r["tag"] == "kept"]
+    once, twice, after = r["casts"]
+    assert r["copies"] > 0 and once == r["copies"]  # every master cast once
+    assert twice == once and r["same"]  # a second forward casts nothing
+    assert after == once + r["copies"]  # every master changed: every copy cast again
+    assert r["moved"] > 0.1 and r["changed_err"] == 0.0, r  # and the forward reads the new values
+
+
 def test_bf16_trains_like_the_recipe_on_one_process(results):
     for r in results:
-        if r["tag"].startswith("held") or r["tag"] in ("checkpoint", "fp16"):
+        if r["tag"].startswith("held") or r["tag"] in ("checkpoint", "fp16", "kept"):
             continue
         assert "error" not in r, r
         reduce = "bfloat16" if "bf16 sums" in r["tag"] else "float32"
