@@ -503,7 +503,7 @@ class _State:
         self.precision = None
         self.masters: frozenset = frozenset()
         self.zero2: dict = {}  # slot -> ZeRO-2 SyncEntry
-        self._kept: dict = {}  # master slot -> (the master, its version when cast, the working copy)
+        self._kept: dict = {}  # master slot -> (the master, its (version, data pointer) when cast, the working copy)
 
     def held_dtype(self, graph, ph: str) -> torch.dtype:
         """The dtype this module keeps placeholder ``ph`` of ``graph`` in (``kept_dtype``)."""
@@ -541,13 +541,14 @@ class _State:
             if i in skip:
                 continue
             master = state[i]
+            seen = (master._version, master.data_ptr())  # (``.data`` swapped, as ``module.to()`` does: a new pointer)
             kept = self._kept.get(i)
-            if kept is None or kept[0] is not master or kept[1] != master._version:
-                copy = kept[2] if kept is not None and kept[0] is master else torch.empty_like(
-                    master, dtype=self.precision.param_dtype, requires_grad=False)
+            if kept is None or kept[0] is not master or kept[1] != seen:
+                copy = kept[2] if kept is not None and kept[0] is master and kept[2].device == master.device else \
+                    torch.empty_like(master, dtype=self.precision.param_dtype, requires_grad=False)
                 with torch.no_grad():
                     copy.copy_(master)
-                kept = self._kept[i] = (master, master._version, copy)
+                kept = self._kept[i] = (master, seen, copy)
             out[i] = _FromWorking.apply(master, kept[2]) if link and i not in self.reducer.tapped else kept[2]
         return out
 

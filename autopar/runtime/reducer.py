@@ -310,8 +310,11 @@ class _Bucket:
         self._wire_busy = self._storage_busy = False  # flights of a bucket finish in launch order
         if self.kind == "reduce_scatter" and result.numel() != self.numel:  # a whole bucket's rows
             rows = result.view(self.n, self.numel)
-            if flight.parts:  # every rank's part of this rank's rows (all-to-all): summed in the master dtype
-                result = rows.sum(0, dtype=self.dtype)
+            if flight.parts:  # every rank's part of this rank's rows (all-to-all): summed in the master dtype,
+                # row by row (a reduction over dim 0 that casts bf16 ran 2.7x slower than these adds)
+                result = rows[0].to(self.dtype, copy=True)
+                for row in rows[1:]:
+                    result.add_(row)
             else:  # all-reduced: this rank's row of the sum
                 result = rows[self.row_of_shard[self.handle.index]]
                 if result.dtype == self.dtype:
