@@ -268,9 +268,9 @@ def rank_cases(rank, world, shapes):
         for name in ("gpt", "llama"):
             kw = {"layers": 2}
             out.append(model_case(f"zero2-{name}-{s}", name, mesh, groups, kw, force=zero2_force(name, kw), steps=4))
-        if shape == (4,):  # each way to sum and split (the cpu-gloo preset's prices take the all-to-all)
+        if shape == (4,):  # the other ways to sum and split (the cpu-gloo preset's prices take the all-to-all)
             kw = {"layers": 2}
-            for kind in ZERO2_SYNCS:
+            for kind in [k for k in ZERO2_SYNCS if k != "all_to_all+all_gather"]:
                 out.append(model_case(f"zero2-gpt-4 by {kind}", "gpt", mesh, groups, kw, steps=3,
                                       plan=zero2_plan_by(kind, "gpt", mesh, kw)))
         out.append(accumulation_case(f"accumulate-{s}", mesh, groups))
@@ -327,7 +327,8 @@ def test_zero2_is_exact_on_4_ranks(four_ranks, tag):
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ZERO2_SYNCS)
 def test_zero2_is_exact_whichever_collective_sums_and_splits(four_ranks, kind):
-    case = _ok(four_ranks[f"zero2-gpt-4 by {kind}"])
+    # the all-to-all is the cpu-gloo preset's own choice: its case is the plain ZeRO-2 one
+    case = _ok(four_ranks["zero2-gpt-4" if kind == "all_to_all+all_gather" else f"zero2-gpt-4 by {kind}"])
     assert case["worst"] <= TOL, case["bad_grads"]
     assert case["state_err"] <= TOL
     assert case["grad_syncs"] == [kind]
