@@ -530,7 +530,8 @@ class GradReducer:
             if bucket is None:
                 owner, attr = slots[slot]
                 param = owner._parameters[attr]
-                param.grad = g.detach().clone() if param.grad is None else param.grad.add_(g)
+                part = g.detach().to(param.dtype, copy=True)  # (a policy's working dtype: the master's)
+                param.grad = part if param.grad is None else param.grad.add_(part)
                 continue
             per_bucket.setdefault(bucket.index, {})[slot] = g
         for index, parts in per_bucket.items():

@@ -92,7 +92,7 @@ def distance(a: dict, b: dict, start: dict) -> float:
     return (num / max(den, 1e-30)) ** 0.5
 
 
-def case(tag, mesh, groups, layout=None, name="gpt", build=None, precision="bf16", pipeline=False):
+def case(tag, mesh, groups, layout=None, name="gpt", build=None, precision="bf16", pipeline=False, train_step=False):
     torch.manual_seed(0)
     model, inputs = models.build(name, **(build or dict(layers=2)))
     start = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
@@ -104,9 +104,12 @@ def case(tag, mesh, groups, layout=None, name="gpt", build=None, precision="bf16
         opt = torch.optim.AdamW(pm.parameters(), lr=LR)
         losses, loss_dtypes = [], set()
         for x in steps_inputs:
-            loss = pm(*x)
+            if train_step:  # (a pipeline's own schedule: zero bubble's split backward)
+                loss = pm.train_step(*x)
+            else:
+                loss = pm(*x)
+                loss.backward()
             loss_dtypes.add(str(loss.dtype))
-            loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(float(loss.detach()))
@@ -275,6 +278,9 @@ def rank_2(rank, world):
                     build=dict(layers=2, kv_heads=2)))
     out.append(case("2 stages 1f1b (2,)", mesh, groups, pipeline=autopar.Pipeline(stages=2, microbatches=2,
                                                                                  schedule="1f1b")))
+    # zero bubble's weight half computes the masters' gradients outside the taps (no bucket here)
+    out.append(case("2 stages zero bubble (2,)", mesh, groups, pipeline=autopar.Pipeline(
+        stages=2, microbatches=2, schedule="zero-bubble"), train_step=True))
     return out
 
 
