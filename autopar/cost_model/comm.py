@@ -26,7 +26,7 @@ from autopar.cluster import Link
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 # ZeRO-2's gradient sync as plans name it: the gradient summed and split, by a reduce-scatter, by an
 # all-reduce of which each rank keeps its chunk, or by an all-to-all that brings each rank every
-# rank's part of its chunk, which it sums itself (``zero2_sum_time``); then the updated chunk
+# rank's part of its chunk, which it sums itself (``local_sum_time``); then the updated chunk
 # all-gathered into the working copy. The planner takes the cheapest on the group's links (the
 # first on a tie): gloo's reduce-scatter moves a byte ~4x slower than its all-reduce and its
 # all-to-all ~1.5x faster (8.4M fp32 on 4 ranks here, buffers kept: reduce-scatter 110 ms,

@@ -63,7 +63,7 @@ import torch.distributed as dist
 # One source for the bucket sizes: the cost model prices these buckets.
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
 from autopar.cost_model.step import FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES
-from autopar.cost_model.step import SCATTERS_IN_FLIGHT, assign_buckets
+from autopar.cost_model.step import SCATTERS_IN_FLIGHT, assign_buckets, zero2_pool_cap
 from autopar.errors import ConfigError
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -437,9 +437,9 @@ class GradReducer:
         self.bucket_bytes, self.first_bucket_bytes = bucket_bytes, first_bucket_bytes
         self.pool = _Pool()  # the ZeRO-2 buckets' buffers while they are summed or gathered
         self.buckets = self._make_buckets(entries)
-        # kept: at most the buckets in use at once (their sent buffers, and an all-to-all's received ones)
-        sums = {b.scatter_by for b in self.buckets if b.kind == "reduce_scatter"}
-        self.pool.cap_bytes = (SCATTERS_IN_FLIGHT + 1) * bucket_bytes * (2 if "all_to_all" in sums else 1) if sums else 0
+        # kept: at most the buckets in use at once, as the memory model prices them
+        self.pool.cap_bytes = max((zero2_pool_cap(b.scatter_by, bucket_bytes) for b in self.buckets
+                                   if b.kind == "reduce_scatter"), default=0)
         self._by_slot = {e.slot: b for b in self.buckets for e in b.entries}
         self.tapped = frozenset(self._by_slot)  # the state slots a tap reads
         self._next = 0  # the next bucket to launch in this backward
@@ -530,8 +530,8 @@ class GradReducer:
             if bucket is None:
                 owner, attr = slots[slot]
                 param = owner._parameters[attr]
-                part = g.detach().to(param.dtype, copy=True)  # (a policy's working dtype: the master's)
-                param.grad = part if param.grad is None else param.grad.add_(part)
+                # (in a policy's working dtype: the master's gradient is in the master's)
+                param.grad = g.detach().to(param.dtype, copy=True) if param.grad is None else param.grad.add_(g)
                 continue
             per_bucket.setdefault(bucket.index, {})[slot] = g
         for index, parts in per_bucket.items():
