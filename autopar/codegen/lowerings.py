@@ -21,7 +21,6 @@ dual-layout convention (their all-reduces are ``collectives.AllReduce``: P -> R,
 from __future__ import annotations
 
 import math
-import types
 
 import torch
 import torch.distributed as dist
@@ -98,9 +97,9 @@ def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None, w
     targets: of ``whole_target`` where the program has it, else all-reduced). A pending sum over
     ``batch_axes``; further outputs (nll's total_weight) are local sums, already pending sums."""
     if op == CROSS_ENTROPY and count is None and _fusable_cross_entropy(args, kwargs):
-        # the fused cross entropy (no class split): one logits-sized tensor instead of four
+        # the fused cross entropy (no class split): one logits-sized tensor instead of three
         target, ignore_index = args[1], call_arg(args, kwargs, 4, "ignore_index", -100)
-        loss = VocabParallelCrossEntropy.apply(_as_autocast_loss_input(args[0]), target, ignore_index, _CLASSES_WHOLE).sum()
+        loss = WholeClassCrossEntropy.apply(_as_autocast_loss_input(args[0]), target, ignore_index).sum()
         return loss / class_denominator(target, None, ignore_index, loss.dtype, batch_axes, whole_target)
     args, kwargs = _with_arg(args, kwargs, REDUCTION_POS[op], "reduction", SUM)
     out = _aten(op)(*args, **kwargs)
@@ -195,8 +194,33 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return dx, None, None, None, None
 
 
-# the group of a class dim held whole: the fused loss without collectives
-_CLASSES_WHOLE = types.SimpleNamespace(size=1, index=0, pg=None)
+class WholeClassCrossEntropy(torch.autograd.Function):
+    """Per-sample cross entropy with the class dim whole on this rank: forward is torch's own
+    log_softmax kernel and the picked -log p (torch's values bit for bit); backward is
+    (exp(log p) - one_hot) * grad, made in place of the saved log-probabilities. ATen's
+    cross_entropy keeps the same one logits-sized tensor but makes two more in backward (nll's
+    zero-filled gradient, log_softmax's); the max-subtract-exp form that the class split needs
+    (``VocabParallelCrossEntropy``) takes three passes where torch's kernel takes one."""
+
+    @staticmethod
+    def forward(ctx, x, target, ignore_index):
+        cdim = 1 if x.dim() >= 2 else 0
+        logp = torch.log_softmax(x, cdim)
+        valid = target != ignore_index
+        picked = torch.where(valid, target, 0).unsqueeze(cdim)
+        loss = torch.where(valid, -logp.gather(cdim, picked).squeeze(cdim), torch.zeros((), dtype=logp.dtype))
+        ctx.save_for_backward(logp, picked, valid)
+        ctx.cdim = cdim
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        logp, picked, valid = ctx.saved_tensors
+        per_sample = torch.where(valid, grad, torch.zeros((), dtype=grad.dtype)).unsqueeze(ctx.cdim)
+        dx = logp.exp_().mul_(per_sample)  # the saved log-probabilities are not needed again
+        dx.scatter_add_(ctx.cdim, picked, -per_sample)
+        return dx, None, None
+
 
 _SUM_OF_MEAN = {"aten.mean.default": "aten.sum.default", "aten.mean.dim": "aten.sum.dim_IntList"}
 

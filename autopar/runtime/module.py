@@ -42,7 +42,7 @@ from autopar.errors import ConfigError
 from autopar.ir.graph import Role
 from autopar.ir.precision import kept_dtype
 from autopar.runtime.clip import ClipInfo, attach, clip_grad_norm_, counts_in_norm
-from autopar.runtime.programs import Program, call_key
+from autopar.runtime.programs import Program, call_key, start_loss_sums
 from autopar.runtime.reducer import GradReducer, SyncEntry, chunk_of, unchunk
 from autopar.runtime.state import ParamLayout, device_mesh, local_part, to_dtensor
 
@@ -179,9 +179,11 @@ class ParallelModule(nn.Module):
         when its backward is left to the caller (``autopar.runtime.pipeline_call``)."""
         ap = self._ap
         if ap.pipeline is None:
-            _, (loss,) = self._run(args, kwargs, Program.loss_only)
+            program, (loss,) = self._run(args, kwargs, Program.loss_only)
+            total, summed = start_loss_sums(loss, program.loss_sums, ap.groups)
             loss.backward()
-            return loss.detach()
+            summed()
+            return total
         args, kwargs = self._normalize(args, kwargs)
         flat = fx_pytree.tree_flatten_spec((args, kwargs), ap.in_spec)
         flat = ap.placed(flat)

@@ -36,6 +36,7 @@ from autopar.errors import ConfigError
 from autopar.ir.blocks import unit_of_nodes
 from autopar.runtime.pipeline_call import PipelineCall, StageSet, microbatch_rows
 from autopar.runtime.process_groups import MeshGroups
+from autopar.runtime.programs import start_loss_sums
 from autopar.runtime.stage_program import StageProgram, loss_weights
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.spec import ShardingSpec
@@ -388,9 +389,13 @@ class PipelineRunner:
         kwargs = dict(target=weights, losses=losses) if self.last else {}
         with ap.reducer.no_sync():
             self.schedule.step(*args, return_outputs=False, **kwargs)
+        loss, summed = None, lambda: None
+        if self.last:  # each microbatch's part of the loss (``Program.loss_only``), summed over the stage's ranks once
+            last = next(m for m in self.modules if m.last)
+            loss, summed = start_loss_sums(torch.stack([x.detach() for x in losses]).sum(), last.feeds.loss_sums, ap.groups)
         ap.reducer.synchronize()
         self._sum_shared_grads()
-        loss = torch.stack([x.detach() for x in losses]).sum() if self.last else None
+        summed()
         if loss is None:
             out_meta = next(n for n in self.graph.nodes.values() if n.op == "output").inputs[self.loss_index]
             loss = torch.zeros((), dtype=getattr(torch, self.graph.nodes[out_meta].meta.dtype), device=self.device)

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
@@ -31,6 +32,7 @@ class Program:
     in_spec: object
     out_spec: object
     loss_gm: object = None  # the program returning the loss alone (``loss_only``), built on first use
+    loss_sums: tuple = ()  # the mesh axes of the closing sums ``loss_only`` leaves to its caller
 
     def state_inputs(self, slot_values: list) -> list:
         return [slot_values[s] if s is not None else self.constants[i] for i, s in enumerate(self.state_slots)]
@@ -38,17 +40,40 @@ class Program:
     def loss_only(self) -> fx.GraphModule:
         """The program with the loss as its one output, for ``train_step``: the other outputs'
         resharding to whole values (e.g. a language model's logits all-gathered, batch x seq x
-        vocab) is left out, since nothing reads them."""
+        vocab) is left out, since nothing reads them. Its loss is this rank's part where the plan
+        closes it with all-reduces whose backward is the identity (the data-parallel sum of a
+        mean): the caller sums it over ``loss_sums`` (``start_loss_sums``) off the critical path,
+        so that forward and backward run without a barrier between them."""
         if self.loss_gm is None:
-            self.loss_gm = _keep_output(self.lowered.gm, loss_position(self.graph))
+            self.loss_gm, self.loss_sums = _keep_output(self.lowered.gm, loss_position(self.graph))
         return self.loss_gm
+
+
+def start_loss_sums(loss: torch.Tensor, sums: tuple, groups):
+    """Start summing the detached ``loss`` over each axes tuple of ``sums`` (``Program.loss_sums``)
+    on ``groups``; returns the summed tensor and a function that waits for it. One sum runs
+    asynchronously; several run in order (each sums the one before)."""
+    total = loss.detach().clone()
+    with ops.bind(groups):
+        pgs = [g.pg for g in (ops.handle(axes) for axes in sums) if g.size > 1]
+    if not pgs:
+        return total, lambda: None
+    work = dist.all_reduce(total, group=pgs[0], async_op=True)
+
+    def wait():
+        work.wait()
+        for pg in pgs[1:]:
+            dist.all_reduce(total, group=pg)
+
+    return total, wait
 
 
 # what the output edges emit after a value is made: removable when nothing else reads them
 _OUTPUT_CHAIN = (*ops.STEP_FUNCTIONS.values(), ops.autopar_backward_seed)
 
 
-def _keep_output(gm: fx.GraphModule, index: int) -> fx.GraphModule:
+def _keep_output(gm: fx.GraphModule, index: int) -> tuple[fx.GraphModule, tuple]:
+    """``gm`` returning output ``index`` alone, and the axes of the closing sums taken out of it."""
     graph = copy.deepcopy(gm.graph)
     out = next(n for n in graph.nodes if n.op == "output")
     values = list(out.args[0])
@@ -59,8 +84,26 @@ def _keep_output(gm: fx.GraphModule, index: int) -> fx.GraphModule:
             src = v.args[0]
             graph.erase_node(v)
             v = src
+    sums = _take_closing_sums(graph, values[index])
     graph.lint()
-    return fx.GraphModule(gm, graph, class_name="AutoparLossProgram")
+    return fx.GraphModule(gm, graph, class_name="AutoparLossProgram"), sums
+
+
+def _take_closing_sums(graph: fx.Graph, kept) -> tuple:
+    """Take the whole-gradient all-reduces that close the kept output (just before its backward
+    seed) out of ``graph``: forward the output is then this rank's part, backward is unchanged (their
+    backward is the identity). Returns their axes, innermost first."""
+    seed = kept if isinstance(kept, fx.Node) and kept.target is ops.autopar_backward_seed else None
+    v = seed.args[0] if seed is not None else kept
+    sums = []
+    while (isinstance(v, fx.Node) and v.op == "call_function" and v.target is ops.autopar_all_reduce
+           and v.kwargs.get("whole") and len(v.users) == 1):
+        src = v.args[0]
+        sums.append(tuple(v.kwargs["axes"]))
+        v.replace_all_uses_with(src)
+        graph.erase_node(v)
+        v = src
+    return tuple(reversed(sums))
 
 
 def call_key(training: bool, args, kwargs) -> tuple:

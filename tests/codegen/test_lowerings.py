@@ -1,13 +1,13 @@
 """The lowerings on one rank, through the real functions against torch: the fused vocabulary-
-parallel cross entropy (the class axes of size 1), batch-split mean losses, split means. Loss and
-gradient equal torch's, ignored targets included. Split over ranks it runs in
+parallel cross entropy (the class axes of size 1), the fused whole-class cross entropy, batch-split
+mean losses, split means. Loss and gradient equal torch's, ignored targets included. Split over ranks it runs in
 tests/runtime/test_parallelize.py (the vocab-parallel lm and every GPT plan with that loss)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from autopar.codegen.groups import GroupHandle
-from autopar.codegen.lowerings import VocabParallelCrossEntropy
+from autopar.codegen.lowerings import VocabParallelCrossEntropy, WholeClassCrossEntropy
 
 
 def one_rank() -> GroupHandle:
@@ -30,6 +30,28 @@ def test_loss_and_gradient_equal_torch(dtype):
     assert torch.allclose(loss, ref, rtol=tol, atol=tol)
     assert torch.allclose(gx, gref, rtol=tol, atol=tol)
     assert loss[2] == 0 and gx[7].abs().max() == 0  # ignored targets: no loss, no gradient
+
+
+@pytest.mark.parametrize("shape", [(12, 40), (5, 7, 3), (9,)])
+def test_whole_class_loss_equals_torch(shape):
+    # torch's log_softmax kernel forward: the loss bit for bit; backward (exp(log p) - one_hot) * grad
+    # as torch's nll and log_softmax backward make it, up to exp's last bit (ignored targets included)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(*shape, generator=g) * 6).requires_grad_()
+    target_shape = (shape[0], *shape[2:]) if len(shape) >= 2 else ()
+    target = torch.randint(0, shape[1] if len(shape) >= 2 else shape[0], target_shape, generator=g)
+    if target.dim():
+        target.view(-1)[[0, 3]] = -100
+    upstream = torch.rand(target_shape, generator=g)
+    loss = WholeClassCrossEntropy.apply(x, target, -100)
+    (gx,) = torch.autograd.grad(loss, x, upstream)
+    x_ref = x.detach().clone().requires_grad_()
+    ref = F.cross_entropy(x_ref, target, ignore_index=-100, reduction="none")
+    (gref,) = torch.autograd.grad(ref, x_ref, upstream)
+    assert torch.equal(loss, ref)
+    assert torch.allclose(gx, gref, rtol=1e-6, atol=1e-7)
+    if len(shape) == 2:  # an ignored target: no loss, no gradient
+        assert loss[3] == 0 and gx[0].abs().max() == 0
 
 
 def _grad_fns(t):
@@ -78,7 +100,7 @@ def test_batch_split_mean_cross_entropy_equals_torch(case):
     (gref,) = torch.autograd.grad(ref, x_ref)
     assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-6)
     assert torch.allclose(gx, gref, rtol=1e-5, atol=1e-7)
-    assert ("VocabParallelCrossEntropyBackward" in _grad_fns(loss)) == fused
+    assert ("WholeClassCrossEntropyBackward" in _grad_fns(loss)) == fused
 
 
 @pytest.mark.parametrize("op, ref, extra", [

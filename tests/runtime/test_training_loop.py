@@ -204,7 +204,8 @@ def eval_case(tag, mesh, groups, *, hf=False):
 
 def train_step_case(tag, mesh, groups, layout):
     """train_step runs the program with the loss as its only output: a language model's logits are
-    not gathered whole (nothing reads them), and the step is exact. A plain call still returns
+    not gathered whole (nothing reads them), the loss's data-parallel sum is left to train_step
+    (no barrier between forward and backward), and the step is exact. A plain call still returns
     them whole."""
     model = _hf_gpt2(dropout=0.0)
     ids = torch.randint(0, HF_VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -226,7 +227,9 @@ def train_step_case(tag, mesh, groups, layout):
     main = pm._ap.main
     return {"tag": tag, "loss_err": loss_err, "grad_err": grad_err, "logits_err": logits_err,
             "lp_requires_grad": lp.requires_grad, "state_err": _state_err(pm, ref),
-            "gathers": (main.lowered.code.count("autopar_all_gather("), main.loss_only().code.count("autopar_all_gather("))}
+            "gathers": (main.lowered.code.count("autopar_all_gather("), main.loss_only().code.count("autopar_all_gather(")),
+            "sums": (main.lowered.code.count("autopar_all_reduce("), main.loss_only().code.count("autopar_all_reduce(")),
+            "loss_sums": main.loss_sums}
 
 
 class ConvNet(nn.Module):
@@ -585,3 +588,5 @@ def test_train_step_leaves_unread_outputs_sharded(results):
     assert case["logits_err"] <= TOL and not case["lp_requires_grad"]
     full, loss_only = case["gathers"]
     assert loss_only < full, case["gathers"]  # data parallel: the logits' gather over the batch is gone
+    # the loss's closing sum over the data-parallel axis is train_step's (started before backward)
+    assert case["loss_sums"] == ((0,),) and case["sums"][1] == case["sums"][0] - 1, case
