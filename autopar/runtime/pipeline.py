@@ -410,7 +410,10 @@ class PipelineRunner:
     @torch.no_grad()
     def _sum_shared_grads(self) -> None:
         """A parameter read by several stages (a tied embedding and head) holds a copy in each:
-        their gradients are summed (whole tensors: the stages may store it differently)."""
+        their gradients are summed. Where every stage that reads it stores it alike (the same
+        storage and gradient sync on sub-meshes of one shape: each rank's shard, ZeRO-2 chunk
+        included, is the same piece of it as its peers'), the shards are summed as they are; else
+        whole tensors (gathered within the stage, summed, sliced again)."""
         if not self.sg.shared:
             return
         pm = self.pmodel
@@ -418,9 +421,10 @@ class PipelineRunner:
         fqn_of = {ph: fqn for fqn, ph in ap.graph.params.items()}
         groups = ap.groups
         blocks_of = {ph: frozenset(s % self.sg.blocks for s in st) for ph, st in self.shared.items()}
-        # the shared parameters' gradients alone (a collective inside the stage where ZeRO-2 chunks
-        # are: all of them gathered, every parameter's gradient crossed the stage each step)
-        grads = pm._storage_shards(grads=True, names={fqn_of[ph] for ph in self.shared if ph in fqn_of})
+        alike = {fqn_of[ph] for ph, st in self.shared.items() if ph in fqn_of and self._stored_alike(fqn_of[ph], st)}
+        # the other shared parameters' gradients alone, whole (a collective inside the stage where
+        # ZeRO-2 chunks are: all of them gathered, every parameter's gradient crossed the stage each step)
+        grads = pm._storage_shards(grads=True, names={fqn_of[ph] for ph in self.shared if ph in fqn_of} - alike)
         held = pm.local_state()
         for members in sorted({b for b in blocks_of.values() if len(b) > 1}, key=sorted):
             pg = self.sg.shared.get(members)
@@ -428,11 +432,16 @@ class PipelineRunner:
             if pg is None:
                 continue
             for fqn in names:
+                local = held[fqn]
+                if fqn in alike:
+                    g = local.grad if local.grad is not None else torch.zeros_like(local)
+                    dist.all_reduce(g, group=pg)
+                    local.grad = g
+                    continue
                 if fqn not in grads:
                     continue
                 spec = pm.storage_spec(fqn)
                 g = grads[fqn]
-                local = held[fqn]
                 full = ops.gather_full(g if g is not None else torch.zeros(spec.local_shape(groups.mesh), dtype=local.dtype,
                                                                             device=local.device), spec, groups)
                 dist.all_reduce(full, group=pg)
@@ -444,3 +453,15 @@ class PipelineRunner:
                     h = groups.handle(entry.axes)
                     mine = chunk_of(mine, h.index, h.size)
                 local.grad = mine.clone()
+
+    def _stored_alike(self, fqn: str, stages) -> bool:
+        """Every stage of ``stages`` stores ``fqn`` the same way on a sub-mesh of the same shape (so
+        the ranks at one position of their blocks hold the same piece of it, and of its gradient)."""
+        plans = [self.plan.pipeline.stages[s] for s in sorted(stages)]
+        params = [st.plan.params.get(fqn) for st in plans]
+        if any(p is None for p in params):
+            return False
+        first, shape = params[0], tuple(plans[0].mesh_shape)
+        return all(tuple(st.mesh_shape) == shape and p.storage == first.storage
+                   and (p.grad_sync or (None, None))[:2] == (first.grad_sync or (None, None))[:2]
+                   for st, p in zip(plans, params))

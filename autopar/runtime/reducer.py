@@ -554,7 +554,19 @@ class GradReducer:
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        if not self._sync_enabled:
+            # a synchronising backward inside no_sync(): a pipeline's last microbatch, whose stage
+            # sends its input gradient once this returns; its runner finishes the collectives
+            # after the schedule (waited here, they held the previous stage's last backward)
+            self._launch_rest()
+            return
         self.synchronize()
+
+    def _launch_rest(self) -> None:
+        """Launch every bucket still holding parts, in bucket order."""
+        for b in self.buckets:
+            if b.accum is not None:
+                self._launch(b)
 
     def pending(self) -> bool:
         return bool(self._inflight) or any(b.accum is not None for b in self.buckets)
@@ -563,9 +575,7 @@ class GradReducer:
         """Launch every bucket still holding parts (in bucket order) and finish everything in
         flight. Collective: every rank calls it at the same point (end of backward, before an
         optimizer step)."""
-        for b in self.buckets:
-            if b.accum is not None:
-                self._launch(b)
+        self._launch_rest()
         inflight, self._inflight = self._inflight, []
         for f in inflight:
             f.work.wait()

@@ -25,7 +25,7 @@ class StageProgram(nn.Module):
         # Under a split backward: microbatch -> (state slot, the view of it the program read).
         self.weight_reads: dict | None = {} if split_backward else None
         self.chunk = 0  # the microbatch the stage runs (set by ``_chunk_stage``)
-        self.sync_chunk: int | None = None  # the microbatch whose backward synchronises (None: after the schedule)
+        self.sync_chunk: int | None = None  # the microbatch whose backward launches the gradient sync (None: after the schedule)
         self.read_slots = sorted({slot for slot in program.state_slots if slot is not None})
         # The last stage returns the loss alone for a step (``train_step`` reads nothing else, and
         # the other outputs' resharding to whole values, a language model's logits gathered every

@@ -239,6 +239,9 @@ CASES = [
     ("llama 2 stages x tp2", (4,), dict(stages=2, microbatches=2, schedule="1f1b"), dict(model="llama", layout=autopar.Layout(tp=2))),
     ("hf gpt2 2 stages x dp2 (tied across stages)", (4,), dict(stages=2, microbatches=2, schedule="1f1b"),
      dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2), clip=True)),
+    # stored alike on both stages: each rank's ZeRO-2 chunk of the tied gradient summed with its peer's as it is
+    ("hf gpt2 2 stages x dp2 zero2 (tied across stages)", (4,), dict(stages=2, microbatches=2, schedule="1f1b"),
+     dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2, zero=2))),
     ("hf llama 2 stages x tp2", (4,), dict(stages=2, microbatches=2, schedule="1f1b"),
      dict(model="hf-llama", layers=2, layout=autopar.Layout(tp=2))),
     ("gpt interleaved 2 ranks x 2 stages x dp2", (4,), dict(stages=2, virtual_stages=2, microbatches=2),
