@@ -51,13 +51,13 @@ def _loss(out):
 class _CountSplit:
     """Counts, on this rank, the taps' backwards (a whole backward reaching the buckets), the
     weight halves handed to the reducer (``accumulate``), the backwards that synchronised at their
-    end (``in_backward_syncs``) and the collectives launched inside those backwards before their end
-    (``launched_in_backward``)."""
+    end (``in_backward_syncs``), the collectives launched inside those backwards before their end
+    (``launched_in_backward``) and those still in flight when they returned (``left_in_flight``)."""
 
     def __init__(self):
         from autopar.runtime import reducer
 
-        self.taps = self.weight_halves = self.in_backward_syncs = self.launched_in_backward = 0
+        self.taps = self.weight_halves = self.in_backward_syncs = self.launched_in_backward = self.left_in_flight = 0
         self._patches = [(reducer._BucketTap, "backward"), (reducer.GradReducer, "accumulate"),
                          (reducer.GradReducer, "_end_of_backward")]
         self._saved = [getattr(cls, name) for cls, name in self._patches]
@@ -74,7 +74,8 @@ class _CountSplit:
         def end_of_backward(self):
             counter.in_backward_syncs += 1
             counter.launched_in_backward += len(self._inflight)
-            return counter._saved[2](self)
+            counter._saved[2](self)
+            counter.left_in_flight += len(self._inflight)
 
         reducer._BucketTap.backward = staticmethod(tap_backward)
         reducer.GradReducer.accumulate = accumulate
@@ -108,7 +109,8 @@ def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=No
         counts = _CountSplit()
         try:
             return {**run(), "taps": counts.taps, "weight_halves": counts.weight_halves,
-                    "in_backward_syncs": counts.in_backward_syncs, "launched_in_backward": counts.launched_in_backward}
+                    "in_backward_syncs": counts.in_backward_syncs, "launched_in_backward": counts.launched_in_backward,
+                    "left_in_flight": counts.left_in_flight}
         finally:
             counts.close()
 
@@ -546,10 +548,12 @@ def test_zero_bubble_splits_the_backward(results):
 
 
 def test_gradients_synchronise_inside_the_last_backward(results):
-    """Where a rank runs one stage under GPipe or 1F1B, gradients synchronise once per step inside
+    """Where a rank runs one stage under GPipe or 1F1B, gradients synchronise once per step from
     the last microbatch's backward, each bucket launched before that backward ends (overlapped, as
-    DDP under torch's schedules); under interleaved and zero-bubble schedules, after the schedule.
-    A rank with no taps (a stage of one device) synchronises nothing."""
+    DDP under torch's schedules) and waited for after the schedule (so that the stage sends its
+    input gradient first: the previous stage's last backward waits for it); under interleaved and
+    zero-bubble schedules, after the schedule. A rank with no taps (a stage of one device)
+    synchronises nothing."""
     for tag, _, pipe, _ in CASES:
         one_stage_per_rank = pipe.get("schedule") in ("gpipe", "1f1b") and not pipe.get("virtual_stages")
         for r in results[tag]:
@@ -557,7 +561,7 @@ def test_gradients_synchronise_inside_the_last_backward(results):
                 assert r["in_backward_syncs"] == STEPS and r["launched_in_backward"] >= STEPS, (tag, r)
             elif not one_stage_per_rank:
                 assert r["in_backward_syncs"] == 0, (tag, r)
-    assert all(r["launched_in_backward"] > 0 for r in results["gpt 2 stages x dp2 gpipe"])
+    assert all(r["launched_in_backward"] > 0 and r["left_in_flight"] >= STEPS for r in results["gpt 2 stages x dp2 gpipe"])
 
 
 def test_pipelined_module_errors(results):

@@ -15,7 +15,7 @@ from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import unit_of_nodes
 from autopar.solver.microbatches import microbatch_candidates
 from autopar.solver.pipeline import (
-    Pipeline, _search_counts, layer_groups, row_options, search, shared_core_time, sub_mesh,
+    Pipeline, _moved_cuts, _nudged, _search_counts, layer_groups, row_options, search, shared_core_time, sub_mesh,
 )
 from autopar.solver.stage_dp import StageSolution
 from autopar.solver.stage_prices import step_extras, unit_prices
@@ -499,6 +499,29 @@ def test_shared_core_time_keeps_the_dp_time_on_devices_of_their_own():
     # 3.0 and 4.0) runs after the schedule, every rank at once: the slowest stage's, at the all-busy price
     tail = shared_core_time(sol, np.array([1]), 2, 2.0, 2, per_step=[1.0, 2.0])
     assert tail == pytest.approx(simulate_shared([1.25, 1.5], [1, 1], 2, "1f1b", 1.0) + 2.0)
+
+
+def test_moved_cuts_move_one_cut_a_unit_and_keep_every_stage():
+    # the first cut can move earlier only (later would empty the one-unit middle stage), the second later only
+    assert list(_moved_cuts([(0, 1, 0), (2, 2, 1), (3, 5, 0)])) == [
+        [(0, 0, 0), (1, 2, 1), (3, 5, 0)], [(0, 1, 0), (2, 3, 1), (4, 5, 0)]]
+    assert list(_moved_cuts([(0, 3, 0)])) == []
+
+
+def test_nudged_cuts_walk_down_the_priced_step_to_a_local_least():
+    # a price with its least at cuts after units 2 and 5 (of 8), and one stage list refused
+    def priced(stages):
+        cuts = [j for _, j, _ in stages[:-1]]
+        if cuts == [3, 5]:
+            return None
+        return StageSolution(stages, float(abs(cuts[0] - 2) + abs(cuts[1] - 5)), 1.0, [1.0] * len(stages))
+
+    start = [(0, 5, 0), (6, 6, 0), (7, 7, 0)]
+    got = _nudged(priced(start), priced)
+    assert [j for _, j, _ in got.stages[:-1]] == [2, 5] and got.step_time == 0.0
+    assert got.stages[-1] == (6, 7, 0)  # every unit still covered, in order
+    # already at its least: unchanged
+    assert _nudged(got, priced) is got
 
 
 # ---- zero bubble -------------------------------------------------------------------------------------
