@@ -9,15 +9,17 @@ is in.
 Execution is ``torch.distributed.pipelining``: a ``PipelineStage`` over a module that runs the
 stage's program, and ``ScheduleGPipe`` / ``Schedule1F1B``. Static shapes are given, so no
 metadata round trips happen. A step (``train_step``) runs every microbatch under the reducer's
-``no_sync``, and synchronises gradients once: where a rank runs one stage under GPipe or 1F1B, in
+``no_sync``, and synchronises gradients once: where a rank runs one stage under GPipe or 1F1B, from
 the backward of the last microbatch (its last backward), each bucket launched as soon as its
 gradients are complete, overlapped with the rest of that backward, as DDP does under torch's
-schedules; under interleaved and zero-bubble schedules (several stages per rank, or a weight half
-outside the taps), after the schedule. A parameter read by several stages (a tied
-embedding and head) then sums its gradient over them. The loss is each microbatch's loss weighed by
-``loss_weights`` (1 / m; a mean over counted targets, such as a cross entropy ignoring padding, by its
-share of the batch's count; the schedule does not scale again), summed over microbatches and sent to
-every rank. A stage the plan recomputes runs each of its layers under ``torch.utils.checkpoint`` (the
+schedules, and waited for after the schedule (so the stage sends its input gradient first: the
+stage before waits for it); under interleaved and zero-bubble schedules (several stages per rank,
+or a weight half outside the taps), launched after the schedule. A parameter read by several
+stages (a tied embedding and head) then sums its gradient over them. The loss is each
+microbatch's loss weighed by ``loss_weights`` (1 / m; a mean over counted targets, such as a cross
+entropy ignoring padding, by its share of the batch's count; the schedule does not scale again),
+summed over microbatches, then over the last stage's data-parallel ranks (``Program.loss_only``
+leaves that sum to the step), and sent to every rank. A stage the plan recomputes runs each of its layers under ``torch.utils.checkpoint`` (the
 program split by layer): a microbatch in flight keeps only each layer's inputs.
 """
 from __future__ import annotations
