@@ -19,8 +19,9 @@ stages (a tied embedding and head) then sums its gradient over them. The loss is
 microbatch's loss weighed by ``loss_weights`` (1 / m; a mean over counted targets, such as a cross
 entropy ignoring padding, by its share of the batch's count; the schedule does not scale again),
 summed over microbatches, then over the last stage's data-parallel ranks (``Program.loss_only``
-leaves that sum to the step), and sent to every rank. A stage the plan recomputes runs each of its layers under ``torch.utils.checkpoint`` (the
-program split by layer): a microbatch in flight keeps only each layer's inputs.
+leaves that sum to the step), and sent to every rank. A stage the plan recomputes runs each of its
+layers under ``torch.utils.checkpoint`` (the program split by layer): a microbatch in flight keeps
+only each layer's inputs.
 """
 from __future__ import annotations
 
@@ -392,9 +393,9 @@ class PipelineRunner:
         with ap.reducer.no_sync():
             self.schedule.step(*args, return_outputs=False, **kwargs)
         loss, summed = None, lambda: None
-        if self.last:  # each microbatch's part of the loss (``Program.loss_only``), summed over the stage's ranks once
-            last = next(m for m in self.modules if m.last)
-            loss, summed = start_loss_sums(torch.stack([x.detach() for x in losses]).sum(), last.feeds.loss_sums, ap.groups)
+        if self.last:  # this rank's parts of the microbatches' losses (``Program.loss_only``), summed once
+            sums = next(m for m in self.modules if m.last).feeds.loss_sums
+            loss, summed = start_loss_sums(torch.stack([x.detach() for x in losses]).sum(), sums, ap.groups)
         ap.reducer.synchronize()
         self._sum_shared_grads()
         summed()
@@ -437,6 +438,7 @@ class PipelineRunner:
                 local = held[fqn]
                 if fqn in alike:
                     g = local.grad if local.grad is not None else torch.zeros_like(local)
+                    g = g if g.is_contiguous() else g.contiguous()
                     dist.all_reduce(g, group=pg)
                     local.grad = g
                     continue

@@ -246,16 +246,18 @@ class _StagePricer:
         self.graph, self.groups, self.shared = graph, groups, shared
 
     def __call__(self, stages: list) -> StageSolution | None:
-        s, count = self.search, self.count
+        search, count = self.search, self.count
         times = [float(self.time_t[i, j, m]) for i, j, m in stages]
         if not all(math.isfinite(t) for t in times):
             return None
         sol = StageSolution(list(stages), self.schedule.step_time(times, count, self.virtual), max(times), times)
-        if self.virtual == 1 and not _fits_inflight(sol, self.mem_t, self.act_t, self.schedule, count, s.budget):
+        if self.virtual == 1 and not _fits_inflight(sol, self.mem_t, self.act_t, self.schedule, count, search.budget):
             return None
         per_step = [count * self.prices[m].per_step_s[i:j + 1].sum() for i, j, m in stages]
-        sol.step_time = shared_core_time(sol, self.devices, count, s.contention, s.mesh.shape[0], self.schedule, per_step)
-        sol.step_time += step_extras(self.graph, self.groups, stages, len(stages) // self.virtual, s.mesh, self.shared)
+        sol.step_time = shared_core_time(sol, self.devices, count, search.contention, search.mesh.shape[0],
+                                         self.schedule, per_step)
+        sol.step_time += step_extras(self.graph, self.groups, stages, len(stages) // self.virtual, search.mesh,
+                                     self.shared)
         return sol
 
 
