@@ -5,9 +5,10 @@
                                output is a pending sum over the vocabulary axes.
     loss-batch-split(mean)     rules/loss.py: the op with reduction="sum", divided by the GLOBAL
                                denominator; a pending sum over the batch axes. Cross entropy
-                               over class indices runs fused (``VocabParallelCrossEntropy``
-                               without collectives): ATen's makes four logits-sized tensors,
-                               whose allocation and page faults cost more than the op.
+                               over class indices runs fused (``WholeClassCrossEntropy``:
+                               torch's log_softmax kernel, the gradient made in place of its
+                               output): ATen's makes three logits-sized tensors, whose
+                               allocation and page faults cost more than the op.
     loss-vocab-parallel        rules/loss.py: cross entropy over split classes (Megatron-style
                                max / sum-exp / target-logit all-reduces); replicated over them.
     ring, ring(causal)         rules/attention.py: scaled dot-product attention of the rank's

@@ -390,7 +390,7 @@ class PipelineRunner:
         args = flat_inputs if self.first else ()
         weights = self.loss_weights(flat_inputs)
         kwargs = dict(target=weights, losses=losses) if self.last else {}
-        with ap.reducer.no_sync():
+        with ap.reducer.no_sync(), ap.reducer.deferred_waits():
             self.schedule.step(*args, return_outputs=False, **kwargs)
         loss, summed = None, lambda: None
         if self.last:  # this rank's parts of the microbatches' losses (``Program.loss_only``), summed once

@@ -50,22 +50,19 @@ class Program:
 
 
 def start_loss_sums(loss: torch.Tensor, sums: tuple, groups):
-    """Start summing the detached ``loss`` over each axes tuple of ``sums`` (``Program.loss_sums``)
-    on ``groups``; returns the summed tensor and a function that waits for it. One sum runs
-    asynchronously; several run in order (each sums the one before)."""
+    """Start summing the detached ``loss`` over the mesh axes of ``sums`` (``Program.loss_sums``)
+    on ``groups``, as one asynchronous all-reduce; returns the tensor the sum lands in and a
+    function that waits for it."""
     total = loss.detach().clone()
-    with ops.bind(groups):
-        pgs = [g.pg for g in (ops.handle(axes) for axes in sums) if g.size > 1]
-    if not pgs:
+    axes = tuple(sorted({a for s in sums for a in s}))
+    if not axes:
         return total, lambda: None
-    work = dist.all_reduce(total, group=pgs[0], async_op=True)
-
-    def wait():
-        work.wait()
-        for pg in pgs[1:]:
-            dist.all_reduce(total, group=pg)
-
-    return total, wait
+    with ops.bind(groups):
+        g = ops.handle(axes)
+    if g.size == 1:
+        return total, lambda: None
+    work = dist.all_reduce(total, group=g.pg, async_op=True)
+    return total, work.wait
 
 
 # what the output edges emit after a value is made: removable when nothing else reads them

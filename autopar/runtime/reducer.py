@@ -12,7 +12,8 @@ and FSDP2 do, with few, large, overlapped collectives:
                 parameter has reported launches its collective asynchronously at once (buckets
                 launch in bucket order, so every rank issues the same collectives in the same
                 order); a callback queued on the autograd engine launches what is left and waits
-                for everything once, at the end of backward;
+                for everything once, at the end of backward (under ``deferred_waits()``, a
+                pipeline's, it only launches: ``synchronize()`` waits after the schedule);
     finish      the summed (all_reduce) or summed-and-split (reduce_scatter, ZeRO-2) bucket is
                 added into each parameter's ``.grad`` (or becomes it, as views of the bucket).
 
@@ -447,6 +448,7 @@ class GradReducer:
         self._inflight: list[_Flight] = []
         self._callback_queued = False
         self._sync_enabled = True
+        self._defer_waits = False  # (``deferred_waits``)
         self.launched = 0  # collectives launched so far (tests, explain)
         _LIVE.add(self)
         global _HOOK
@@ -478,7 +480,8 @@ class GradReducer:
     def tap(self, state: list, sync: bool | None = None, reads: list | None = None) -> list:
         """The program's state inputs with every synchronised parameter read through its bucket's
         tap (call when autograd records the forward). ``sync`` overrides whether this forward's
-        backward synchronises (a pipeline's last microbatch does, inside ``no_sync()``). ``reads``:
+        backward synchronises (a pipeline's last microbatch does, inside ``no_sync()``: it launches
+        its collectives, see ``deferred_waits``). ``reads``:
         what the program reads in place of ``state``'s parameters (a policy's working copies)."""
         call = _Call(self, self._sync_enabled if sync is None else sync)
         out = list(state if reads is None else reads)
@@ -552,12 +555,21 @@ class GradReducer:
         for i in reversed(scatters[: max(0, len(scatters) - SCATTERS_IN_FLIGHT)]):
             self._inflight.pop(i).finish()
 
+    @contextlib.contextmanager
+    def deferred_waits(self):
+        """Inside, a synchronising backward launches its collectives and returns; the caller's
+        ``synchronize()`` waits for them. A pipeline's runner: the stage sends its input gradient
+        as soon as its last backward ends (waited there, the last stage's sync held the previous
+        stage's last backward, the step's critical path)."""
+        old, self._defer_waits = self._defer_waits, True
+        try:
+            yield
+        finally:
+            self._defer_waits = old
+
     def _end_of_backward(self) -> None:
         self._callback_queued = False
-        if not self._sync_enabled:
-            # a synchronising backward inside no_sync(): a pipeline's last microbatch, whose stage
-            # sends its input gradient once this returns; its runner finishes the collectives
-            # after the schedule (waited here, they held the previous stage's last backward)
+        if self._defer_waits:
             self._launch_rest()
             return
         self.synchronize()

@@ -598,8 +598,9 @@ class _Search:
         return found
 
     def _solve(self, schedule: Schedule, virtual: int, counts: set[int], count: int, devices, time_t, mem_t, act_t):
-        """The DP for ``schedule`` over these variants and stage counts (of ranks): its solution with
-        the schedule's own step with a device per rank, or None when nothing fits."""
+        """The DP for ``schedule`` over these variants and stage counts (of ranks): its stages (the
+        DP's objective is GPipe's and 1F1B's step; ``_StagePricer`` prices them), or None when
+        nothing fits."""
         if virtual > 1:  # v stages per rank: the DP cuts p * v stages on v copies of the rows
             counts = {c * virtual for c in counts}
         sol = solve_stages(time_t, devices, self.mesh.shape[0] * virtual, count, mem=mem_t, act=act_t,
@@ -607,7 +608,6 @@ class _Search:
                            tolerance=self.tolerance)
         if sol is None or (virtual == 1 and not _fits_inflight(sol, mem_t, act_t, schedule, count, self.budget)):
             return None
-        sol.step_time = schedule.step_time(sol.stage_times, count, virtual)  # the DP's objective is GPipe's and 1F1B's
         return sol
 
 

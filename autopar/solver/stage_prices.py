@@ -227,8 +227,10 @@ def step_extras(graph, groups, stages, blocks: int, mesh: Mesh, shared: dict[str
     """What a pipelined step runs after its schedule, blocking, that no stage price holds
     (``PipelineRunner.step``): the loss sent from the last stage to every rank (one small
     collective over the pipeline group), and each parameter that several blocks of ranks read (a
-    tied embedding and head) summed over them (an all-reduce of its whole gradient). Both cross
-    the mesh's first axis. 0 for one stage. ``shared``: ``multi_unit_params(graph)``."""
+    tied embedding and head) summed over them (an all-reduce of its whole gradient: the stages'
+    storage is not known here; where they store it alike and split, the runner sums each rank's
+    shard, so this is an upper bound there). Both cross the mesh's first axis. 0 for one stage.
+    ``shared``: ``multi_unit_params(graph)``."""
     if len(stages) < 2:
         return 0.0
     link = mesh.resolved_cluster().with_axis_links([mesh.links()[0]])

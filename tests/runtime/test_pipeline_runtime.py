@@ -50,9 +50,10 @@ def _loss(out):
 
 class _CountSplit:
     """Counts, on this rank, the taps' backwards (a whole backward reaching the buckets), the
-    weight halves handed to the reducer (``accumulate``), the backwards that synchronised at their
-    end (``in_backward_syncs``), the collectives launched inside those backwards before their end
-    (``launched_in_backward``) and those still in flight when they returned (``left_in_flight``)."""
+    weight halves handed to the reducer (``accumulate``), the backwards whose end started the
+    gradient sync (``in_backward_syncs``), the collectives launched inside those backwards before
+    their end (``launched_in_backward``) and those still in flight when they returned
+    (``left_in_flight``: the runner waits for them after the schedule)."""
 
     def __init__(self):
         from autopar.runtime import reducer
@@ -101,18 +102,29 @@ def _masked(kwargs: dict) -> dict:
 
 
 def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=None, clip=False, padded=False,
-                  masked=False):
+                  masked=False, tied_whole=False):
     """Train ``STEPS`` AdamW steps with ``train_step`` next to one process; errors and the stages.
     ``padded``: targets partly ignored (``_padded``); ``masked``: a padding attention mask too
-    (``_masked``, transformers models)."""
+    (``_masked``, transformers models); ``tied_whole``: a tied parameter's gradient summed across
+    stages as whole tensors, as where the stages store it differently (``_stored_alike`` false)."""
     def go():
+        from autopar.runtime.pipeline import PipelineRunner
+
         counts = _CountSplit()
+        alike, tied = PipelineRunner._stored_alike, []
+
+        def stored_alike(self, fqn, stages):  # records which way each tied gradient is summed
+            tied.append(False if tied_whole else alike(self, fqn, stages))
+            return tied[-1]
+
+        PipelineRunner._stored_alike = stored_alike
         try:
             return {**run(), "taps": counts.taps, "weight_halves": counts.weight_halves,
                     "in_backward_syncs": counts.in_backward_syncs, "launched_in_backward": counts.launched_in_backward,
-                    "left_in_flight": counts.left_in_flight}
+                    "left_in_flight": counts.left_in_flight, "tied_alike": sorted(set(tied))}
         finally:
             counts.close()
+            PipelineRunner._stored_alike = alike
 
     def run():
         warnings.simplefilter("ignore")
@@ -244,6 +256,9 @@ CASES = [
     # stored alike on both stages: each rank's ZeRO-2 chunk of the tied gradient summed with its peer's as it is
     ("hf gpt2 2 stages x dp2 zero2 (tied across stages)", (4,), dict(stages=2, microbatches=2, schedule="1f1b"),
      dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2, zero=2))),
+    # and summed whole (gathered in the stage, summed, chunked again): stages that store it differently
+    ("hf gpt2 2 stages x dp2 zero2 (tied, summed whole)", (4,), dict(stages=2, microbatches=2, schedule="1f1b"),
+     dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2, zero=2), tied_whole=True)),
     ("hf llama 2 stages x tp2", (4,), dict(stages=2, microbatches=2, schedule="1f1b"),
      dict(model="hf-llama", layers=2, layout=autopar.Layout(tp=2))),
     ("gpt interleaved 2 ranks x 2 stages x dp2", (4,), dict(stages=2, virtual_stages=2, microbatches=2),
@@ -547,7 +562,7 @@ def test_zero_bubble_splits_the_backward(results):
         assert r["taps"] > 0 and r["weight_halves"] == 0, r
 
 
-def test_gradients_synchronise_inside_the_last_backward(results):
+def test_gradient_sync_starts_inside_the_last_backward(results):
     """Where a rank runs one stage under GPipe or 1F1B, gradients synchronise once per step from
     the last microbatch's backward, each bucket launched before that backward ends (overlapped, as
     DDP under torch's schedules) and waited for after the schedule (so that the stage sends its
@@ -562,6 +577,13 @@ def test_gradients_synchronise_inside_the_last_backward(results):
             elif not one_stage_per_rank:
                 assert r["in_backward_syncs"] == 0, (tag, r)
     assert all(r["launched_in_backward"] > 0 and r["left_in_flight"] >= STEPS for r in results["gpt 2 stages x dp2 gpipe"])
+
+
+def test_tied_gradients_sum_as_the_stages_store_them(results):
+    # stored alike (ZeRO-2 chunks on dp2 sub-meshes of one shape): each rank's chunk with its peer's;
+    # the whole-tensor path (forced) is exact too (pipeline_case)
+    assert all(r["tied_alike"] == [True] for r in results["hf gpt2 2 stages x dp2 zero2 (tied across stages)"])
+    assert all(r["tied_alike"] == [False] for r in results["hf gpt2 2 stages x dp2 zero2 (tied, summed whole)"])
 
 
 def test_pipelined_module_errors(results):
