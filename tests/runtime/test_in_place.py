@@ -2,7 +2,7 @@
 decoder inputs are the labels shifted right with ``new_zeros``, a slice assignment and
 ``masked_fill_``) and a hand-written model with every common kind of in-place write
 (``tests/models_zoo.in_place``), under data, tensor and 2-D layouts and the planner's own choice:
-forward, loss, every gradient and five AdamW steps against one process.
+forward, loss, every gradient and three AdamW steps against one process.
 
 A plan that read a written tensor in another layout than it is held in wrote into a collective's
 copy, and T5 under data parallelism lost its decoder inputs (loss 6.20054 against 6.20577). The
