@@ -36,13 +36,17 @@ FIRST_BUCKET_BYTES = 1 << 20
 SCATTERS_IN_FLIGHT = 2
 
 
+def _pooled_buffers(kind: str) -> int:
+    """Whole-bucket buffers a ZeRO-2 sum by ``kind`` (a ``ZERO2_SYNCS`` name or its first
+    collective) keeps: the one sent, and for an all-to-all the one received."""
+    return 2 if kind.startswith("all_to_all") else 1
+
+
 def zero2_pool_cap(kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """The most bytes the reducer's pool keeps for ZeRO-2 buckets summed by ``kind`` (a
-    ``ZERO2_SYNCS`` name or its first collective): the whole-bucket buffers a sum uses (the one
-    sent, and for an all-to-all the one received) of the buckets in use at once
-    (``SCATTERS_IN_FLIGHT`` and one filling)."""
-    buffers = 2 if kind.startswith("all_to_all") else 1
-    return buffers * (SCATTERS_IN_FLIGHT + 1) * bucket_bytes
+    """The most bytes the reducer's pool keeps for ZeRO-2 buckets summed by ``kind``: the buffers a
+    sum uses (``_pooled_buffers``) of the buckets in use at once (``SCATTERS_IN_FLIGHT`` and one
+    filling)."""
+    return _pooled_buffers(kind) * (SCATTERS_IN_FLIGHT + 1) * bucket_bytes
 
 
 def zero2_pool_bytes(grad_bytes: float, kind: str, total_bytes: float | None,
@@ -50,7 +54,7 @@ def zero2_pool_bytes(grad_bytes: float, kind: str, total_bytes: float | None,
     """Bytes a ZeRO-2 gradient of ``grad_bytes`` (in its reduction dtype) adds to the reducer's
     pool, which keeps the buffers a sum uses from step to step: their bytes, or where the model's
     gradients (``total_bytes``) outgrow ``zero2_pool_cap`` its share of that bound."""
-    buffers = 2 if kind.startswith("all_to_all") else 1
+    buffers = _pooled_buffers(kind)
     if not total_bytes:
         return buffers * grad_bytes
     return grad_bytes * min(buffers, zero2_pool_cap(kind, bucket_bytes) / total_bytes)

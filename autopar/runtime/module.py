@@ -42,7 +42,7 @@ from autopar.errors import ConfigError
 from autopar.ir.graph import Role
 from autopar.ir.precision import kept_dtype
 from autopar.runtime.clip import ClipInfo, attach, clip_grad_norm_, counts_in_norm
-from autopar.runtime.programs import Program, call_key, start_loss_sums
+from autopar.runtime.programs import Program, call_key, start_loss_sum
 from autopar.runtime.reducer import GradReducer, SyncEntry, chunk_of, unchunk
 from autopar.runtime.state import ParamLayout, device_mesh, local_part, to_dtensor
 
@@ -180,7 +180,7 @@ class ParallelModule(nn.Module):
         ap = self._ap
         if ap.pipeline is None:
             program, (loss,) = self._run(args, kwargs, Program.loss_only)
-            total, summed = start_loss_sums(loss, program.loss_sums, ap.groups)
+            total, summed = start_loss_sum(loss, program.loss_sum_axes, ap.groups)
             loss.backward()
             summed()
             return total

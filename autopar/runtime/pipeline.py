@@ -26,6 +26,7 @@ only each layer's inputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from autopar.errors import ConfigError
 from autopar.ir.blocks import unit_of_nodes
 from autopar.runtime.pipeline_call import PipelineCall, StageSet, microbatch_rows
 from autopar.runtime.process_groups import MeshGroups
-from autopar.runtime.programs import start_loss_sums
+from autopar.runtime.programs import start_loss_sum
 from autopar.runtime.stage_program import StageProgram, loss_weights
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.spec import ShardingSpec
@@ -394,8 +395,8 @@ class PipelineRunner:
             self.schedule.step(*args, return_outputs=False, **kwargs)
         loss, summed = None, lambda: None
         if self.last:  # this rank's parts of the microbatches' losses (``Program.loss_only``), summed once
-            sums = next(m for m in self.modules if m.last).feeds.loss_sums
-            loss, summed = start_loss_sums(torch.stack([x.detach() for x in losses]).sum(), sums, ap.groups)
+            axes = next(m for m in self.modules if m.last).feeds.loss_sum_axes
+            loss, summed = start_loss_sum(torch.stack([x.detach() for x in losses]).sum(), axes, ap.groups)
         ap.reducer.synchronize()
         self._sum_shared_grads()
         summed()
@@ -424,7 +425,7 @@ class PipelineRunner:
         fqn_of = {ph: fqn for fqn, ph in ap.graph.params.items()}
         groups = ap.groups
         blocks_of = {ph: frozenset(s % self.sg.blocks for s in st) for ph, st in self.shared.items()}
-        alike = {fqn_of[ph] for ph, st in self.shared.items() if ph in fqn_of and self._stored_alike(fqn_of[ph], st)}
+        alike = self._tied_alike
         # the other shared parameters' gradients alone, whole (a collective inside the stage where
         # ZeRO-2 chunks are: all of them gathered, every parameter's gradient crossed the stage each step)
         grads = pm._storage_shards(grads=True, names={fqn_of[ph] for ph in self.shared if ph in fqn_of} - alike)
@@ -457,6 +458,13 @@ class PipelineRunner:
                     h = groups.handle(entry.axes)
                     mine = chunk_of(mine, h.index, h.size)
                 local.grad = mine.clone()
+
+    @functools.cached_property
+    def _tied_alike(self) -> frozenset:
+        """The parameters several stages read that they store alike (``_stored_alike``): a plan's
+        fact, found once."""
+        fqn_of = {ph: fqn for fqn, ph in self.pmodel._ap.graph.params.items()}
+        return frozenset(fqn_of[ph] for ph, st in self.shared.items() if ph in fqn_of and self._stored_alike(fqn_of[ph], st))
 
     def _stored_alike(self, fqn: str, stages) -> bool:
         """Every stage of ``stages`` stores ``fqn`` the same way on a sub-mesh of the same shape (so

@@ -32,7 +32,7 @@ class Program:
     in_spec: object
     out_spec: object
     loss_gm: object = None  # the program returning the loss alone (``loss_only``), built on first use
-    loss_sums: tuple = ()  # the mesh axes of the closing sums ``loss_only`` leaves to its caller
+    loss_sum_axes: tuple = ()  # the mesh axes of the closing sum ``loss_only`` leaves to its caller
 
     def state_inputs(self, slot_values: list) -> list:
         return [slot_values[s] if s is not None else self.constants[i] for i, s in enumerate(self.state_slots)]
@@ -42,19 +42,18 @@ class Program:
         resharding to whole values (e.g. a language model's logits all-gathered, batch x seq x
         vocab) is left out, since nothing reads them. Its loss is this rank's part where the plan
         closes it with all-reduces whose backward is the identity (the data-parallel sum of a
-        mean): the caller sums it over ``loss_sums`` (``start_loss_sums``) off the critical path,
+        mean): the caller sums it over ``loss_sum_axes`` (``start_loss_sum``) off the critical path,
         so that forward and backward run without a barrier between them."""
         if self.loss_gm is None:
-            self.loss_gm, self.loss_sums = _keep_output(self.lowered.gm, loss_position(self.graph))
+            self.loss_gm, self.loss_sum_axes = _keep_output(self.lowered.gm, loss_position(self.graph))
         return self.loss_gm
 
 
-def start_loss_sums(loss: torch.Tensor, sums: tuple, groups):
-    """Start summing the detached ``loss`` over the mesh axes of ``sums`` (``Program.loss_sums``)
-    on ``groups``, as one asynchronous all-reduce; returns the tensor the sum lands in and a
-    function that waits for it."""
+def start_loss_sum(loss: torch.Tensor, axes: tuple, groups):
+    """Start summing the detached ``loss`` over the mesh ``axes`` (``Program.loss_sum_axes``) on
+    ``groups``, as one asynchronous all-reduce; returns the tensor the sum lands in and a function
+    that waits for it."""
     total = loss.detach().clone()
-    axes = tuple(sorted({a for s in sums for a in s}))
     if not axes:
         return total, lambda: None
     with ops.bind(groups):
@@ -70,7 +69,7 @@ _OUTPUT_CHAIN = (*ops.STEP_FUNCTIONS.values(), ops.autopar_backward_seed)
 
 
 def _keep_output(gm: fx.GraphModule, index: int) -> tuple[fx.GraphModule, tuple]:
-    """``gm`` returning output ``index`` alone, and the axes of the closing sums taken out of it."""
+    """``gm`` returning output ``index`` alone, and the mesh axes of the closing sums taken out of it."""
     graph = copy.deepcopy(gm.graph)
     out = next(n for n in graph.nodes if n.op == "output")
     values = list(out.args[0])
@@ -89,18 +88,19 @@ def _keep_output(gm: fx.GraphModule, index: int) -> tuple[fx.GraphModule, tuple]
 def _take_closing_sums(graph: fx.Graph, kept) -> tuple:
     """Take the whole-gradient all-reduces that close the kept output (just before its backward
     seed) out of ``graph``: forward the output is then this rank's part, backward is unchanged (their
-    backward is the identity). Returns their axes, innermost first."""
+    backward is the identity). Returns the mesh axes they summed over, in order (one sum over all of
+    them is theirs)."""
     seed = kept if isinstance(kept, fx.Node) and kept.target is ops.autopar_backward_seed else None
     v = seed.args[0] if seed is not None else kept
-    sums = []
+    axes: set = set()
     while (isinstance(v, fx.Node) and v.op == "call_function" and v.target is ops.autopar_all_reduce
            and v.kwargs.get("whole") and len(v.users) == 1):
         src = v.args[0]
-        sums.append(tuple(v.kwargs["axes"]))
+        axes.update(v.kwargs["axes"])
         v.replace_all_uses_with(src)
         graph.erase_node(v)
         v = src
-    return tuple(reversed(sums))
+    return tuple(sorted(axes))
 
 
 def call_key(training: bool, args, kwargs) -> tuple:

@@ -229,7 +229,7 @@ def train_step_case(tag, mesh, groups, layout):
             "lp_requires_grad": lp.requires_grad, "state_err": _state_err(pm, ref),
             "gathers": (main.lowered.code.count("autopar_all_gather("), main.loss_only().code.count("autopar_all_gather(")),
             "sums": (main.lowered.code.count("autopar_all_reduce("), main.loss_only().code.count("autopar_all_reduce(")),
-            "loss_sums": main.loss_sums}
+            "loss_sum_axes": main.loss_sum_axes}
 
 
 class ConvNet(nn.Module):
@@ -589,4 +589,4 @@ def test_train_step_leaves_unread_outputs_sharded(results):
     full, loss_only = case["gathers"]
     assert loss_only < full, case["gathers"]  # data parallel: the logits' gather over the batch is gone
     # the loss's closing sum over the data-parallel axis is train_step's (started before backward)
-    assert case["loss_sums"] == ((0,),) and case["sums"][1] == case["sums"][0] - 1, case
+    assert case["loss_sum_axes"] == (0,) and case["sums"][1] == case["sums"][0] - 1, case
