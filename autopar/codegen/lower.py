@@ -9,7 +9,8 @@
                             step (``autopar_all_gather(x, axes=(0,), dim=1)``...), then the ATen op
                             with size arguments rewritten to local sizes, or the family's lowering
                             (``autopar.codegen.lowerings``)
-    output                  the edges' steps (outputs are planned replicated), then
+    output                  the edges' steps to the spec the plan returns each output in (whole,
+                            or split where training does not read it: ``Lowered.returned``), then
                             ``autopar_backward_seed`` on each differentiable output
 
 The program names mesh axes, never ranks, so it is the same on every rank: which shard a rank holds
@@ -68,6 +69,9 @@ class Lowered:
     boundary_inputs: list[str]
     boundary_outputs: list[str]
     specs: dict[str, object]  # emitted node name -> the spec of its local value (None: not a tensor)
+    # flat output index -> the spec an output is returned split in (the runtime gathers it when it is
+    # first read: ``autopar.runtime.outputs``); every other output is whole
+    returned: dict = dataclasses.field(default_factory=dict)
 
     @property
     def code(self) -> str:
@@ -116,6 +120,7 @@ class _Emitter:
         self.identical = tuple(plan.identical_axes)
         self.sums = grad_sum_reads(plan, graph, self.identical)
         self.summed: dict = {}  # (value node name, axes) -> its grad_sum node
+        self.returned: dict = {}  # flat output index -> the spec it is returned split in (``_output``)
         self.whole: dict[str, fx.Node | None] = {}  # traced value -> a node holding it whole (``_whole``)
         # reads that must see their producer's memory itself: an in-place write and the views on its way
         self.in_place = {(r, p) for r, p in in_place_reads(graph) if r in self.inside}
@@ -151,7 +156,7 @@ class _Emitter:
         self.fx.output(tuple(outputs))
         self.fx.lint()
         gm = fx.GraphModule(torch.nn.Module(), self.fx, class_name="AutoparRankProgram")
-        return Lowered(gm, self.state, self.inputs, self.boundary, boundary_out, self.specs)
+        return Lowered(gm, self.state, self.inputs, self.boundary, boundary_out, self.specs, self.returned)
 
     def _plan_of(self, name):
         if name not in self.plan.nodes:
@@ -379,27 +384,36 @@ class _Emitter:
         return self.whole[name]
 
     def _output(self, node):
-        """The graph's outputs, replicated, each with its backward seed. Every rank seeds an output
-        with the same gradient, so on the axes its own gathers and all-reduces run over the seed is
-        whole: their backwards keep a chunk or nothing (not a reduce-scatter or an all-reduce of a
-        seed held by one rank, as the dual layout would; DDP's loss has no collective at all)."""
+        """The graph's outputs in the specs the plan returns them in (whole, or split where
+        training does not read them: ``Lowered.returned``), each with its backward seed. Every
+        rank seeds an output with the same gradient, so on the axes its own gathers and
+        all-reduces run over the seed is whole: their backwards keep a chunk or nothing (not a
+        reduce-scatter or an all-reduce of a seed held by one rank, as the dual layout would; DDP's
+        loss has no collective at all). An output returned split is gathered later, by the runtime
+        (``autopar.runtime.outputs``): its seed is whole on the axes that gather runs over too."""
         node_plan = self._plan_of(node.name)
         base = set(self.plan.idle_axes) | set(self.identical)
-        seeded = []
+        seeded, split = [], {}
         for pos, src in enumerate(node.inputs):
             want = node_plan.inputs[pos] if pos < len(node_plan.inputs) else None
             edge = self.edges.get((node.name, pos))
             steps = edge.steps if edge is not None and (node.name, pos) not in self.group_of else ()
-            gathered = output_whole_axes(steps)
-            v = self._reshard(self.env[src], src, node.name, pos, want, whole=gathered)
-            whole = tuple(sorted(base | set(gathered)))
+            gathered = set(output_whole_axes(steps))
+            v = self._reshard(self.env[src], src, node.name, pos, want, whole=tuple(sorted(gathered)))
+            if isinstance(want, ShardingSpec) and not want.is_replicated:
+                gathered |= {a for ax in want.dim_axes for a in ax}
+            whole = tuple(sorted(base | gathered))
             if _is_float_tensor(self.graph.nodes[src].meta):
                 v = self._emit(ops.autopar_backward_seed, (v,), {"idle_axes": whole} if whole else None,
                                name=f"{v.name}_out", spec=self.specs.get(v.name))
+            if isinstance(want, ShardingSpec) and not want.is_replicated:
+                split[v] = want
             seeded.append(v)
         structure = node.args[0] if len(node.args) == 1 else node.args
         flat = _subst(structure, iter(seeded), self.device)
-        return flat if isinstance(flat, (tuple, list)) else (flat,)
+        flat = flat if isinstance(flat, (tuple, list)) else (flat,)
+        self.returned = {i: split[v] for i, v in enumerate(flat) if isinstance(v, fx.Node) and v in split}
+        return flat
 
 
 # ---- helpers --------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def build_stage(model, traced, skeleton, graph, plan, mesh: Mesh, trace_call, ex
         requires_grad={ph: requires_grad(model, fqn, micro) for fqn, ph in micro.params.items()},
         constants=constants_of(micro, device), order=[n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()],
         builder=None, mode=model.training, device=device, example=(ex_args, ex_kwargs), bucket_bytes=bucket_bytes,
-        norm_group=dist.group.WORLD, not_in_norm=not_in_norm, state=state, precision=precision,
+        norm_group=dist.group.WORLD, not_in_norm=not_in_norm, state=state, precision=precision, read_world=True,
     )
     slot_of = {ph: i for i, ph in enumerate(state)}
     programs = {st: Program(micro, plan.pipeline.stages[st].plan, low, [slot_of[ph] for ph in low.state], {},

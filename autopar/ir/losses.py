@@ -43,6 +43,19 @@ def loss_position(graph) -> int:
                       "in forward (e.g. pass labels to a transformers model)")
 
 
+def unread_outputs(graph) -> frozenset[int]:
+    """Positions among the flat outputs that training does not read: every output but the loss,
+    when there is one (``train_step`` runs the loss alone; a call returns the others as the plan
+    leaves them, gathered when first read: ``autopar.runtime.outputs``). None when the model
+    returns no loss: the caller makes one from its outputs, so every step reads them all."""
+    out = next(n for n in graph.nodes.values() if n.op == "output")
+    try:
+        loss = loss_position(graph)
+    except ConfigError:
+        return frozenset()
+    return frozenset(i for i in range(len(out.inputs)) if i != loss)
+
+
 def class_means(graph, loss: str) -> tuple[list, bool]:
     """(the class-index means behind node ``loss``, in graph order; whether ``loss`` is the only
     one, passed on unchanged)."""

@@ -7,7 +7,9 @@ so ``pmodel.parameters()`` feeds any torch.optim optimizer, and runs the lowered
     pmodel(*args, **kwargs)
       -> (args, kwargs) bound to the traced signature and flattened like the example inputs
       -> program(*shards, *inputs) inside ops.bind(groups)
-      -> the flat outputs put back into the original structure (tensor, tuple, ModelOutput, ...)
+      -> the flat outputs put back into the original structure (tensor, tuple, ModelOutput, ...);
+         one the plan returns split over ranks (a language model's logits, which training does not
+         read) is a ``SplitOutput``, gathered whole when first read (``autopar.runtime.outputs``)
 
 Gradient synchronisation: under the dual-layout convention a parameter stored replicated over an
 active mesh axis ends backward with a pending-sum gradient there. The module's ``GradReducer``
@@ -32,6 +34,7 @@ import inspect
 from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.fx import _pytree as fx_pytree
@@ -42,6 +45,7 @@ from autopar.errors import ConfigError
 from autopar.ir.graph import Role
 from autopar.ir.precision import kept_dtype
 from autopar.runtime.clip import ClipInfo, attach, clip_grad_norm_, counts_in_norm
+from autopar.runtime.outputs import ReadCheck, output_names, split_returned
 from autopar.runtime.programs import Program, call_key, start_loss_sum
 from autopar.runtime.reducer import GradReducer, SyncEntry, chunk_of, unchunk
 from autopar.runtime.state import ParamLayout, device_mesh, local_part, to_dtensor
@@ -55,7 +59,8 @@ class ParallelModule(nn.Module):
                  signature: inspect.Signature | None, requires_grad: dict[str, bool], constants: dict,
                  order: list[str] | None = None, builder=None, mode: bool = True, device=None, example=None,
                  bucket_bytes: int | None = None, first_bucket_bytes: int | None = None, norm_group=None,
-                 not_in_norm: frozenset = frozenset(), state: list[str] | None = None, precision=None):
+                 not_in_norm: frozenset = frozenset(), state: list[str] | None = None, precision=None,
+                 read_world: bool = False):
         super().__init__()
         object.__setattr__(self, "_ap", _State(graph, plan, lowered, groups, state_keys, signature))
         # The placeholders whose tensors this module holds, one slot each: the program's state inputs,
@@ -127,6 +132,8 @@ class ParallelModule(nn.Module):
         self._ap.main_key = call_key(mode, *self._normalize(tuple(ex_args), dict(ex_kwargs)))
         if norm_group is None:
             norm_group = groups.handle(tuple(range(groups.mesh.ndim))).pg
+        # outputs returned split are gathered when read, once every rank agrees on which (``runtime.outputs``)
+        self._ap.read_check = ReadCheck(range(dist.get_world_size()) if read_world else groups.global_ranks, groups.timeout)
         self._ap.clip = ClipInfo(counted, norm_group, self._ap.reducer.synchronize, device)
         attach(self.parameters(), self._ap.clip)
         self.train(mode)
@@ -151,9 +158,13 @@ class ParallelModule(nn.Module):
             args, kwargs = self._normalize(args, kwargs)
             flat = fx_pytree.tree_flatten_spec((args, kwargs), ap.in_spec)
             flat = ap.placed(flat)
+            ap.calls += 1
             return pytree.tree_unflatten(ap.pipeline.call(self.training, flat), ap.out_spec)
         program, out = self._run(args, kwargs)
-        return pytree.tree_unflatten(list(out), program.out_spec)
+        ap.calls += 1
+        out = split_returned(list(out), program.lowered.returned, ap.groups, ap.read_check, ap.calls,
+                             output_names(program.out_spec, len(out)))
+        return pytree.tree_unflatten(out, program.out_spec)
 
     def _run(self, args, kwargs, program_of=None):
         """(program, its flat outputs) of this call; ``program_of(program)`` picks another module
@@ -505,6 +516,8 @@ class _State:
         self.precision = None
         self.masters: frozenset = frozenset()
         self.zero2: dict = {}  # slot -> ZeRO-2 SyncEntry
+        self.calls = 0  # calls so far: names the call a split output came from (``runtime.outputs``)
+        self.read_check = None
         self._kept: dict = {}  # master slot -> (the master, its (version, data pointer) when cast, the working copy)
 
     def held_dtype(self, graph, ph: str) -> torch.dtype:

@@ -10,7 +10,9 @@ programs instead, split where the caller splits it:
                   rank's position, point to point; sent on the same way); the last stage's outputs
                   are put together (the loss weighed per microbatch as ``train_step`` weighs it,
                   per-sample outputs concatenated) and sent to every rank, so every rank returns the
-                  same outputs, as the original model would
+                  same outputs, as the original model would; an output the plan returns split (a
+                  language model's logits) is put together and sent only when first read
+                  (``autopar.runtime.outputs``)
     backward()    when autograd reaches those outputs (whatever loss the caller made of them, scaled
                   or not), every stage runs each microbatch's backward in the same order, gradients
                   of sent values travelling back point to point; then the gradient reducer
@@ -25,8 +27,7 @@ ranks, each parameter stored where the plan stores it), or on the plan's own whe
 computes the same (no dropout, no batch norm).
 
 ``train_step`` is the faster path: torch's schedule (1F1B, interleaved, zero bubble) keeps fewer
-microbatches in flight and overlaps the stages' work, and the last stage returns the loss alone,
-where a call materialises every output (a language model's logits, sent to every rank).
+microbatches in flight and overlaps the stages' work, and the last stage returns the loss alone.
 """
 from __future__ import annotations
 
@@ -36,8 +37,11 @@ import torch
 import torch.distributed as dist
 
 from autopar.codegen import ops
+from autopar.codegen.ops import gather_full
 from autopar.errors import ConfigError
+from autopar.runtime.outputs import SplitOutput, block_of, output_names
 from autopar.runtime.stage_program import StageProgram, loss_weights
+from autopar.sharding_spec.spec import ShardingSpec
 
 
 @dataclasses.dataclass(eq=False)
@@ -106,6 +110,13 @@ class PipelineCall:
         out_node = next(n for n in graph.nodes.values() if n.op == "output")
         self.out_metas = [graph.nodes[n].meta for n in out_node.inputs]
         self.blocks = r.sg.blocks
+        # outputs the last stage returns split (a language model's logits): put together and sent
+        # to every rank when first read (``autopar.runtime.outputs``), by position
+        last_plan = stage_set.plan.pipeline.stages[-1].plan
+        reads = last_plan.nodes[out_node.name].inputs if out_node.name in last_plan.nodes else []
+        self.split = {k: spec for k, spec in enumerate(reads)
+                      if isinstance(spec, ShardingSpec) and not spec.is_replicated}
+        self.names = output_names(r.pmodel._ap.out_spec, len(self.out_metas))
 
     # ---- the call -------------------------------------------------------------------------------
     def __call__(self, flat: list) -> list:
@@ -189,7 +200,8 @@ class PipelineCall:
     def _gathered(self, outputs: list, m: int, weights: torch.Tensor) -> list:
         """The microbatches' outputs as one call's, on every rank: the last stage's ranks put them
         together (``_combine``), the others receive them from the last stage's rank at their
-        position."""
+        position. An output the last stage returns split is a ``SplitOutput`` that does both when
+        it is first read (``_split_output``)."""
         r = self.runner
         src = self._peer(r.stages - 1)
         last = r.last
@@ -202,6 +214,9 @@ class PipelineCall:
             if meta is None or isinstance(meta, tuple):
                 out.append(values[k] if last else others[0][k])
                 continue
+            if k in self.split:
+                out.append(self._split_output(k, meta, m, [o[k] for o in outputs] if last else None))
+                continue
             if last:
                 t = values[k].detach()
             else:
@@ -210,6 +225,29 @@ class PipelineCall:
                 dist.broadcast(t, src=src, group=r.sg.pp_group)
             out.append(t)
         return out
+
+    def _split_output(self, k: int, meta, m: int, pieces: list | None) -> SplitOutput:
+        """Output ``k`` as a ``SplitOutput``: when first read, the last stage's ranks gather each
+        microbatch's piece whole over their groups and put the microbatches together, then send it
+        to the other stages' ranks at their position (``pieces``: this rank's, on the last stage)."""
+        r = self.runner
+        ap = r.pmodel._ap
+        check, call, name, spec = ap.read_check, ap.calls, self.names[k], self.split[k]
+        src, groups = self._peer(r.stages - 1), ap.groups
+        shape = self._whole_shape(meta, m)
+        pieces = None if pieces is None else [p.detach() for p in pieces]
+
+        def gather():
+            check.agree(call, k, name)
+            if pieces is not None:
+                whole = self._put_together(k, [gather_full(p, spec, groups) for p in pieces])
+            else:
+                whole = torch.empty(shape, dtype=meta.torch_dtype, device=r.device)
+            if len(r.sg.pp_ranks) > 1:
+                dist.broadcast(whole, src=src, group=r.sg.pp_group)
+            return whole
+
+        return SplitOutput(shape, meta.torch_dtype, r.device, gather)
 
     def _whole_shape(self, meta, m: int) -> tuple:
         shape = tuple(meta.shape)
@@ -223,23 +261,32 @@ class PipelineCall:
     def _combine(self, outputs: list, m: int, weights: torch.Tensor) -> list:
         """The microbatches' outputs put together: a number (the loss, an auxiliary loss) weighed as
         the step weighs the loss; a per-sample output concatenated along dim 0; any other the same in
-        every microbatch (ConfigError where it is not)."""
+        every microbatch (ConfigError where it is not). Outputs returned split are left to
+        ``_split_output`` (None here)."""
         out = []
         for k, meta in enumerate(self.out_metas):
             parts = [o[k] for o in outputs]
-            if not isinstance(parts[0], torch.Tensor):
-                out.append(parts[0])
-            elif parts[0].dim() == 0 and parts[0].is_floating_point():
+            if k in self.split:
+                out.append(None)
+            elif isinstance(parts[0], torch.Tensor) and parts[0].dim() == 0 and parts[0].is_floating_point():
                 out.append(sum(p.detach() * w.to(p.dtype) for p, w in zip(parts, weights)))
-            elif self._per_sample(meta):
-                out.append(torch.cat([p.detach() for p in parts]))
-            elif all(torch.equal(parts[0], p) for p in parts[1:]):
-                out.append(parts[0].detach())
             else:
-                raise ConfigError(f"output {k} of {self.stage_set.graph.model_name} is neither a number, nor one row per "
-                                  "sample, nor the same in every microbatch: a pipelined call cannot put it together. "
-                                  "Train with pmodel.train_step(...) (it returns the loss alone), or pipeline=False")
+                out.append(self._put_together(k, parts))
         return out
+
+    def _put_together(self, k: int, parts: list):
+        """Output ``k`` of every microbatch as the call's: concatenated where it has a row per sample,
+        else the same in every microbatch."""
+        meta = self.out_metas[k]
+        if not isinstance(parts[0], torch.Tensor):
+            return parts[0]
+        if self._per_sample(meta):
+            return torch.cat([p.detach() for p in parts])
+        if all(torch.equal(parts[0], p) for p in parts[1:]):
+            return parts[0].detach()
+        raise ConfigError(f"output {k} of {self.stage_set.graph.model_name} is neither a number, nor one row per "
+                          "sample, nor the same in every microbatch: a pipelined call cannot put it together. "
+                          "Train with pmodel.train_step(...) (it returns the loss alone), or pipeline=False")
 
     # ---- backward ------------------------------------------------------------------------------------
     def backward(self, state: "_CallState", grads: list) -> None:
@@ -278,6 +325,11 @@ class PipelineCall:
             g = next(it)
             if g is None:
                 continue
+            if isinstance(g, SplitOutput):
+                g = g.whole()
+            # an output returned split: this rank's block of each microbatch's (``SplitOutput``)
+            block = self.split[k].local_slices(self.runner.pmodel._ap.groups.mesh, self.runner.pmodel._ap.groups.rank) \
+                if k in self.split else None
             for i in range(m):
                 if len(meta.shape) == 0:
                     seeds[i][k] = g * weights[i].to(g.dtype)
@@ -285,6 +337,8 @@ class PipelineCall:
                     seeds[i][k] = g.tensor_split(m)[i].contiguous()
                 else:
                     seeds[i][k] = g / m  # the same value in every microbatch: each gets its share
+                if block is not None:
+                    seeds[i][k] = block_of(seeds[i][k], block)
         return seeds
 
     def _receive_grads(self, s: int, names: list[str], out) -> list:
@@ -321,7 +375,9 @@ class _PipelineOutputs(torch.autograd.Function):
     def forward(ctx, state, anchor, *outputs):
         ctx.state = state
         ctx.set_materialize_grads(False)
-        return tuple(o.view_as(o) for o in outputs)
+        # a SplitOutput is made anew (a view would read it): the same gather, now with a gradient
+        return tuple(SplitOutput(o.shape, o.dtype, o.device, o.take_gather()) if isinstance(o, SplitOutput)
+                     else o.view_as(o) for o in outputs)
 
     @staticmethod
     def backward(ctx, *grads):

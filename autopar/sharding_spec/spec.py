@@ -174,6 +174,10 @@ class ShardingSpec:
     def with_dim_axes(self, dim_axes, partial=None) -> "ShardingSpec":
         return ShardingSpec(self.shape, tuple(map(tuple, dim_axes)), self.partial if partial is None else tuple(partial), self.mesh_ndim)
 
+    def resolved(self) -> "ShardingSpec":
+        """The same splits with every pending sum summed (``P`` -> ``R``)."""
+        return ShardingSpec(self.shape, self.dim_axes, (), self.mesh_ndim) if self.partial else self
+
     # ---- local shards ---------------------------------------------------------------------------
     def check_mesh(self, mesh) -> None:
         if mesh.ndim != self.mesh_ndim:

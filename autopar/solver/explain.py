@@ -139,6 +139,7 @@ def explain(plan, *, max_rows_per_layer: int | None = None, collapse_repeats: bo
         _step_line(plan.predicted),
         _memory_line(plan.predicted, plan.solver.get("memory_budget"), plan.solver.get("memory_budget_from")),
         "costliest collectives per step:" + ("".join(f"\n  {line}" for line in costliest_collectives(plan)) or " none"),
+        *returned_split_lines(plan),
         "",
     ]
     header = ("layer", "op", "family", "inputs", "output", "collectives inserted", "time")
@@ -171,6 +172,20 @@ def explain(plan, *, max_rows_per_layer: int | None = None, collapse_repeats: bo
         out.append("note: the ILP was too big to solve whole; the widest nodes kept only their best-scored "
                    "candidates (autopar/solver/simplify.py: prune), so this plan may not be the optimum")
     return "\n".join(out)
+
+
+def returned_split_lines(plan) -> list[str]:
+    """The outputs a call returns split over ranks (training reads the loss alone), which the
+    runtime gathers only when they are read (``autopar.runtime.outputs``)."""
+    out = next((n for n in plan.nodes.values() if n.target == "output"), None)
+    if out is None:
+        return []
+    made = {e.position: e.src for e in plan.edges if e.dst == out.name}
+    split = [(i, s) for i, s in enumerate(out.inputs) if s is not None and not s.is_replicated]
+    if not split:
+        return []
+    return ["returned split, gathered only when read (a loss made of them trains as usual): " + ", ".join(
+        f"output {i} ({made.get(i, '?')}, {'x'.join(map(str, s.shape))}) {spec_str(s)}" for i, s in split)]
 
 
 def _step_line(p: dict) -> str:

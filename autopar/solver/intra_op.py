@@ -311,6 +311,9 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
     for (src, dst), held in built.problem.edge_memory.items():  # a kept reshard is its consumer's memory
         nodes[dst].memory_bytes += float(held[full[src], full[dst]])
     edges = planned_edges(graph, built, full, mesh)
+    for e in edges:  # what the output node reads is what it returns (``problem.returned_spec``)
+        if graph.nodes[e.dst].op == "output":
+            nodes[e.dst].inputs[e.position] = e.dst_spec
     params = {}
     for fqn, node_name in list(graph.params.items()) + list(graph.buffers.items()):
         if node_name not in choices:

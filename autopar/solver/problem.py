@@ -4,7 +4,8 @@ Placeholders get strategies too. A parameter's strategy is its *storage*: replic
 as split by a tensor-parallel consumer, or gathered before use = FSDP/ZeRO-3), and, where it is
 replicated over active axes, a ZeRO-2 variant that shards its gradient and optimizer states over
 those axes. User inputs may be split for free (every rank holds the full batch and slices it).
-The output node reads every returned tensor replicated.
+The output node reads every returned tensor whole, but for those training does not read
+(``returned_spec``).
 
 Gradients follow the dual-layout convention (autopar/codegen/collectives.py): a tensor replicated
 over an axis gets a pending-sum gradient there, so every parameter stored replicated over an
@@ -27,7 +28,7 @@ from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_c
 from autopar.cost_model.ops import alias_roots, needs_grad
 from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role, edge_itemsize
-from autopar.ir.losses import counted_from_inputs
+from autopar.ir.losses import counted_from_inputs, unread_outputs
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.rules import strategies_for
@@ -324,8 +325,28 @@ def held_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh
     return table[np.ix_(src_ids, dst_ids)]
 
 
+def returned_spec(graph, output: str, position: int, made):
+    """The spec output ``position`` is returned in when its producer makes ``made``: whole where
+    training reads it; else as made, pending sums summed (``ir.losses.unread_outputs``: a language
+    model's logits stay split over the batch, and a call gathers them only when they are read,
+    ``autopar.runtime.outputs``). A returned parameter or input is always whole."""
+    if made is None:
+        return None
+    src = graph.nodes[graph.nodes[output].inputs[position]]
+    if src.op == "placeholder" or position not in unread_outputs(graph):
+        return ShardingSpec.replicate(made.shape, made.mesh_ndim)
+    return made.resolved()
+
+
 def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backward: bool) -> np.ndarray:
     factor = 2.0 if with_backward else 1.0
+    consumer = graph.nodes[cons.name]
+    if consumer.op == "output":  # one strategy; what it reads depends on what is made
+        made = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
+        ids, keys = _index(made)
+        col = [0.0 if m is None else reshard_costs_from(m, [returned_spec(graph, cons.name, position, m)], mesh, itemsize)[0]
+               for m in keys]
+        return factor * np.asarray(col, float)[ids][:, None]
     # Many strategies share specs: price each distinct (source, target) pair once.
     srcs, dsts = _pair_specs(graph, prod, cons, position)
     src_ids, src_keys = _index(srcs)
@@ -455,6 +476,8 @@ def planned_edges(graph, built: Built, full: dict[str, int], mesh, sources=None)
         s_spec = produced_spec(built.choices[src].strategies[full[src]], graph.nodes[dst], pos, graph)
         d_strat = built.choices[dst].strategies[full[dst]]
         d_spec = d_strat.inputs[pos] if pos < len(d_strat.inputs) else None
+        if graph.nodes[dst].op == "output":
+            d_spec = returned_spec(graph, dst, pos, s_spec)
         if s_spec is None or d_spec is None:
             continue
         rp = plan_reshard(s_spec, d_spec, mesh, edge_itemsize(graph.nodes[src].meta, graph.nodes[dst]))

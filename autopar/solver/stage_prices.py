@@ -28,7 +28,7 @@ from autopar.cost_model.lowered import lowered_comm_s
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role
-from autopar.ir.losses import counted_from_inputs, loss_position
+from autopar.ir.losses import counted_from_inputs, unread_outputs
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
@@ -87,7 +87,8 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     micro, step, static, act, boundary, forward, peak = (np.zeros(n) for _ in range(7))
     readers = node_readers(graph)
     crossing: set[tuple[str, int]] = set()
-    unread = _unread_outputs(graph)
+    out = next(n for n in graph.nodes.values() if n.op == "output")
+    unread = {(out.name, i) for i in unread_outputs(graph)}  # the last stage's program returns the loss alone
     accumulate = {p.node: p.accumulate_s for p in plan.params.values()}
     shared: list = []
     for name, np_ in plan.nodes.items():
@@ -129,18 +130,6 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
         if p.grad_sync is not None and p.node in unit:
             step[unit[p.node]] += p.grad_sync_s
     return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_static=tuple(shared), peak_bytes=peak)
-
-
-def _unread_outputs(graph) -> set[tuple[str, int]]:
-    """(output node, position) of the outputs a pipelined step does not read: all but the loss
-    (the last stage's program returns the loss alone, so their resharding to whole values never
-    runs). Every output is read when there is no loss to find (nothing trains such a model pipelined)."""
-    out = next(n for n in graph.nodes.values() if n.op == "output")
-    try:
-        loss = loss_position(graph)
-    except ConfigError:
-        return set()
-    return {(out.name, i) for i in range(len(out.inputs)) if i != loss}
 
 
 def grouped_prices(p: UnitPrices, groups) -> UnitPrices:

@@ -20,6 +20,7 @@ import autopar
 from autopar import ir, models
 from autopar.errors import AutoparError
 from autopar.runtime.launch import spawn
+from autopar.runtime.outputs import SplitOutput
 from autopar.runtime.process_groups import MeshGroups
 from parallel_harness import ADAM_EPS, TOL, rel, run_case
 from test_parallelize import HF_VOCAB, hf_model
@@ -206,7 +207,7 @@ def train_step_case(tag, mesh, groups, layout):
     """train_step runs the program with the loss as its only output: a language model's logits are
     not gathered whole (nothing reads them), the loss's data-parallel sum is left to train_step
     (no barrier between forward and backward), and the step is exact. A plain call still returns
-    them whole."""
+    them whole, when read."""
     model = _hf_gpt2(dropout=0.0)
     ids = torch.randint(0, HF_VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
     kw = {"input_ids": ids, "labels": ids, "use_cache": False}
@@ -223,10 +224,12 @@ def train_step_case(tag, mesh, groups, layout):
         grad_err = max([grad_err] + [rel(g, ref.get_parameter(k).grad) for k, g in pm.full_grads().items()])
         o_p.step(), o_r.step(), o_p.zero_grad(), o_r.zero_grad()
     with torch.no_grad():
-        logits_err = rel(pm(**kw).logits, ref(**kw).logits)
+        logits = pm(**kw).logits
+        logits_split = isinstance(logits, SplitOutput) and not logits.gathered
+        logits_err = rel(logits, ref(**kw).logits)
     main = pm._ap.main
     return {"tag": tag, "loss_err": loss_err, "grad_err": grad_err, "logits_err": logits_err,
-            "lp_requires_grad": lp.requires_grad, "state_err": _state_err(pm, ref),
+            "lp_requires_grad": lp.requires_grad, "state_err": _state_err(pm, ref), "logits_split": logits_split,
             "gathers": (main.lowered.code.count("autopar_all_gather("), main.loss_only().code.count("autopar_all_gather(")),
             "sums": (main.lowered.code.count("autopar_all_reduce("), main.loss_only().code.count("autopar_all_reduce(")),
             "loss_sum_axes": main.loss_sum_axes}
@@ -586,7 +589,7 @@ def test_train_step_leaves_unread_outputs_sharded(results):
     _ok(case)
     assert case["loss_err"] <= TOL and case["grad_err"] <= TOL and case["state_err"] <= STATE_TOL, case
     assert case["logits_err"] <= TOL and not case["lp_requires_grad"]
-    full, loss_only = case["gathers"]
-    assert loss_only < full, case["gathers"]  # data parallel: the logits' gather over the batch is gone
+    # data parallel: neither program gathers the logits (a call returns them split: runtime.outputs)
+    assert case["gathers"] == (0, 0) and case["logits_split"], case["gathers"]
     # the loss's closing sum over the data-parallel axis is train_step's (started before backward)
     assert case["loss_sum_axes"] == (0,) and case["sums"][1] == case["sums"][0] - 1, case

@@ -13,6 +13,7 @@ from autopar import ir, models
 from autopar.cost_model.schedules import SCHEDULES, bubble_fraction, interleaved_time, schedule_orders, simulate_shared
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import unit_of_nodes
+from autopar.ir.losses import unread_outputs
 from autopar.solver.microbatches import microbatch_candidates
 from autopar.solver.pipeline import (
     Pipeline, _moved_cuts, _nudged, _search_counts, layer_groups, row_options, search, shared_core_time, sub_mesh,
@@ -868,30 +869,39 @@ class _LossAndLogits(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
 
 
-def test_stage_prices_leave_out_outputs_a_pipelined_step_does_not_read():
-    """The last stage returns the loss alone (runtime.pipeline), so the logits' gather to a whole
-    output, which a data-parallel plan prices, is left out of the unit prices, and nothing else."""
-    import autopar.solver.stage_prices as stage_prices
+class _LogitsOnly(_LossAndLogits):
+    def forward(self, idx, targets):
+        return super().forward(idx, targets)[1]
 
+
+def test_outputs_training_does_not_read_are_returned_as_made():
+    """A plan returns the loss whole (its pending sum summed) and the logits as they are made,
+    split over the batch (a call gathers them only when read: runtime.outputs), so neither the
+    plan nor the unit prices of the pipeline search pay their gather; a model that returns no loss
+    has every output read, gathered whole in the plan."""
     model, inputs = _LossAndLogits(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
     mesh = autopar.Mesh((2,), cluster="cpu-gloo")
     graph = ir.trace(model, inputs)
+    assert unread_outputs(graph) == {1}
     plan = autopar.plan(model, mesh, inputs, graph=graph, pipeline=False, force=autopar.Layout(dp=2))
     out = next(n for n in graph.nodes.values() if n.op == "output")
-    gather = [e for e in plan.edges if e.dst == out.name and e.position == 1]
-    assert gather and gather[0].cost_s > 0 and [s.kind for s in gather[0].steps] == ["all_gather"]
-    assert stage_prices._unread_outputs(graph) == {(out.name, 1)}
+    edges = {e.position: e for e in plan.edges if e.dst == out.name}
+    assert edges[1].steps == [] and edges[1].cost_s == 0 and edges[1].dst_spec.notation() == "[S0, R, R]"
+    assert plan.nodes[out.name].inputs[1].notation() == "[S0, R, R]"
+    assert [s.kind for s in edges[0].steps] == ["all_reduce"] and edges[0].dst_spec.is_replicated
+    assert "returned split, gathered only when read" in plan.explain()
     priced = unit_prices(plan, graph, mesh)
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.setattr(stage_prices, "_unread_outputs", lambda graph: set())
-        every = unit_prices(plan, graph, mesh)
-    finally:
-        mp.undo()
     last = unit_of_nodes(graph)[out.name]
-    assert every.per_microbatch_s[last] - priced.per_microbatch_s[last] == pytest.approx(gather[0].cost_s, rel=1e-12)
-    others = [u for u in range(len(graph.layers)) if u != last]
-    assert np.array_equal(every.per_microbatch_s[others], priced.per_microbatch_s[others])
+    assert priced.per_microbatch_s[last] > 0
+
+    alone = _LogitsOnly()
+    alone.load_state_dict(model.state_dict())
+    graph = ir.trace(alone, inputs)
+    assert unread_outputs(graph) == frozenset()
+    plan = autopar.plan(alone, mesh, inputs, graph=graph, pipeline=False, force=autopar.Layout(dp=2))
+    (edge,) = [e for e in plan.edges if e.dst == out.name]
+    assert [s.kind for s in edge.steps] == ["all_gather"] and edge.dst_spec.is_replicated and edge.cost_s > 0
+    assert "returned split" not in plan.explain()
 
 
 def test_a_stage_holds_a_tied_weight_once():
