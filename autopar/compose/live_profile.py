@@ -42,7 +42,8 @@ PROFILE_SUBDIR = "parallelize"
 # 3: the ranks' mean, median over CONTENTION_ROUNDS rounds (one round's slowest rank moved 2.1-3.0)
 # 4: the host's memory bandwidth (``measure_overheads``), for gradient accumulation
 # 5, 6: measured_spread, the contention rounds' spread (6: the median's standard error)
-HOST_PROFILE_VERSION = 6
+# 7: AdamW and the memory bandwidth measured on every rank at once, AdamW past the caches
+HOST_PROFILE_VERSION = 7
 # the expected range of n normal draws in standard deviations (d2 of control charts)
 _RANGE_TO_SIGMA = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704}
 CONTENTION_ROUNDS = 5
@@ -54,16 +55,20 @@ CONTENTION_ROUNDS = 5
 HOST_CHECK_S = 600.0
 HOST_CHECK_ROUNDS = 2
 HOST_DRIFT = 1.3  # contention or pace (a fixed workload's time on one rank) this far off, either way
-IN_SITU_WARMUP = 2  # untimed forward + backward passes (the allocator settles over the first few)
+IN_SITU_WARMUP = 2  # untimed forward + backward passes (the allocator settles over the first few; one
+# where a pass is longer than the window)
 # Timed in IN_SITU_ROUNDS rounds of IN_SITU_REPEATS passes at least, each about IN_SITU_WINDOW_S
 # long (at most 200 passes); the median round. One round of 3 passes of the bench's 10M LLaMA
 # measured 0.65 s a pass once and 0.78 s minutes later, and the cached factor kept the outlier.
 IN_SITU_ROUNDS = 3
 IN_SITU_VERSION = 2  # 2: the median of IN_SITU_ROUNDS rounds (1: one round)
-IN_SITU_REPEATS = 2
+IN_SITU_REPEATS = 2  # passes a round at least, where a pass is shorter than the window
 IN_SITU_WINDOW_S = 0.35
 IN_SITU_RANGE = (1 / 3, 3.0)  # a factor outside means a broken measurement: clamp it (logged)
 LIVE_SUFFIX = "+live"
+# A candidate doing this many times the work of its op's least-work one is priced by scaling that
+# one's timing (``profile_ops(scale_above=)``): the ops a plan runs split are timed as they run.
+SCALE_OPS_ABOVE = 2.0
 
 
 def is_live(mesh: Mesh) -> bool:
@@ -77,7 +82,7 @@ def live_op_table(graph, mesh: Mesh, device, force=None, *, directory=None):
     for the ILP to choose between) and scaled by the cluster's ``rank_contention`` (ranks sharing
     cores slow each other: that is the speed the plan will see); cached per device and number of
     ranks on it. A collective."""
-    from autopar.cost_model.profile_ops import OpTable, OpTiming, default_table_path, profile_ops
+    from autopar.cost_model.profile_ops import OpTiming, default_table_path, profile_ops
     from autopar.solver.intra_op import idle_candidates, view_mesh
     from autopar.solver.layout import Layout
     from autopar.solver.problem import node_choices
@@ -88,16 +93,16 @@ def live_op_table(graph, mesh: Mesh, device, force=None, *, directory=None):
 
     def profile():
         views = [mesh] if isinstance(force, Layout) else [view_mesh(mesh, idle) for idle in idle_candidates(mesh, "auto")]
-        new = OpTable(cached.device)
-        for view in views:  # each view's local shapes differ: profile per view
+        pairs = []
+        for view in views:  # each view's local shapes differ
             try:  # a forced family may not exist on a view with idle axes: profile every strategy there
                 choices = node_choices(graph, view, force=None if isinstance(force, Layout) else force)
             except ConfigError:
                 choices = node_choices(graph, view)
-            pairs = [(graph.nodes[n], s) for n, c in choices.items() if graph.nodes[n].op == "call_function"
-                     for s in c.strategies]
-            new.entries.update(profile_ops(graph, view, pairs, device, repeats=5, cache=False, label=cached.device,
-                                           select=lambda key: key not in cached and key not in new).entries)
+            pairs += [(graph.nodes[n], s, view) for n, c in choices.items() if graph.nodes[n].op == "call_function"
+                      for s in c.strategies]
+        new = profile_ops(graph, mesh, pairs, device, repeats=5, cache=False, label=cached.device,
+                          select=lambda key: key not in cached, scale_above=SCALE_OPS_ABOVE)
         return {k: OpTiming(t.forward_s * factor, {m: b * factor for m, b in t.backward_s.items()})
                 for k, t in new.entries.items()}
 
@@ -131,8 +136,9 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
                       one rank alone (``contention_workload``, per iteration: all ranks at once,
                       their mean, the median of ``CONTENTION_ROUNDS`` rounds, against the median
                       of as many rounds of rank 0 alone); 1 on GPUs (a rank per device)
-    op / backward op overheads, AdamW per element and per tensor (``measure_overheads``): timed on
-                      rank 0 alone, times ``rank_contention``; on CPU the memory bandwidth, over it
+    op / backward op overheads (``measure_overheads``): timed on rank 0 alone, times ``rank_contention``
+    AdamW per element and per tensor, on CPU the memory bandwidth (``measure_memory_work``): timed
+                      on every rank at once (they share the host's memory bandwidth), the ranks' mean
     collective_overhead_s  with ``groups``: the extra latency of a collective reached from compute
                       (``measure_collective_overhead``) on the mesh's axis groups, median over ranks
     comm_overlap      on CPU, whether a core is left for gloo's threads (1 when the ranks' threads
@@ -142,15 +148,19 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
     same contention, is too), and checked against a short measurement when their last check is
     older than ``HOST_CHECK_S`` (see the module docstring); the collective skew per mesh shape as well.
     """
-    from autopar.cost_model.profile_runtime import measure_collective_overhead, measure_overheads
+    from autopar.cost_model.profile_runtime import measure_collective_overhead, measure_memory_work, measure_overheads
 
     device = torch.device(device)
 
     def host():
         contention, pace, spread = _contention(device, CONTENTION_ROUNDS) if device.type != "cuda" else (1.0, None, 0.0)
-        # times stretch by the contention of ranks sharing the host, a bandwidth shrinks by it
-        out = {k: v / contention if k == "memory_bandwidth" else v * contention
-               for k, v in _on_rank0(lambda: measure_overheads(device)).items()}
+        # compute-bound overheads: one rank alone, stretched by the contention of ranks sharing the host
+        out = {k: v * contention for k, v in _on_rank0(lambda: measure_overheads(device)).items()}
+        # memory-bound work: every rank at once, as a step's optimizers run (they share the bandwidth)
+        dist.barrier()
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, measure_memory_work(device))
+        out.update({k: statistics.fmean(r[k] for r in everyone) for k in everyone[0]})
         return dict(out, rank_contention=contention, measured_spread=spread, pace_s=pace, checked_at=time.time())
 
     what = f"host-v{HOST_PROFILE_VERSION}"
@@ -281,10 +291,12 @@ def _forward_backward_s(model, inputs, kwargs, device) -> float | None:
 
     try:
         with torch.random.fork_rng(devices=devices):
-            for _ in range(IN_SITU_WARMUP):
+            for i in range(IN_SITU_WARMUP):
                 t0 = time.perf_counter()
                 once()
-            warm = time.perf_counter() - t0  # the last warm-up pass's length
+                warm = time.perf_counter() - t0  # the last warm-up pass's length
+                if warm > IN_SITU_WINDOW_S:  # a pass this long settles the allocator by itself
+                    break
             error = None
     except Exception as err:  # a model that does not run on its share of the batch: no factor, on every rank
         warm, error = None, err
@@ -294,7 +306,8 @@ def _forward_backward_s(model, inputs, kwargs, device) -> float | None:
         if any(w is None for w in every):
             log.info("no in-situ factor: the model's forward and backward on its share of the batch failed (%s)", error)
             return None
-        count = max(IN_SITU_REPEATS, min(200, math.ceil(IN_SITU_WINDOW_S / max(max(every), 1e-6))))
+        longest = max(max(every), 1e-6)  # a pass longer than the window is a window: one a round
+        count = 1 if longest > IN_SITU_WINDOW_S else max(IN_SITU_REPEATS, min(200, math.ceil(IN_SITU_WINDOW_S / longest)))
         rounds = []
         with torch.random.fork_rng(devices=devices):
             for _ in range(IN_SITU_ROUNDS):

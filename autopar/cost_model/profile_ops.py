@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -43,6 +44,10 @@ from autopar.ir.graph import NodeRef
 # reused across runs (no page faults in the timing); 5: live tables scaled by the slowest rank's
 # contention
 TABLE_VERSION = 5
+# An op whose first run takes longer than LONG_RUN_S is timed in one warm-up and as many runs as fit
+# LONG_BUDGET_S (two at least): the LM head of a 50k vocabulary took 0.7 s a run, 5 s in all.
+LONG_RUN_S = 0.05
+LONG_BUDGET_S = 0.3
 
 
 def _mask_str(mask) -> str:
@@ -150,32 +155,49 @@ def profile_ops(
     directory=None,
     select=None,
     label: str | None = None,
+    scale_above: float | None = None,
 ) -> OpTable:
     """Time every distinct (target, local shapes, dtype) of ``graph`` under ``strategies``.
 
     strategies: ``{node name: Strategy | [Strategy, ...]}``, an iterable of ``(node or name,
-    Strategy)``, or None (every node replicated). ``cache``: start from the cached table and write
+    Strategy)`` or ``(node or name, Strategy, mesh)`` (a mesh of its own: another view of the
+    devices), or None (every node replicated). ``cache``: start from the cached table and write
     the result back (``directory`` overrides the cache dir). ``select(key)``: time only the keys
     it accepts (e.g. those another table lacks). ``label``: the table's device name (default
-    ``device_name(device)``)."""
+    ``device_name(device)``). ``scale_above``: a strategy doing at least this many times the work of
+    its node's least-work strategy (``Strategy.compute_fraction``: the replicated run of an op the
+    others split) is not timed but priced as the timed one scaled by the work (a 4x larger matmul
+    is at most 4x slower; timing the whole LM head on one rank took seconds of a first call)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     device = torch.device(device)
     table = load_op_table(device, directory, label) if cache else OpTable(label or device_name(device))
     added = 0
     base = None
-    for node, strategy in _pairs(graph, strategies):
+    todo = []
+    for node, strategy, on in _pairs(graph, strategies, mesh):
         if node.op != "call_function" or is_view(node.target) or not tensor_inputs(node, graph):
             continue
         try:
-            shapes = local_input_shapes(node, strategy, graph, mesh)
+            shapes = local_input_shapes(node, strategy, graph, on)
         except AutoparError:  # an uneven or mismatched spec: nothing to time
             continue
+        todo.append((node, shapes, getattr(strategy, "compute_fraction", 1.0) if strategy is not None else 1.0))
+    least = {}
+    for node, shapes, work in todo:
+        if node.name not in least or work < least[node.name][1]:
+            least[node.name] = (shapes, work)
+    scaled = []
+    for node, shapes, work in sorted(todo, key=lambda t: t[2]):  # the least work first: the others scale it
         dtype = compute_dtype(node, graph)
         mask = grad_mask(node, graph)
         key = OpTable.key(node.target, shapes, dtype)
         hit = table.lookup(node.target, shapes, dtype, mask)
         if key in table.skipped or (hit is not None and hit[1] is not None) or (select is not None and not select(key)):
+            continue
+        small, small_work = least[node.name]
+        if scale_above is not None and work >= scale_above * small_work:
+            scaled.append((node, shapes, dtype, mask, small, work / small_work))
             continue
         base = base or call_overheads(device, repeats)
         try:
@@ -186,21 +208,28 @@ def profile_ops(
             continue
         table.add(node.target, shapes, dtype, fwd, bwd, mask)
         added += 1
+    for node, shapes, dtype, mask, small, ratio in scaled:
+        hit = table.lookup(node.target, small, dtype, mask)
+        if hit is None or hit[1] is None:  # the small one could not run: the roofline prices both
+            continue
+        table.add(node.target, shapes, dtype, hit[0] * ratio, hit[1] * ratio, mask)
+        added += 1
     if cache and added:
         table.save(default_table_path(table.device, table.torch_version, directory))
     return table
 
 
-def _pairs(graph, strategies) -> Iterable[tuple[object, object]]:
+def _pairs(graph, strategies, mesh) -> Iterable[tuple[object, object, object]]:
+    """(node, strategy, mesh) for each pair to time."""
     if strategies is None:
-        return [(n, None) for n in graph.nodes.values()]
+        return [(n, None, mesh) for n in graph.nodes.values()]
     if isinstance(strategies, Mapping):
         out = []
         for name, s in strategies.items():
             for one in (s if isinstance(s, (list, tuple)) else [s]):
-                out.append((graph.nodes[name], one))
+                out.append((graph.nodes[name], one, mesh))
         return out
-    return [(graph.nodes[n] if isinstance(n, str) else n, s) for n, s in strategies]
+    return [(graph.nodes[p[0]] if isinstance(p[0], str) else p[0], p[1], p[2] if len(p) > 2 else mesh) for p in strategies]
 
 
 def aten_op(target: str):
@@ -242,12 +271,14 @@ def _time_op(node, shapes, mask, graph, device, repeats: int, warmup: int) -> tu
 
     sync = synchronizer(device)
     forward, backward = [], []
-    # One set of inputs for every run, as a training step reuses its memory: fresh multi-MB inputs
-    # each run made every run pay first-touch page faults (cross-entropy over 512 x 8192 logits timed
-    # 25 ms backward instead of 2.7, and drove plans to vocabulary-parallel losses); the allocator
-    # settles after a run or two, hence the warm-up.
+    # One set of inputs (and output gradients) for every run, as a training step reuses its memory:
+    # fresh multi-MB inputs each run made every run pay first-touch page faults (cross-entropy over
+    # 512 x 8192 logits timed 25 ms backward instead of 2.7, and drove plans to vocabulary-parallel
+    # losses); the allocator settles after a run or two, hence the warm-up.
     tensors = make_inputs()
-    for it in range(warmup + repeats):
+    grads = None
+    runs, it = warmup + repeats, 0
+    while it < runs:
         sync()
         t0 = time.perf_counter()
         out = call(tensors)
@@ -257,15 +288,19 @@ def _time_op(node, shapes, mask, graph, device, repeats: int, warmup: int) -> tu
         outs = [o for o in _flat(out) if isinstance(o, torch.Tensor) and o.requires_grad]
         bwd = 0.0
         if leaves and outs:
-            grads = [torch.randn_like(o) for o in outs]
+            grads = grads or [torch.rand_like(o) for o in outs]
             sync()
             t2 = time.perf_counter()
             torch.autograd.grad(outs, leaves, grads, allow_unused=True)
             sync()
             bwd = time.perf_counter() - t2
+        if it == 0 and t1 - t0 + bwd > LONG_RUN_S:  # a long op varies little run to run: fewer runs
+            warmup = 1
+            runs = warmup + max(2, min(repeats, math.ceil(LONG_BUDGET_S / (t1 - t0 + bwd))))
         if it >= warmup:
             forward.append(t1 - t0)
             backward.append(bwd)
+        it += 1
     return fastest_half_median(forward), fastest_half_median(backward)
 
 

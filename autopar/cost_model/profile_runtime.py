@@ -5,13 +5,14 @@ with.
 
     op_overhead_s            forward time per op of a long chain of one-element ops (dispatch,
                              autograd recording): what a view or a tiny op costs inside a model
-    backward_op_overhead_s   the same chain's backward, per op
+    backward_op_overhead_s   the same chain's backward, per op (both: ``measure_overheads``)
     optimizer_s_per_element  AdamW (torch's default foreach implementation), per fp32 element,
     optimizer_s_per_tensor   and per tensor: fitted to one step over many small tensors and one
-                             over a few large ones
+                             over a few large ones past the caches
     memory_bandwidth         bytes/s of an in-place add over tensors past the caches (what adding
                              gradients up costs, and the roofline of ops the op table lacks); not
-                             on GPUs, whose presets carry HBM's measured rate
+                             on GPUs, whose presets carry HBM's measured rate (these three:
+                             ``measure_memory_work``, on every rank at once)
 """
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ from autopar.cost_model.cache import synchronizer
 CHAIN = 200
 COMPUTE_BETWEEN = 60  # 256x256 matmuls before each loaded collective
 SMALL = (64, 1 << 10)  # (tensors, elements each)
-LARGE = (4, 1 << 19)
+LARGE = (2, 1 << 22)  # 32 MiB a state tensor: past a CPU's caches, as a model's states are
 STREAM = 1 << 23  # fp32 elements of each tensor the bandwidth's add reads (32 MiB: past a CPU's caches)
 
 
 def measure_overheads(device="cpu", repeats: int = 5) -> dict[str, float]:
+    """The per-op overheads (``op_overhead_s``, ``backward_op_overhead_s``): compute-bound, so
+    timed on one rank alone and scaled by the ranks' contention (``live_profile``)."""
     device = torch.device(device)
     sync = synchronizer(device)
     fwd, bwd = [], []
@@ -48,20 +51,25 @@ def measure_overheads(device="cpu", repeats: int = 5) -> dict[str, float]:
         if it >= 2:
             fwd.append((t1 - t0) / CHAIN)
             bwd.append((time.perf_counter() - t1) / CHAIN)
+    return {"op_overhead_s": statistics.median(fwd), "backward_op_overhead_s": statistics.median(bwd)}
+
+
+def measure_memory_work(device="cpu", repeats: int = 3) -> dict[str, float]:
+    """The memory-bound work of a step, as fast as it runs on this rank now: AdamW per element
+    and per tensor, fitted to one step over many small tensors and one over large ones past the
+    caches (a model's states are), and (not on GPUs) the bandwidth of an in-place add. Ranks
+    sharing a host share its memory bandwidth, more than a core (an AdamW step ran 1.8x slower
+    with 4 ranks on 2 cores, compute 1.2x): ``live_profile`` runs this on every rank at once."""
+    device = torch.device(device)
+    sync = synchronizer(device)
     small = _adamw_time(*SMALL, device, sync, repeats)
     large = _adamw_time(*LARGE, device, sync, repeats)
     # time = tensors * per_tensor + elements * per_element, through the two points
     n1, e1 = SMALL[0], SMALL[0] * SMALL[1]
     n2, e2 = LARGE[0], LARGE[0] * LARGE[1]
     det = n1 * e2 - n2 * e1
-    per_tensor = max((small * e2 - large * e1) / det, 0.0)
-    per_element = max((n1 * large - n2 * small) / det, 0.0)
-    out = {
-        "op_overhead_s": statistics.median(fwd),
-        "backward_op_overhead_s": statistics.median(bwd),
-        "optimizer_s_per_element": per_element,
-        "optimizer_s_per_tensor": per_tensor,
-    }
+    out = {"optimizer_s_per_element": max((n1 * large - n2 * small) / det, 0.0),
+           "optimizer_s_per_tensor": max((small * e2 - large * e1) / det, 0.0)}
     if device.type != "cuda":
         out["memory_bandwidth"] = _add_bandwidth(device, sync, repeats)
     return out

@@ -78,7 +78,7 @@ def clip_grad_norm_(info: ClipInfo, parameters, max_norm: float, norm_type: floa
     counts = torch.zeros(3 + n_slots, **f64)
     counts[2] = sum(g is not None for g in mine)
     present = [g for g in mine if g is not None and g.numel()]
-    if present:  # tensor ops only: no host sync per gradient on a GPU
+    if present and math.isinf(norm_type):  # a max or min all-reduce may drop a NaN (a p-norm's sum keeps it)
         counts[1] = torch.stack([torch.isnan(g).any() for g in present]).any().double()
     if norm_type == 0:  # torch: how many gradients have a nonzero element
         for i, g in enumerate(mine):
