@@ -104,13 +104,17 @@ def _to_shard_order(chunks, g: GroupHandle):
 
 
 def all_gather(x: torch.Tensor, dim: int, g: GroupHandle) -> torch.Tensor:
-    """Concatenate the group's shards along ``dim`` in shard order."""
+    """Concatenate the group's shards along ``dim`` in shard order. Copies: the input once where
+    ``dim`` is not its leading dim (collectives send contiguous memory), the output once unless
+    it lands in place (dim 0, shard order = group order)."""
     n = g.size
     xt = x.movedim(dim, 0).contiguous()  # (local_d, ...): dim d in front so chunks are contiguous
+    received = {}
 
     def native():
         out = xt.new_empty((n * xt.shape[0],) + tuple(xt.shape[1:]))
         _all_gather_native(out, xt, group=g.pg)
+        received["whole"] = out
         return list(out.chunk(n))
 
     def emulated():
@@ -119,7 +123,9 @@ def all_gather(x: torch.Tensor, dim: int, g: GroupHandle) -> torch.Tensor:
         return bufs
 
     pieces = _to_shard_order(_run_native("all_gather", native, emulated), g)
-    return torch.cat(pieces, 0).movedim(0, dim).contiguous()
+    if dim == 0 and g.same_order and "whole" in received:
+        return received["whole"]
+    return torch.cat([p.movedim(0, dim) for p in pieces], dim)
 
 
 def all_reduce(x: torch.Tensor, g: GroupHandle) -> torch.Tensor:
@@ -137,7 +143,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: GroupHandle) -> torch.Tensor:
     xt = x.movedim(dim, 0)
 
     def native():
-        inp = torch.cat(_to_pg_order(list(xt.chunk(n)), g), 0).contiguous()
+        # a copy even where the chunks are in order already: gloo may reduce into its input
+        inp = torch.cat(_to_pg_order(list(xt.chunk(n)), g), 0)
         out = xt.new_empty((xt.shape[0] // n,) + tuple(xt.shape[1:]))
         _reduce_scatter_native(out, inp, group=g.pg)
         return out
@@ -156,13 +163,19 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, g: GroupHandle) -> t
     n = g.size
     if x.shape[dst_dim] % n:
         raise ShardingError(f"all_to_all splitting dim {dst_dim} of size {x.shape[dst_dim]} over {n} ranks is uneven")
-    pieces = [p.contiguous() for p in x.chunk(n, dim=dst_dim)]
+    pieces = list(x.chunk(n, dim=dst_dim))
     piece_shape = pieces[0].shape
+    arrived = {}
 
     def native():
-        inp = torch.cat([p.reshape(-1) for p in _to_pg_order(pieces, g)])
+        # the pieces back to back in group order (the tensor itself where it already is that)
+        if dst_dim == 0 and g.same_order and x.is_contiguous():
+            inp = x.reshape(-1)
+        else:
+            inp = torch.cat([p.reshape(-1) for p in _to_pg_order(pieces, g)])
         out = torch.empty_like(inp)
         dist.all_to_all_single(out, inp, group=g.pg)
+        arrived["whole"] = out
         return [p.view(piece_shape) for p in _to_shard_order(list(out.chunk(n)), g)]
 
     def emulated():
@@ -171,7 +184,9 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, g: GroupHandle) -> t
         return [w.chunk(n, dim=dst_dim)[g.index] for w in _to_shard_order(whole, g)]
 
     received = _run_native("all_to_all", native, emulated)
-    return torch.cat(received, dim=src_dim).contiguous()
+    if src_dim == 0 and g.same_order and "whole" in arrived:  # the pieces arrived back to back, in order
+        return arrived["whole"].view((n * piece_shape[0],) + tuple(piece_shape[1:]))
+    return torch.cat(received, dim=src_dim)
 
 
 # ---- autograd Functions, one per step kind ----------------------------------------------------
@@ -179,15 +194,19 @@ def all_gather_group(xs, dims, g: GroupHandle) -> list[torch.Tensor]:
     """``all_gather(x, dim, g)`` of every ``x`` in ``xs`` in one collective: each rank sends its
     shards flattened back to back, and each full tensor is cut out of every rank's row."""
     n = g.size
-    moved = [x.movedim(d, 0).contiguous() for x, d in zip(xs, dims)]
-    flat = torch.cat([m.reshape(-1) for m in moved])
+    moved = [x.movedim(d, 0) for x, d in zip(xs, dims)]
+    flat = xs[0].new_empty(sum(m.numel() for m in moved))
+    off = 0
+    for m in moved:  # each shard, its dim in front, straight into the buffer sent (one copy)
+        flat[off: off + m.numel()].view(m.shape).copy_(m)
+        off += m.numel()
     out = flat.new_empty(n * flat.numel())
     _all_gather_native(out, flat, group=g.pg)
     rows = _to_shard_order(list(out.chunk(n)), g)
     fulls, off = [], 0
     for m, d in zip(moved, dims):
         k = m.numel()
-        fulls.append(torch.cat([r[off: off + k].view(m.shape) for r in rows], 0).movedim(0, d).contiguous())
+        fulls.append(torch.cat([r[off: off + k].view(m.shape).movedim(0, d) for r in rows], d))
         off += k
     return fulls
 

@@ -33,9 +33,11 @@ from autopar.sharding_spec.mesh import Mesh
 log = logging.getLogger(__name__)
 
 # The short communication profile taken when the mesh has no cluster: 3 sizes, 5
-# timed calls each, every collective kind on every mesh axis (~1-2 s on 4 CPU gloo ranks). A full
+# timed calls each, every collective kind on every mesh axis (~2 s on 4 CPU gloo ranks). A full
 # profile (``autopar profile --mesh``, cached in the same directory) is used instead when present.
-PROFILE_SIZES = (4 << 10, 256 << 10, 8 << 20)
+# The largest is about a gradient bucket's size: fitted to 8 MiB at most, a 65 MiB all-gather on gloo
+# was priced 104 ms and ran 144.
+PROFILE_SIZES = (4 << 10, 256 << 10, 32 << 20)
 PROFILE_REPEATS = 5
 PROFILE_SUBDIR = "parallelize"
 # 2: rank_contention is the slowest rank's (was the median rank's)
@@ -55,13 +57,15 @@ CONTENTION_ROUNDS = 5
 HOST_CHECK_S = 600.0
 HOST_CHECK_ROUNDS = 2
 HOST_DRIFT = 1.3  # contention or pace (a fixed workload's time on one rank) this far off, either way
-IN_SITU_WARMUP = 2  # untimed forward + backward passes (the allocator settles over the first few; one
-# where a pass is longer than the window)
+# Untimed forward + backward passes: a process's first passes run faster than its steady state (the
+# quick start's GPT-2: 0.84 s a pass after one, 0.92 after four, as a training loop's steps run)
+IN_SITU_WARMUP = 3
 # Timed in IN_SITU_ROUNDS rounds of IN_SITU_REPEATS passes at least, each about IN_SITU_WINDOW_S
 # long (at most 200 passes); the median round. One round of 3 passes of the bench's 10M LLaMA
 # measured 0.65 s a pass once and 0.78 s minutes later, and the cached factor kept the outlier.
 IN_SITU_ROUNDS = 3
-IN_SITU_VERSION = 2  # 2: the median of IN_SITU_ROUNDS rounds (1: one round)
+IN_SITU_VERSION = 3  # 2: the median of IN_SITU_ROUNDS rounds (1: one round); 3: three warm-ups, each round's slowest
+# rank, gradients added into .grad
 IN_SITU_REPEATS = 2  # passes a round at least, where a pass is shorter than the window
 IN_SITU_WINDOW_S = 0.35
 IN_SITU_RANGE = (1 / 3, 3.0)  # a factor outside means a broken measurement: clamp it (logged)
@@ -199,7 +203,9 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
 def calibrated(model, graph, example, mesh: Mesh, device, *, directory=None) -> Mesh:
     """``mesh`` with its (live) cluster's ``in_situ_factor`` measured on ``model``: every rank
     runs the model's forward and backward on its data-parallel share of the example batch
-    (``example``: (inputs, kwargs)), all at once as in a step; the ranks' mean time over the price
+    (``example``: (inputs, kwargs)), all at once as in a step; the slowest rank's time (a step waits
+    for it at its first collective: the ranks' mean priced the quick start's compute 15-20% under
+    what its steps ran), the median over rounds, over the price
     the cost model gives the same work (the data-parallel plan's compute and per-op overheads, from
     the live op table). Op-by-op profiles miss what a model's ops do to each other (allocation,
     caches, dispatch): on 4 ranks of 2 cores a 10M GPT ran 0.98-1.14x, a 0.1M one 1.3-1.9x its ops'
@@ -238,7 +244,8 @@ def calibrated(model, graph, example, mesh: Mesh, device, *, directory=None) -> 
         except AutoparError as err:
             log.info("no in-situ factor: the data-parallel plan could not be priced (%s)", err)
             return none
-        measured = statistics.fmean(together)
+        # a step waits for its slowest rank at its first collective: each round's slowest, the median round
+        measured = statistics.median(max(rounds) for rounds in zip(*together))
         return {"factor": measured / predicted if predicted > 0 else 1.0, "measured_s": measured, "predicted_s": predicted}
 
     key = f"insitu-v{IN_SITU_VERSION}-{graph.fingerprint()[:16]}-w{world}-c{cluster.rank_contention:.3f}"
@@ -266,18 +273,20 @@ def _dp_compute_s(model, mesh: Mesh, graph, world: int, table) -> float:
     return p.predicted["compute_s"] + p.predicted["overhead_s"]
 
 
-def _forward_backward_s(model, inputs, kwargs, device) -> float | None:
+def _forward_backward_s(model, inputs, kwargs, device) -> list[float] | None:
     """Seconds per forward and backward of the model (gradients of its scalar outputs, else of
-    every output's sum, with respect to its parameters: nothing lands in ``.grad``), run back to
+    every output's sum, added into its parameters' ``.grad``, which are put back as they were), run back to
     back on every rank in ``IN_SITU_ROUNDS`` rounds of about ``IN_SITU_WINDOW_S`` (the same count on
-    every rank): the median round's mean, as ranks sharing cores each get their share of them only
-    over such a window (a short pass runs at full speed or not at all). Buffers (batch norm's statistics) and the random streams are
-    left as they were. None when no output needs a gradient or the model fails. A collective."""
+    every rank), each round's mean: ranks sharing cores each get their share of them only over such
+    a window (a short pass runs at full speed or not at all). Buffers (batch norm's statistics) and
+    the random streams are left as they were. None when no output needs a gradient or the model
+    fails. A collective."""
     from autopar.cost_model.cache import synchronizer
 
     params = [p for p in model.parameters() if p.requires_grad]
     buffers = list(model.buffers())
     saved = [b.detach().clone() for b in buffers]
+    grads = [p.grad for p in params]  # the caller's, put back after: each pass adds into its own
     sync = synchronizer(device)
     devices = [device.index or 0] if device.type == "cuda" else []
 
@@ -286,17 +295,16 @@ def _forward_backward_s(model, inputs, kwargs, device) -> float | None:
         scalars = [t for t in outs if t.dim() == 0]
         if not outs or not params:
             raise ValueError("no output needs a gradient")
-        torch.autograd.grad(sum(t.float().sum() for t in scalars or outs), params, allow_unused=True)
+        # into gradients kept from pass to pass, as a step's backward hands each to its bucket
+        torch.autograd.backward(sum(t.float().sum() for t in scalars or outs), inputs=params)
         sync()
 
     try:
         with torch.random.fork_rng(devices=devices):
-            for i in range(IN_SITU_WARMUP):
+            for _ in range(IN_SITU_WARMUP):
                 t0 = time.perf_counter()
                 once()
-                warm = time.perf_counter() - t0  # the last warm-up pass's length
-                if warm > IN_SITU_WINDOW_S:  # a pass this long settles the allocator by itself
-                    break
+            warm = time.perf_counter() - t0  # the last warm-up pass's length
             error = None
     except Exception as err:  # a model that does not run on its share of the batch: no factor, on every rank
         warm, error = None, err
@@ -316,7 +324,7 @@ def _forward_backward_s(model, inputs, kwargs, device) -> float | None:
                 for _ in range(count):
                     once()
                 rounds.append((time.perf_counter() - t0) / count)
-        return statistics.median(rounds)
+        return rounds
     except Exception as err:  # (after the warm-ups ran: the caller's gather still hears None from here)
         log.info("no in-situ factor: the model failed while timed (%s)", err)
         return None
@@ -324,6 +332,8 @@ def _forward_backward_s(model, inputs, kwargs, device) -> float | None:
         with torch.no_grad():
             for b, v in zip(buffers, saved):
                 b.copy_(v)
+        for p, g in zip(params, grads):
+            p.grad = g
 
 
 def _tensors(value) -> list:

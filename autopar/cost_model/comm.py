@@ -111,3 +111,26 @@ def ring_pass_time(nbytes: float, mesh, axes: Sequence[int]) -> float:
     links = mesh.links()
     link = group_link([links[a] for a in axes])
     return link.alpha + link.beta * nbytes + mesh.resolved_cluster().collective_overhead_s
+
+
+def layout_copy_bytes(kind: str, nbytes: float, n: int, src_dim: int | None = None, dst_dim: int | None = None) -> float:
+    """Bytes one call of ``kind`` copies on the rank besides the wire (``codegen.collectives``):
+    collectives send and receive contiguous memory, so a dim other than the leading one is moved
+    in front and back, a reduce-scatter packs its input (gloo may reduce into it) and an all-reduce
+    sums a copy. ``nbytes`` as the alpha-beta formulas count it; ``src_dim``: the dim gathered or
+    received, ``dst_dim``: the dim scattered or sent."""
+    if n <= 1:
+        return 0.0
+    if kind == "all_gather":
+        return (nbytes / n + nbytes) if src_dim else 0.0
+    if kind == "reduce_scatter":
+        return nbytes + (nbytes / n if dst_dim else 0.0)
+    if kind == "all_to_all":
+        return (nbytes if dst_dim else 0.0) + (nbytes if src_dim else 0.0)
+    return nbytes  # all_reduce
+
+
+def layout_copy_time(nbytes: float, cluster) -> float:
+    """Seconds to copy ``nbytes`` in memory (read and write), at the cluster's sustained bandwidth."""
+    return 2.0 * nbytes / cluster.sustained_memory_bandwidth if nbytes else 0.0
+

@@ -56,7 +56,7 @@ from autopar.errors import AutoparError
 
 KIB = 1024
 DEFAULT_SIZES = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 1024 * KIB, 4096 * KIB)
-PROFILE_VERSION = 2  # 2: with the one-value all_reduce
+PROFILE_VERSION = 3  # 2: with the one-value all_reduce; 3: the live profile measures a bucket-sized call
 DEFAULT_REPEATS = 10
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.cost_model.comm import is_zero2_sync, local_sum_time, mesh_collective_time
+from autopar.cost_model.comm import is_zero2_sync, layout_copy_time, local_sum_time, mesh_collective_time
 from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s, whole_on
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.graph import Role, edge_itemsize, per_graph
@@ -149,11 +149,15 @@ def reshard_s(graph, edges, mesh, identical=()) -> float:
     groups, grouped = param_gather_groups(graph, edges, least=1)
     total = sum(e.forward_s + backward_reshard_s(e, mesh, identical, edge_itemsize(graph.nodes[e.src].meta, graph.nodes[e.dst]))
                 for e in edges if (e.dst, e.position) not in grouped)
+    cluster = mesh.resolved_cluster()
     for (_, axes), members in groups.items():  # one gather per group, one reduce-scatter back
         nbytes = sum(e.steps[0].nbytes for _, e in members)
-        total += mesh_collective_time("all_gather", nbytes, mesh, axes)
+        n = math.prod(mesh.shape[a] for a in axes)
+        # the shards packed into the buffer sent, every full tensor cut out of the one received
+        copies = nbytes / n + nbytes if n > 1 else 0.0
+        total += mesh_collective_time("all_gather", nbytes, mesh, axes) + layout_copy_time(copies, cluster)
         if any(e.backward for _, e in members) and not whole_on(axes, identical):
-            total += mesh_collective_time("reduce_scatter", nbytes, mesh, axes)
+            total += mesh_collective_time("reduce_scatter", nbytes, mesh, axes) + layout_copy_time(copies, cluster)
     return total
 
 
@@ -225,7 +229,10 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
                 ways = math.prod(mesh.shape[a] for a in axes)
                 priced[(k, axes, n)] = mesh_collective_time(k, n, mesh, axes) + local_sum_time(k, n, ways, cluster)
         buckets.append(priced[(kind, axes, nbytes)])
-        gathers += sum(priced[(k, axes, int(nbytes * gathered))] for k in after)
+        ways = math.prod(mesh.shape[a] for a in axes)
+        # each all-gather after the step packs the chunk and unpacks the whole into the working copies
+        gathers += sum(priced[(k, axes, int(nbytes * gathered))] + layout_copy_time(nbytes * gathered * (1 + 1 / ways), cluster)
+                       for k in after)
     sync = sum(buckets)
     exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0
     optimizer = elements * cluster.optimizer_s_per_element + tensors * cluster.optimizer_s_per_tensor

@@ -21,7 +21,7 @@ import numpy as np
 
 from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
-from autopar.cost_model.comm import ZERO2_SYNCS, local_sum_time, mesh_collective_time
+from autopar.cost_model.comm import ZERO2_SYNCS, layout_copy_time, local_sum_time, mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.gradients import output_whole_axes
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_count, reshard_s, zero2_pool_bytes
@@ -106,8 +106,10 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
         if repl and optimizer_sharding:
             # ZeRO-2: sum and split the gradient (a reduce-scatter, an all-reduce keeping this rank's
             # chunk or an all-to-all and a sum: the cheapest), update a shard, all-gather the new parameter.
-            gather = bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes, total_bytes)
             ways = math.prod(mesh.shape[a] for a in repl)
+            # the updated chunk packed and the whole unpacked into the working copy (``runtime.reducer``)
+            gather = (bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes, total_bytes)
+                      + layout_copy_time(local / ways + local, cluster))
             cost_z, kind_z = min(((bucketed_collective_time(k.split("+")[0], grad, mesh, repl, bucket_bytes, total_bytes)
                                    + local_sum_time(k.split("+")[0], grad, ways, cluster) + gather, k) for k in ZERO2_SYNCS),
                                  key=lambda priced: priced[0])  # the first on a tie
@@ -359,19 +361,6 @@ def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backwa
     return factor * table[np.ix_(src_ids, dst_ids)]
 
 
-def _readers_in_layer(graph) -> dict[tuple[str, str | None], int]:
-    """(parameter, consumer's layer) -> how many of the layer's ops read it: the runtime gathers
-    a split-stored parameter once per layer (``param_gather_groups``), so each reading edge pays
-    that share of the bytes."""
-    readers: dict = {}
-    for node in graph.nodes.values():
-        for src in node.inputs:
-            p = graph.nodes[src]
-            if p.op == "placeholder" and p.role == Role.PARAMETER:
-                readers[(src, node.layer)] = readers.get((src, node.layer), 0) + 1
-    return readers
-
-
 def _index(items):
     keys: dict = {}
     ids = [keys.setdefault(x, len(keys)) for x in items]
@@ -381,8 +370,9 @@ def _index(items):
 def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", op_table=None, choices=None,
                   memo: dict | None = None) -> Built:
     """The ILP of ``graph`` on ``mesh``. A split-stored parameter read whole is gathered with the
-    rest of its layer's in one call (``cost_model.step.param_gather_groups``): its edge is priced
-    at its bytes, and the call's latency is a cost paid once per (layer, axes) whichever of the
+    rest of its layer's in one call (``cost_model.step.param_gather_groups``), once for every op of
+    the layer that reads it whole: its bytes are a cost paid once per (parameter, layer, axes) when
+    any of its reads gathers it, and the call's latency once per (layer, axes) whichever of the
     layer's parameters are gathered (``ilp.OnceCost``). ``memo``: edge matrices already priced
     for the same ``choices``."""
     choices = choices or node_choices(graph, mesh, optimizer=optimizer, op_table=op_table)
@@ -392,12 +382,12 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
     # Nodes with equal signatures share one candidate list (node_choices' memo): their edges share
     # one matrix too. Key on those lists' identities, the input position and what decides the rest.
     memo = {} if memo is None else memo
-    readers = _readers_in_layer(graph)
     in_place = in_place_reads(graph)
     kept = memory_model.saved_inputs(graph)
     roots = alias_roots(graph)
     held: dict[tuple[str, str], np.ndarray] = {}
     calls: dict[tuple, list] = {}  # (consumer's layer, axes) -> [latency s, members]
+    gathers_of: dict[tuple, list] = {}  # (parameter, layer, axes, bytes, backward) -> [seconds, members]
     for node in graph.nodes.values():
         for pos, src in enumerate(node.inputs):
             if src not in choices:
@@ -405,21 +395,23 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
             prod, cons = choices[src], choices[node.name]
             p = graph.nodes[src]
             param = p.op == "placeholder" and p.role == Role.PARAMETER
-            share = 1.0 / readers[(src, node.layer)] if param else 1.0
             # an output's steps (gathers and all-reduces) have a local backward: its seed is whole
             # on every rank (cost_model.gradients.output_whole_axes)
             backward = src in grad and node.op != "output"
             aliased = (node.name, pos) in in_place
             key = (id(prod.strategies), id(cons.strategies), pos, backward,
                    node.args[1] if node.target == "operator.getitem" else None,
-                   edge_itemsize(graph.nodes[src].meta, node), share, aliased, param)
+                   edge_itemsize(graph.nodes[src].meta, node), aliased, param)
             if key not in memo:
-                memo[key] = _edge_prices(graph, prod, cons, pos, mesh, backward, aliased, share, param)
+                memo[key] = _edge_prices(graph, prod, cons, pos, mesh, backward, aliased, param)
             mat, gathers = memo[key]
-            for axes, (mask, latency) in gathers.items():
+            for axes, (mask, latency, by_bytes) in gathers.items():
                 call = calls.setdefault((node.layer, axes), [0.0, []])
                 call[0] = max(call[0], latency)
                 call[1].append((src, node.name, mask))
+                for nbytes, (sub, seconds) in by_bytes.items():
+                    gathers_of.setdefault((src, node.layer, axes, nbytes, backward), [seconds, []])[1].append(
+                        (src, node.name, sub))
             edge_list.append((src, node.name, pos))
             key = (src, node.name)
             edges[key] = edges[key] + mat if key in edges else mat
@@ -441,28 +433,34 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
         edges=edges,
         budget=None if memory_budget is not None and most <= memory_budget else memory_budget,
         edge_memory=held,
-        once=[OnceCost(latency, members) for latency, members in calls.values()],
+        once=[OnceCost(latency, members) for latency, members in calls.values()]
+        + [OnceCost(seconds, members) for seconds, members in gathers_of.values()],
     )
     return Built(problem, choices, edge_list, grad)
 
 
-def _edge_prices(graph, prod, cons, pos, mesh, backward: bool, in_place: bool, byte_share: float, param: bool):
-    """(the edge's matrix, axes -> (mask, latency s) of its pairs gathered in a layer's call).
-    A gathered pair is priced as the step model prices its group (``cost_model.step.reshard_s``):
-    ``byte_share`` of the all-gather's bytes and, with a backward, of the reduce-scatter's (the
-    parameter is gathered once for all its readers in the layer); the calls' latencies are the
-    group's, paid once. Other reshards of a parameter run per reading edge, at their full price."""
+def _edge_prices(graph, prod, cons, pos, mesh, backward: bool, in_place: bool, param: bool):
+    """(the edge's matrix, axes -> (mask, latency s, bytes -> (mask, seconds)) of its pairs that
+    gather a parameter in its layer's call). Such a pair costs nothing on the edge: the group's
+    latency and the parameter's bytes are once-paid costs (``build_problem``), priced as the step
+    model prices a group (``cost_model.step.reshard_s``: an all-gather and, with a backward, a
+    reduce-scatter, each with its packing copies). Other reshards of a parameter run per reading
+    edge, at their full price."""
     mat = edge_matrix(graph, prod, cons, pos, mesh, with_backward=backward, in_place=in_place)
     if not param:
         return mat, {}
     kinds = ("all_gather", "reduce_scatter") if backward else ("all_gather",)
     calls = {}
+    cluster = mesh.resolved_cluster()
     for axes, (mask, nbytes) in gather_masks(graph, prod, cons, pos, mesh).items():
         latency = sum(mesh_collective_time(k, 0, mesh, axes) for k in kinds)
-        priced = {n: sum(mesh_collective_time(k, n, mesh, axes) for k in kinds) - latency for n in set(nbytes[mask].tolist())}
-        parts = np.vectorize(lambda n: priced.get(n, 0.0), otypes=[float])(nbytes) * byte_share
-        mat = np.where(mask & np.isfinite(mat), parts, mat)
-        calls[axes] = (mask, latency)
+        group = math.prod(mesh.shape[a] for a in axes)
+        by_bytes = {}
+        for n in set(nbytes[mask].tolist()):
+            seconds = sum(mesh_collective_time(k, n, mesh, axes) + layout_copy_time(n / group + n, cluster) for k in kinds)
+            by_bytes[n] = (mask & (nbytes == n), seconds - latency)
+        mat = np.where(mask & np.isfinite(mat), 0.0, mat)
+        calls[axes] = (mask, latency, by_bytes)
     return mat, calls
 
 

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from autopar.cost_model.comm import mesh_collective_time
+from autopar.cost_model.comm import layout_copy_bytes, layout_copy_time, mesh_collective_time
 from autopar.errors import ReshardError
 from autopar.sharding_spec.reshard import ReshardPlan, Step, neighbours
 from autopar.sharding_spec.spec import ShardingSpec
@@ -37,9 +37,12 @@ class PricedReshard(ReshardPlan):
 
 
 def step_cost(step: Step, mesh) -> float:
-    """Seconds ``step`` takes on ``mesh``: its collective's alpha-beta time, or the tie-break."""
+    """Seconds ``step`` takes on ``mesh``: its collective's alpha-beta time and the local copies
+    around it (``cost_model.comm.layout_copy_bytes``), or the tie-break."""
     if step.is_comm:
-        return mesh_collective_time(step.kind, step.nbytes, mesh, step.axes)
+        n = math.prod(mesh.shape[a] for a in step.axes)
+        copies = layout_copy_bytes(step.kind, step.nbytes, n, step.src_dim, step.dst_dim)
+        return mesh_collective_time(step.kind, step.nbytes, mesh, step.axes) + layout_copy_time(copies, mesh.resolved_cluster())
     return LOCAL_STEP_TIEBREAK_S
 
 

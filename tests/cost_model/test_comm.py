@@ -299,3 +299,25 @@ def test_an_all_reduce_of_one_value_pays_the_clusters_scalar_alphas():
     assert all(PRESETS[k].scalar_all_reduce_alphas is None for k in PRESETS if k != "cpu-gloo")  # NCCL: its ring
     with pytest.raises(ConfigError, match="scalar_all_reduce_alphas"):
         dataclasses.replace(gloo, scalar_all_reduce_alphas=0.0)
+
+
+def test_layout_copies_follow_what_the_collectives_copy():
+    """Copies around the wire (codegen.collectives): a gather of the leading dim lands in place; of
+    another dim it moves its input in front and the result back; a reduce-scatter packs its input
+    (gloo may reduce into it); an all-to-all moves whichever side is not the leading dim; an
+    all-reduce sums a copy. Priced at the cluster's sustained bandwidth, read and write."""
+    from autopar.cost_model.comm import layout_copy_bytes, layout_copy_time
+
+    b, n = 4096.0, 4
+    assert layout_copy_bytes("all_gather", b, n, src_dim=0) == 0
+    assert layout_copy_bytes("all_gather", b, n, src_dim=2) == b / n + b
+    assert layout_copy_bytes("reduce_scatter", b, n, dst_dim=0) == b
+    assert layout_copy_bytes("reduce_scatter", b, n, dst_dim=1) == b + b / n
+    assert layout_copy_bytes("all_to_all", b, n, src_dim=0, dst_dim=0) == 0
+    assert layout_copy_bytes("all_to_all", b, n, src_dim=0, dst_dim=1) == b
+    assert layout_copy_bytes("all_to_all", b, n, src_dim=1, dst_dim=2) == 2 * b
+    assert layout_copy_bytes("all_reduce", b, n) == b
+    assert layout_copy_bytes("all_gather", b, 1, src_dim=2) == 0  # a group of one runs nothing
+    cluster = PRESETS["cpu-gloo"]
+    assert layout_copy_time(b, cluster) == pytest.approx(2 * b / cluster.sustained_memory_bandwidth)
+    assert layout_copy_time(0, cluster) == 0

@@ -199,6 +199,55 @@ def test_profile_ops_round_trips_through_its_json_cache(graph, tmp_path, monkeyp
     assert po.OpTable.load(path).to_dict() == table.to_dict()
 
 
+def test_profile_ops_scales_a_larger_strategy_from_the_least_work_one(graph, monkeypatch):
+    """With ``scale_above``, a strategy doing at least that many times its op's least work is not
+    timed: it is priced as the least-work one times the ratio (the replicated linear, 2x the column
+    split's work on 2 devices); below the ratio every strategy is timed."""
+    lin = _node(graph, "aten.linear.default")
+    timed = []
+
+    def fake(node, shapes, mask, graph, device, repeats, warmup):
+        timed.append(shapes)
+        return 1e-3, 3e-3
+
+    monkeypatch.setattr(po, "_time_op", fake)
+    monkeypatch.setattr(po, "call_overheads", lambda *a: (0.0, 0.0))
+    pairs = [(lin, _replicated(graph, lin)), (lin, _column(graph, lin))]
+    table = po.profile_ops(graph, Mesh((2,)), pairs, cache=False, scale_above=2.0)
+    assert timed == [((8, 16), (4, 16), (4,))]  # the column split alone
+    fwd, bwd = table.lookup(lin.target, ((8, 16), (8, 16), (8,)), "float32", (False, True, True))
+    assert (fwd, bwd) == (pytest.approx(2e-3), pytest.approx(6e-3))
+    timed.clear()
+    po.profile_ops(graph, Mesh((2,)), pairs, cache=False, scale_above=2.5)
+    assert len(timed) == 2
+
+
+def test_a_long_op_is_timed_in_fewer_runs(graph, monkeypatch):
+    """An op whose first run outlasts ``LONG_RUN_S`` is timed in one warm-up and as many runs as fit
+    ``LONG_BUDGET_S`` (two at least); a short one in ``warmup + repeats``."""
+    lin = _node(graph, "aten.linear.default")
+    shapes = ((8, 16), (8, 16), (8,))
+    calls = []
+    real = po.aten_op
+
+    def slow(target):
+        op = real(target)
+
+        def run(*a, **k):
+            calls.append(1)
+            return op(*a, **k)
+        return run
+
+    monkeypatch.setattr(po, "aten_op", slow)
+    po._time_op(lin, shapes, (False, True, True), graph, torch.device("cpu"), repeats=5, warmup=2)
+    assert len(calls) == 7
+    calls.clear()
+    monkeypatch.setattr(po, "LONG_RUN_S", 0.0)  # every op is long now
+    monkeypatch.setattr(po, "LONG_BUDGET_S", 0.0)
+    po._time_op(lin, shapes, (False, True, True), graph, torch.device("cpu"), repeats=5, warmup=2)
+    assert len(calls) == 3  # one warm-up, two timed
+
+
 def test_profile_ops_times_every_op_and_skips_views_and_failures(tmp_path):
     model = _Viewing()
     g = trace(model, (torch.randn(4, 6),))

@@ -3,6 +3,7 @@ layer. The ILP prices each gathered edge at its share of the call's bytes and th
 once per (layer, axes) (``ilp.OnceCost``), so its objective is the step model's price of the same
 reshards (``gather_correction`` is zero where a collective's time is linear in its bytes). These
 tests pin that for any storage of the parameters, and the plan's objective against the step model."""
+import math
 import random
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 import autopar
 from autopar import ir, models
-from autopar.cost_model.comm import mesh_collective_time
+from autopar.cost_model.comm import layout_copy_time, mesh_collective_time
 from autopar.cost_model.step import param_gather_groups
 from autopar.ir.graph import Role
 from autopar.solver import ilp
@@ -76,14 +77,22 @@ def test_a_plan_gathering_part_of_a_layer_pays_one_call_per_layer(gpt):
     cost, _ = ilp.evaluate(built.problem, full)
     correction = gather_correction(graph, built, full, MESH)
     # one call's latency per (layer, axes) and direction, however few of the layer's parameters
-    # are gathered: the ILP pays exactly the step model's groups (a lone parameter is its own)
+    # are gathered, and each gathered parameter's bytes once: the ILP pays exactly the step model's
+    # groups (a lone parameter is its own), packing copies included
     paid = [oc for oc in built.problem.once if oc.paid(full)]
     lone, _ = param_gather_groups(graph, plan.edges, least=1)
-    assert len(paid) == len(lone) >= len(groups)
-    for oc in paid:
-        axes = next(k for k in lone if any(u in {p for p, _ in lone[k]} for u, _, _ in oc.members))[1]
-        assert oc.cost == pytest.approx(mesh_collective_time("all_gather", 0, MESH, axes)
-                                        + mesh_collective_time("reduce_scatter", 0, MESH, axes))
+    assert len(lone) >= len(groups)
+    cluster = MESH.resolved_cluster()
+    expected = 0.0
+    for (_, axes), members in lone.items():
+        n = math.prod(MESH.shape[a] for a in axes)
+        for kind in ("all_gather", "reduce_scatter"):
+            expected += mesh_collective_time(kind, 0, MESH, axes)
+            for _, e in members:
+                b = e.steps[0].nbytes
+                expected += (mesh_collective_time(kind, b, MESH, axes) - mesh_collective_time(kind, 0, MESH, axes)
+                             + layout_copy_time(b / n + b, cluster))
+    assert sum(oc.cost for oc in paid) == pytest.approx(expected, rel=1e-9)
     assert correction == pytest.approx(0.0, abs=1e-9 * cost)
     step = plan.predicted
     # the objective is the step model's price of the same parts (syncs at the ILP's bucket shares)

@@ -131,7 +131,7 @@ def test_slow_axis_keeps_tensor_splits_off_it():
         ((2, 2), (8192, 8192, 32768), "1d-col"),  # n dominates: split only n
         ((2, 2), (8192, 32768, 8192), "1d-row"),  # k dominates: split only k
         ((2, 2), (8192, 8192, 8192), "2d"),  # square: SUMMA moves the least
-        ((2, 2, 2), (32768, 8192, 8192), "2.5d"),  # m = 4n: m over two axes
+        ((2, 2, 2), (32768, 4096, 16384), "2.5d"),  # m over two axes, n 4x k (square B: gathered whole)
         ((2, 2, 2), (8192, 8192, 8192), "3d"),  # cube on a cube
     ],
 )
@@ -140,7 +140,9 @@ def test_each_matmul_family_is_reachable(mesh, mkn, family):
     model = MatMul(m, k, n)
     plan = autopar.plan(model, autopar.Mesh(mesh, cluster="a100-80g"), (torch.tensor(1.0, device="meta"),))
     (mm,) = linear_nodes(plan)
-    if mm.family != family:
+    # 2-D: whichever two of m, n, k the two axes split (2d, 2d-mk, 2d-nk: SUMMA with the other
+    # operand blocked), as they differ only by where the blocks' copies fall
+    if mm.family != family and not (family == "2d" and mm.family.startswith("2d")):
         # A tie is allowed: ZeRO-2 storage can make two families cost the same, and with A and B
         # stored split (ZeRO-3) a family that gathers its operands in fewer calls can win by a
         # call's latency (32768 x 8192 x 8192 on (2, 2, 2): data parallel with B gathered).

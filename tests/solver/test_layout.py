@@ -153,8 +153,9 @@ def test_zero3_gathers_are_priced_per_layer_as_they_run():
     """The runtime gathers a layer's split-stored parameters in one collective; the ILP prices each
     parameter's gather with its bytes and its share of that call's latency, so over a ZeRO-3 plan
     the ILP's objective is exactly the grouped collectives' price (a100: no per-kind factors, so a
-    reduce-scatter costs what an all-gather does)."""
-    from autopar.cost_model.comm import mesh_collective_time
+    reduce-scatter costs what an all-gather does), each with its packing copies (the shards into the
+    buffer sent, every full tensor out of the one received)."""
+    from autopar.cost_model.comm import layout_copy_time, mesh_collective_time
     from autopar.cost_model.step import param_gather_groups
 
     model, inputs = models.build("mlp", layers=2, device="meta")
@@ -163,8 +164,9 @@ def test_zero3_gathers_are_priced_per_layer_as_they_run():
     plan = autopar.plan(model, mesh, graph=graph, force=Layout(dp=4, zero=3))
     groups, grouped = param_gather_groups(graph, plan.edges)
     assert len(groups) == 3 and all(len(m) >= 2 for m in groups.values())  # 2 layers and the rest
-    gathers = sum(2 * mesh_collective_time("all_gather", sum(e.steps[0].nbytes for _, e in m), mesh, axes)
-                  for (_, axes), m in groups.items())
+    cluster = mesh.resolved_cluster()
+    gathers = sum(2 * (mesh_collective_time("all_gather", b, mesh, axes) + layout_copy_time(b / 4 + b, cluster))
+                  for (_, axes), m in groups.items() for b in [sum(e.steps[0].nbytes for _, e in m)])
     others = sum(e.cost_s for e in plan.edges if (e.dst, e.position) not in grouped)
     expected = (sum(n.compute_s for n in plan.nodes.values()) + others + gathers
                 + sum(p.grad_sync_s for p in plan.params.values()))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autopar.cluster import PRESETS, Link
-from autopar.cost_model.comm import collective_time
+from autopar.cost_model.comm import collective_time, layout_copy_bytes, layout_copy_time
 from autopar.errors import ReshardError, ShardingError
 from autopar.sharding_spec import Mesh, ShardingSpec, naive_plan
 from autopar.sharding_spec import simulator
@@ -17,6 +17,11 @@ GLOO = PRESETS["cpu-gloo"].intra_node
 # The ring model's answers: the cpu-gloo preset's links without gloo's per-kind factors (those are
 # checked on their own below).
 RING = dataclasses.replace(PRESETS["cpu-gloo"], name="cpu-gloo ring model", collective_factors=())
+
+
+def copies(kind, nbytes, n, src_dim=None, dst_dim=None, cluster=RING) -> float:
+    """Seconds of the local copies a step's runtime makes around its collective (``layout_copy_bytes``)."""
+    return layout_copy_time(layout_copy_bytes(kind, nbytes, n, src_dim, dst_dim), cluster)
 
 
 def ring_mesh(shape) -> Mesh:
@@ -59,7 +64,7 @@ def test_partial_to_multi_axis_split_is_one_reduce_scatter():
     assert step.before == src and step.after == dst
     # reduce_scatter is priced on the bytes each rank starts with: 4x8 fp32 = 128 B
     assert step.nbytes == 4 * 8 * 4
-    assert plan.costs[0] == pytest.approx(collective_time("reduce_scatter", 128, 2, GLOO))
+    assert plan.costs[0] == pytest.approx(collective_time("reduce_scatter", 128, 2, GLOO) + copies("reduce_scatter", 128, 2, None, 0))
     assert plan.cost == plan.costs[0] and plan.comm_bytes == 128
     assert str(step) == "reduce_scatter(axes 1, dim 0): [S0, R | P1] -> [S01, R]"
     # the naive plan (all_reduce, all_gather, slice, slice) costs more
@@ -82,7 +87,7 @@ def test_gloo_preset_sums_then_slices_rather_than_reduce_scatter():
 
     def priced_as(kind):
         fa, fb = cluster.collective_factor(kind)
-        return collective_time(kind, nbytes, 2, Link(GLOO.alpha * fa, GLOO.beta * fb))
+        return collective_time(kind, nbytes, 2, Link(GLOO.alpha * fa, GLOO.beta * fb)) + copies(kind, nbytes, 2, None, 0, cluster)
 
     assert plan.costs[0] == pytest.approx(priced_as("all_reduce"))
     assert plan.cost < priced_as("reduce_scatter")
@@ -99,7 +104,7 @@ def test_partial_to_replicated_is_one_all_reduce(mesh_shape):
     assert step.kind == "all_reduce" and step.axes == (0,)
     n = mesh_shape[0]
     assert step.nbytes == 64
-    assert plan.costs[0] == pytest.approx(GLOO.alpha * (2 * n - 1) + GLOO.beta * 2 * (n - 1) / n * 64)
+    assert plan.costs[0] == pytest.approx(GLOO.alpha * (2 * n - 1) + GLOO.beta * 2 * (n - 1) / n * 64 + copies("all_reduce", 64, n))
     assert str(step) == "all_reduce(axes 0): [R | P0] -> [R]"
 
 
@@ -111,7 +116,7 @@ def test_shard_dim_change_is_one_all_to_all():
     assert step.kind == "all_to_all"
     assert step.axes == (0,) and step.src_dim == 0 and step.dst_dim == 1
     assert step.nbytes == 2 * 8 * 4  # the bytes each rank holds
-    assert plan.costs[0] == pytest.approx(collective_time("all_to_all", 64, 4, GLOO))
+    assert plan.costs[0] == pytest.approx(collective_time("all_to_all", 64, 4, GLOO) + copies("all_to_all", 64, 4, 0, 1))
     # cheaper than gathering (4x the bytes) and slicing
     assert plan.cost < priced(naive_plan(src, dst, mesh), mesh).cost
     assert str(step) == "all_to_all(axes 0, dim 0->1): [S0, R] -> [R, S0]"
@@ -244,7 +249,8 @@ def test_hierarchical_all_reduce():
     dst = ShardingSpec.replicate(shape, 2)
     plan = plan_reshard(src, dst, mesh)
     assert [(s.kind, s.axes) for s in plan.steps] == [("reduce_scatter", (1,)), ("all_reduce", (0,)), ("all_gather", (1,))]
-    flat = collective_time("all_reduce", 4 * (1 << 16), 128, PRESETS["a100-80g"].inter_node)
+    flat = (collective_time("all_reduce", 4 * (1 << 16), 128, PRESETS["a100-80g"].inter_node)
+            + copies("all_reduce", 4 * (1 << 16), 128, cluster=PRESETS["a100-80g"]))
     assert plan.cost < flat
     assert priced(naive_plan(src, dst, mesh), mesh).cost == pytest.approx(flat)
 
