@@ -12,7 +12,12 @@ then all exact plans of a model run in ``--rounds`` alternating rounds of ``--ro
 (order rotating), every step bracketed by barriers and timed on its slowest rank; a plan's figure
 is the median.
 
-Printed: per plan predicted and measured s/step and the error; per model and over both, the
+The zoo's transformers models (``--zoo``, benchmarks/zoo.py: GPT-2, LLaMA and Qwen2 with 50k, 32k and 151k
+vocabularies) run ``ZOO_CASES`` one plan at a time (all alive at once would not fit in this machine's
+memory): built, checked per tensor against one process over three clipped AdamW steps, timed alone
+(``train_step``, clipping, AdamW) and closed.
+
+Printed: per plan predicted and measured s/step and the error; per model and over all, the
 Spearman rank correlation of predicted vs measured and the median |predicted/measured - 1|.
 Written: benchmarks/results/fidelity.json and fidelity.png (needs matplotlib).
 """
@@ -49,6 +54,18 @@ CASES = [
     ((2, 2), dict(dp=2, tp=2, zero=2)),
     ((2, 2), dict(dp=2, tp=2, zero=3)),
     ((2, 2), dict(dp=2, tp=2, zero=3, vocab_parallel=False)),
+]
+
+
+# the zoo's transformers models (benchmarks/zoo.py: GPT-2 50k, LLaMA 32k, Qwen2 151k vocabularies), with
+# every case alive at once too large for this machine: each plan is built, checked and timed alone
+ZOO_CASES = [
+    ((4,), None),
+    ((2, 2), None),
+    ((4,), dict(dp=4)),
+    ((4,), dict(dp=4, zero=2)),
+    ((4,), dict(dp=4, zero=3)),
+    ((2, 2), dict(dp=2, tp=2)),
 ]
 
 
@@ -91,6 +108,87 @@ def rank_main(rank, world, opts):
         alternate(variants, rows, opts)
         out[model_name] = rows
     return out if rank == 0 else None
+
+
+def zoo_main(rank, world, opts):
+    """The zoo's models: each plan of ``ZOO_CASES`` built, checked exact per tensor against one process
+    (``zoo.checked``: three clipped AdamW steps), timed alone for ``rounds x round_steps`` steps
+    (``train_step``, clipping, AdamW) and closed."""
+    import gc
+
+    import zoo
+    from autopar import Layout, Mesh
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    out = {}
+    for name in opts["zoo"]:
+        ref = zoo.reference(name) if rank == 0 else None
+        vocab = zoo.build(name)[1]
+        b = zoo.batches(vocab, 1)[0]
+        rows = {}
+        for shape, fields in ZOO_CASES:
+            case = case_name(shape, fields)
+            model = zoo.build(name)[0]
+            dist.barrier()
+            t0 = time.perf_counter()
+            try:
+                v = AutoparVariant(model, (), b, Mesh(shape), layout=Layout(**fields) if fields else None, lr=zoo.LR)
+            except Exception as err:  # a layout the planner cannot form here: report, go on
+                rows[case] = dict(error=f"{type(err).__name__}: {err}")
+                continue
+            build_s = time.perf_counter() - t0
+            verdict = zoo.checked(_ZooStep(v), ref, vocab)
+            row = dict(verdict, predicted_s=v.predicted_s, predicted=dict(v.plan.predicted), build_s=build_s,
+                       families=_families(v.plan))
+            if verdict["exact"]:
+                times = [zoo.timed(_ZooStep(v).train_step, b) for _ in range(opts["rounds"] * opts["round_steps"])]
+                steps = [max(t) for t in zip(*ht_gathered(times))]
+                row.update(step_times=steps, s_per_step=statistics.median(steps))
+            rows[case] = row
+            v.close()
+            del v
+            gc.collect()
+            if rank == 0:
+                print(f"  {name} {case}: " + (f"predicted {row['predicted_s']:.3f} measured {row['s_per_step']:.3f}"
+                                              if verdict["exact"] else f"NOT EXACT: {verdict['error']}"), flush=True)
+        out[name] = rows
+    return out if rank == 0 else None
+
+
+class _ZooStep:
+    """An AutoparVariant in the zoo's loop: the plain call for the checked steps, ``train_step`` timed;
+    clipping and AdamW after each."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def first(self, b):
+        loss = self.v.pm(**b).loss
+        loss.backward()
+        return loss.item()
+
+    def full_grads(self):
+        return self.v.full_grads()
+
+    def finish(self):
+        torch.nn.utils.clip_grad_norm_(self.v.pm.parameters(), 1.0)
+        self.v.optimizer_step()
+
+    def step(self, b):
+        loss = self.first(b)
+        self.finish()
+        return loss
+
+    def train_step(self, b):
+        self.v.pm.train_step(**b)
+        self.finish()
+
+
+def ht_gathered(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def _families(plan) -> dict:
@@ -163,7 +261,7 @@ def plot(rows, path) -> bool:
     if not pts:
         return False
     fig, ax = plt.subplots(figsize=(7, 6))
-    for model, mark in (("gpt", "o"), ("llama", "s")):
+    for model, mark in (("gpt", "o"), ("llama", "s"), ("zoo gpt2", "^"), ("zoo llama", "v"), ("zoo qwen2", "D")):
         mine = [r for r in pts if r["model"] == model]
         ax.scatter([r["predicted_s"] for r in mine], [r["s_per_step"] for r in mine], marker=mark, label=model)
         for r in mine:
@@ -182,7 +280,9 @@ def plot(rows, path) -> bool:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=["gpt", "llama", "both"], default="both")
+    p.add_argument("--model", choices=["gpt", "llama", "both", "none"], default="both")
+    p.add_argument("--zoo", default="gpt2,llama,qwen2", help="the zoo's models (benchmarks/zoo.py) too, each plan "
+                   "alone; '' for none")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds (2 keeps `make bench` near 15 min)")
     p.add_argument("--round-steps", type=int, default=2)
@@ -191,13 +291,17 @@ def main():
     a = p.parse_args()
     from autopar.runtime.launch import spawn
 
-    names = ["gpt", "llama"] if a.model == "both" else [a.model]
+    names = {"both": ["gpt", "llama"], "none": []}.get(a.model, [a.model])
     shapes = TINY if a.tiny else SHAPES
-    opts = dict(models=names, shapes={n: shapes[n] for n in names}, rounds=a.rounds, round_steps=a.round_steps)
+    zoo_names = [n for n in a.zoo.split(",") if n]
+    opts = dict(models=names, shapes={n: shapes[n] for n in names}, rounds=a.rounds, round_steps=a.round_steps, zoo=zoo_names)
     print(f"cost-model fidelity on {a.ranks} gloo ranks, {os.cpu_count()} cores, torch {torch.__version__}: "
-          f"{len(CASES)} plans per model, {a.rounds} rounds x {a.round_steps} steps", flush=True)
+          f"{len(CASES)} plans per built-in model, {a.rounds} rounds x {a.round_steps} steps; {len(ZOO_CASES)} plans "
+          f"per zoo model ({', '.join(zoo_names) or 'none'}), each alone", flush=True)
     t0 = time.perf_counter()
-    res = spawn(rank_main, a.ranks, args=(opts,), timeout_s=3600)[0]
+    res = spawn(rank_main, a.ranks, args=(opts,), timeout_s=3600)[0] if names else {}
+    if zoo_names:
+        res.update({f"zoo {k}": v for k, v in spawn(zoo_main, a.ranks, args=(opts,), timeout_s=3600)[0].items()})
     wall = time.perf_counter() - t0
     out = report(res)
     out["meta"] = dict(ranks=a.ranks, rounds=a.rounds, round_steps=a.round_steps, torch=torch.__version__,

@@ -4,8 +4,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-BENCHES = ["plan_time.py", "gpt3_pipeline.py", "whatif_grid.py", "hybrid.py", "fidelity.py", "memory_fidelity.py",
-           "long_context.py"]
+BENCHES = ["plan_time.py", "gpt3_pipeline.py", "whatif_grid.py", "hybrid.py", "zoo.py", "fidelity.py",
+           "memory_fidelity.py", "long_context.py"]
 
 for name in BENCHES:
     print(f"== {name}", flush=True)
