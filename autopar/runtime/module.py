@@ -352,8 +352,10 @@ class ParallelModule(nn.Module):
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Canonical parameter fqn -> its full (unsharded) gradient, on every rank (None where the
-        parameter has none on every rank). A collective: call it on every rank, after the
-        gradients are synchronised (after ``backward()`` outside ``no_sync()``)."""
+        parameter has none on every rank): copies, which later steps leave as they are (a
+        replicated parameter's ``.grad`` is a view of the reducer's bucket, which the next
+        backward writes). A collective: call it on every rank, after the gradients are synchronised
+        (after ``backward()`` outside ``no_sync()``)."""
         ap = self._ap
         ap.reducer.synchronize()
         out = {}
@@ -362,7 +364,8 @@ class ParallelModule(nn.Module):
                 if g is None:
                     out[fqn] = None
                 else:
-                    out[fqn] = ops.gather_full(g, self.storage_spec(fqn), ap.groups)
+                    full = ops.gather_full(g, self.storage_spec(fqn), ap.groups)
+                    out[fqn] = full.clone() if full is g else full
         if ap.pipeline is not None:
             names = [f for f, ph in ap.graph.params.items() if ap.graph.nodes[ph].role == Role.PARAMETER]
             return ap.pipeline.across_stages(out, names, {})

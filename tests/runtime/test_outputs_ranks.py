@@ -83,6 +83,21 @@ def logits_case(tag, mesh, groups, arch, **options):
     return out
 
 
+def snapshot_case(tag, mesh, groups):
+    """``full_grads()`` hands copies: a later backward (which writes the reducer's buckets, of which
+    a replicated parameter's ``.grad`` is a view) leaves them as they were."""
+    pm = autopar.parallelize(hf_model("gpt2"), mesh, (), example_kwargs=_batch(0), groups=groups, pipeline=False,
+                             idle_axes=(), force=autopar.Layout(dp=mesh.size))
+    pm(**_batch(0)).loss.backward()
+    first = pm.full_grads()
+    kept = {k: g.clone() for k, g in first.items() if g is not None}
+    pm.zero_grad(set_to_none=False)
+    pm(**_batch(1)).loss.backward()
+    second = pm.full_grads()
+    return {"tag": tag, "unchanged": all(torch.equal(first[k], v) for k, v in kept.items()),
+            "moved": any(not torch.equal(second[k], v) for k, v in kept.items())}
+
+
 def one_rank_reads_case(tag, mesh):
     """Rank 0 alone reads the logits: it gets a ConfigError after the timeout; the others go on."""
     pm = autopar.parallelize(hf_model("gpt2"), mesh, (), example_kwargs=_batch(0), pipeline=False, idle_axes=(),
@@ -127,6 +142,7 @@ def rank_4(rank, world_size):
     out.append(run_case("pipeline gpt2", logits_case, "pipeline gpt2", square, g_square, "gpt2-2", idle_axes=(),
                         pipeline=autopar.Pipeline(stages=2, microbatches=2)))
     out.append(run_case("other calls", other_calls_case, "other calls", line, g_line))
+    out.append(run_case("snapshot", snapshot_case, "snapshot", line, g_line))
     out.append(run_case("one rank reads", one_rank_reads_case, "one rank reads", line))  # last: its group times out
     return out
 
@@ -175,3 +191,9 @@ def test_a_read_on_one_rank_alone_times_out_with_a_config_error(results):
         assert "error" not in c, c["error"]
     assert "read a split output on every rank" in cases[0]["error_text"]
     assert all(c["error_text"] is None for c in cases[1:])
+
+
+def test_full_grads_are_copies(results):
+    for c in results["snapshot"]:
+        assert "error" not in c, c["error"]
+        assert c["unchanged"] and c["moved"], c
