@@ -75,6 +75,10 @@ class ClusterSpec:
       arithmetic rate is peak x this); profiled op times replace the roofline where they exist.
     memory_efficiency: likewise the share of ``memory_bandwidth`` that large elementwise kernels
       sustain (the roofline's memory rate is ``memory_bandwidth`` x this).
+    fresh_memory_bandwidth: bytes/s written into memory just allocated, where the allocator hands a
+      large tensor new pages each time and the OS maps and zeroes them on first touch (glibc past
+      its mmap threshold: 3x slower than a warm write with 4 ranks on 2 cores); 0: as fast as a
+      warm write (a GPU's caching allocator keeps its blocks).
     in_situ_factor: how much longer a model's own forward and backward run than the sum of its
       ops profiled one by one (hot inputs, no allocation, no neighbours evicting the caches);
       multiplies profiled op times (``compute.node_time``). ``parallelize`` measures it on the
@@ -113,6 +117,7 @@ class ClusterSpec:
     in_situ_factor: float = 1.0
     memory_is_budget: bool = True
     measured_spread: float = 0.0
+    fresh_memory_bandwidth: float = 0.0
 
     def __post_init__(self):
         # Canonical order (by dtype name), as from_dict builds it, so a to_dict/from_dict round
@@ -126,7 +131,7 @@ class ClusterSpec:
             raise ConfigError(f"cluster {self.name!r}: scalar_all_reduce_alphas must be finite and > 0 (or None), "
                               f"got {self.scalar_all_reduce_alphas}")
         timings = (self.op_overhead_s, self.backward_op_overhead_s, self.optimizer_s_per_element, self.optimizer_s_per_tensor,
-               self.collective_overhead_s)
+               self.collective_overhead_s, self.fresh_memory_bandwidth)
         if any(not (v >= 0 and math.isfinite(v)) for v in timings) or not 0 <= self.comm_overlap <= 1 \
                 or not (1 <= self.rank_contention < math.inf):
             raise ConfigError(f"cluster {self.name!r}: overheads must be finite and >= 0, comm_overlap in [0, 1] "
@@ -153,6 +158,12 @@ class ClusterSpec:
     def sustained_memory_bandwidth(self) -> float:
         """Bytes/s large memory-bound kernels sustain (``memory_bandwidth`` x ``memory_efficiency``)."""
         return self.memory_bandwidth * self.memory_efficiency
+
+    @property
+    def fresh_write_bandwidth(self) -> float:
+        """Bytes/s written into a freshly allocated large tensor (``fresh_memory_bandwidth``, or
+        the sustained rate where that is not measured)."""
+        return self.fresh_memory_bandwidth or self.sustained_memory_bandwidth
 
     def collective_factor(self, kind: str) -> tuple[float, float]:
         """(alpha factor, beta factor) of collective ``kind``; (1.0, 1.0) when not listed."""

@@ -28,6 +28,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -123,7 +124,7 @@ def zoo_main(rank, world, opts):
     torch.set_num_threads(1)
     out = {}
     for name in opts["zoo"]:
-        ref = zoo.reference(name) if rank == 0 else None
+        ref = torch.load(opts["refs"][name]) if rank == 0 else None
         vocab = zoo.build(name)[1]
         b = zoo.batches(vocab, 1)[0]
         rows = {}
@@ -301,7 +302,11 @@ def main():
     t0 = time.perf_counter()
     res = spawn(rank_main, a.ranks, args=(opts,), timeout_s=3600)[0] if names else {}
     if zoo_names:
-        res.update({f"zoo {k}": v for k, v in spawn(zoo_main, a.ranks, args=(opts,), timeout_s=3600)[0].items()})
+        import zoo
+
+        with tempfile.TemporaryDirectory() as refs:
+            opts["refs"] = zoo.saved_references(zoo_names, refs)
+            res.update({f"zoo {k}": v for k, v in spawn(zoo_main, a.ranks, args=(opts,), timeout_s=3600)[0].items()})
     wall = time.perf_counter() - t0
     out = report(res)
     out["meta"] = dict(ranks=a.ranks, rounds=a.rounds, round_steps=a.round_steps, torch=torch.__version__,

@@ -307,7 +307,8 @@ class Slice(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         full = grad.new_zeros(ctx.full)
-        return torch.slice_scatter(full, grad, ctx.dim, ctx.start, ctx.start + ctx.size), None, None, None
+        full.narrow(ctx.dim, ctx.start, ctx.size).copy_(grad)  # in place: slice_scatter would copy ``full`` again
+        return full, None, None, None
 
 
 class ToPartial(torch.autograd.Function):

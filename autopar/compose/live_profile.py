@@ -45,7 +45,7 @@ PROFILE_SUBDIR = "parallelize"
 # 4: the host's memory bandwidth (``measure_overheads``), for gradient accumulation
 # 5, 6: measured_spread, the contention rounds' spread (6: the median's standard error)
 # 7: AdamW and the memory bandwidth measured on every rank at once, AdamW past the caches
-HOST_PROFILE_VERSION = 7
+HOST_PROFILE_VERSION = 8
 # the expected range of n normal draws in standard deviations (d2 of control charts)
 _RANGE_TO_SIGMA = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704}
 CONTENTION_ROUNDS = 5
@@ -141,7 +141,8 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
                       their mean, the median of ``CONTENTION_ROUNDS`` rounds, against the median
                       of as many rounds of rank 0 alone); 1 on GPUs (a rank per device)
     op / backward op overheads (``measure_overheads``): timed on rank 0 alone, times ``rank_contention``
-    AdamW per element and per tensor, on CPU the memory bandwidth (``measure_memory_work``): timed
+    AdamW per element and per tensor, on CPU the memory bandwidth, warm and into new tensors
+                      (``measure_memory_work``): timed
                       on every rank at once (they share the host's memory bandwidth), the ranks' mean
     collective_overhead_s  with ``groups``: the extra latency of a collective reached from compute
                       (``measure_collective_overhead``) on the mesh's axis groups, median over ranks

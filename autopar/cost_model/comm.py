@@ -117,10 +117,13 @@ def layout_copy_bytes(kind: str, nbytes: float, n: int, src_dim: int | None = No
     """Bytes one call of ``kind`` copies on the rank besides the wire (``codegen.collectives``):
     collectives send and receive contiguous memory, so a dim other than the leading one is moved
     in front and back, a reduce-scatter packs its input (gloo may reduce into it) and an all-reduce
-    sums a copy. ``nbytes`` as the alpha-beta formulas count it; ``src_dim``: the dim gathered or
-    received, ``dst_dim``: the dim scattered or sent."""
+    sums a copy; a slice (local) copies out its chunk. ``nbytes`` as the alpha-beta formulas count
+    it (a slice's: its input); ``src_dim``: the dim gathered or received, ``dst_dim``: the dim
+    scattered or sent."""
     if n <= 1:
         return 0.0
+    if kind == "slice":  # the chunk cut out and made contiguous
+        return nbytes / n
     if kind == "all_gather":
         return (nbytes / n + nbytes) if src_dim else 0.0
     if kind == "reduce_scatter":
@@ -133,4 +136,13 @@ def layout_copy_bytes(kind: str, nbytes: float, n: int, src_dim: int | None = No
 def layout_copy_time(nbytes: float, cluster) -> float:
     """Seconds to copy ``nbytes`` in memory (read and write), at the cluster's sustained bandwidth."""
     return 2.0 * nbytes / cluster.sustained_memory_bandwidth if nbytes else 0.0
+
+
+def slice_backward_time(nbytes: float, n: int, cluster) -> float:
+    """Seconds of a slice's backward (``codegen.collectives.Slice``): the gradient of its ``nbytes``
+    input written as zeros into a new tensor and the chunk's gradient copied in (a tied embedding read split by its
+    lookup pays its whole table here every step)."""
+    if n <= 1:
+        return 0.0
+    return nbytes / cluster.fresh_write_bandwidth + 2.0 * nbytes / n / cluster.sustained_memory_bandwidth
 

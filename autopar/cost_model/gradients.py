@@ -22,7 +22,9 @@ the set can run at all (``identical_ok``) and the seconds it moves in backward
 """
 from __future__ import annotations
 
-from autopar.cost_model.comm import is_zero2_sync, mesh_collective_time
+import math
+
+from autopar.cost_model.comm import is_zero2_sync, mesh_collective_time, slice_backward_time
 from autopar.ir.graph import Role, edge_itemsize
 from autopar.sharding_spec.reshard import local_bytes, spec_after
 from autopar.sharding_spec.spec import ShardingSpec
@@ -183,14 +185,17 @@ def output_whole_axes(steps) -> tuple[int, ...]:
 
 def backward_reshard_s(edge, mesh, identical, itemsize: int = 4) -> float:
     """Seconds of the backward of ``edge``'s steps: each step's dual priced as its forward under the
-    dual convention; under the identical one a gather's, an all-reduce's and a to_partial's
+    dual convention (a slice's pads the gradient back to its input's size); under the identical one a gather's, an all-reduce's and a to_partial's
     backward are local and a slice's is an all-gather (of ``itemsize``-byte elements)."""
     if not edge.backward:
         return 0.0
     total, spec = 0.0, edge.src_spec
     for s in edge.steps:
         after = spec_after(spec, s)
-        if not whole_on(s.axes, identical):
+        if s.kind == "slice" and not whole_on(s.axes, identical):
+            n = math.prod(mesh.shape[a] for a in s.axes)
+            total += slice_backward_time(local_bytes(spec, mesh.shape, itemsize), n, mesh.resolved_cluster())
+        elif not whole_on(s.axes, identical):
             total += s.cost_s
         elif s.kind == "slice":
             total += mesh_collective_time("all_gather", local_bytes(spec, mesh.shape, itemsize), mesh, s.axes)

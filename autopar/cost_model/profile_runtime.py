@@ -11,7 +11,9 @@ with.
                              over a few large ones past the caches
     memory_bandwidth         bytes/s of an in-place add over tensors past the caches (what adding
                              gradients up costs, and the roofline of ops the op table lacks); not
-                             on GPUs, whose presets carry HBM's measured rate (these three:
+                             on GPUs, whose presets carry HBM's measured rate
+    fresh_memory_bandwidth   bytes/s of writing zeros into a tensor just allocated, as large as
+                             those (the pages the OS maps on first touch); not on GPUs (these four:
                              ``measure_memory_work``, on every rank at once)
 """
 from __future__ import annotations
@@ -57,7 +59,8 @@ def measure_overheads(device="cpu", repeats: int = 5) -> dict[str, float]:
 def measure_memory_work(device="cpu", repeats: int = 3) -> dict[str, float]:
     """The memory-bound work of a step, as fast as it runs on this rank now: AdamW per element
     and per tensor, fitted to one step over many small tensors and one over large ones past the
-    caches (a model's states are), and (not on GPUs) the bandwidth of an in-place add. Ranks
+    caches (a model's states are), and (not on GPUs) the bandwidth of an in-place add and of a
+    fresh tensor's first write. Ranks
     sharing a host share its memory bandwidth, more than a core (an AdamW step ran 1.8x slower
     with 4 ranks on 2 cores, compute 1.2x): ``live_profile`` runs this on every rank at once."""
     device = torch.device(device)
@@ -72,7 +75,22 @@ def measure_memory_work(device="cpu", repeats: int = 3) -> dict[str, float]:
            "optimizer_s_per_tensor": max((small * e2 - large * e1) / det, 0.0)}
     if device.type != "cuda":
         out["memory_bandwidth"] = _add_bandwidth(device, sync, repeats)
+        out["fresh_memory_bandwidth"] = _fresh_bandwidth(device, sync, repeats)
     return out
+
+
+def _fresh_bandwidth(device, sync, repeats: int) -> float:
+    """Bytes/s of ``torch.zeros(STREAM)``: a new tensor each time, written once."""
+    times = []
+    for it in range(repeats + 2):
+        sync()
+        t0 = time.perf_counter()
+        x = torch.zeros(STREAM, device=device)
+        sync()
+        if it >= 2:
+            times.append(time.perf_counter() - t0)
+        del x
+    return 4 * STREAM / statistics.median(times)
 
 
 def _add_bandwidth(device, sync, repeats: int) -> float:

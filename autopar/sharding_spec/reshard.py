@@ -33,8 +33,9 @@ COMM_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 class Step:
     """One resharding step. ``axes``: the mesh axes of the group (in shard order). ``src_dim``:
     the dim gathered or sent by all_to_all. ``dst_dim``: the dim sliced, scattered or received.
-    ``nbytes``: the local bytes a collective moves (as the alpha-beta formulas count them; 0 for a
-    local step). ``before``/``after``: the specs."""
+    ``nbytes``: the local bytes a collective moves (as the alpha-beta formulas count them), a
+    slice's input (it copies out its chunk, and its backward pads the gradient back to this size);
+    0 for to_partial. ``before``/``after``: the specs."""
 
     kind: str
     axes: tuple[int, ...]
@@ -104,7 +105,7 @@ def neighbours(spec: ShardingSpec, mesh, itemsize: int):
         after = ShardingSpec(spec.shape, tuple(after_dims), tuple(after_partial), spec.mesh_ndim)
         if not after.is_even(shape):
             return None
-        nbytes = local_bytes(nbytes_spec(after), shape, itemsize) if kind in COMM_KINDS else 0
+        nbytes = local_bytes(nbytes_spec(after), shape, itemsize) if kind in COMM_KINDS or kind == "slice" else 0
         return Step(kind, tuple(axes), spec, after, nbytes, src_dim, dst_dim)
 
     out = []
@@ -125,7 +126,7 @@ def neighbours(spec: ShardingSpec, mesh, itemsize: int):
         for d in range(spec.ndim):
             new = list(dims)
             new[d] = dims[d] + (a,)
-            out.append(make("slice", (a,), new, spec.partial, lambda after: after, dst_dim=d))
+            out.append(make("slice", (a,), new, spec.partial, lambda after: spec, dst_dim=d))
         out.append(make("to_partial", (a,), dims, spec.partial + (a,), lambda after: after))
     for group in _ordered_subsets(spec.partial):
         remaining = tuple(a for a in spec.partial if a not in group)

@@ -1,8 +1,8 @@
 """The resharding search: the cheapest route of steps from one spec to another, priced.
 
 The steps and what they do are ``autopar.sharding_spec.reshard``'s; here each is priced by
-``cost_model.comm`` (a local step costs a tie-break constant, so among equal-cost routes the shorter
-wins) and Dijkstra over the specs finds the cheapest route. One search from a source prices every
+``cost_model.comm`` (a local step costs its copies and a tie-break constant, so among equal-cost
+routes the shorter wins) and Dijkstra over the specs finds the cheapest route. One search from a source prices every
 target; small state spaces get every pair at once (Floyd-Warshall). Searches and routes are cached
 per (source, target, mesh, itemsize).
 """
@@ -21,7 +21,7 @@ from autopar.errors import ReshardError
 from autopar.sharding_spec.reshard import ReshardPlan, Step, neighbours
 from autopar.sharding_spec.spec import ShardingSpec
 
-# A local step (slice, to_partial) costs this much, so among equal-cost plans the shorter wins.
+# A local step (slice, to_partial) costs this much besides its copies, so among equal-cost plans the shorter wins.
 LOCAL_STEP_TIEBREAK_S = 1e-12
 
 
@@ -39,11 +39,11 @@ class PricedReshard(ReshardPlan):
 def step_cost(step: Step, mesh) -> float:
     """Seconds ``step`` takes on ``mesh``: its collective's alpha-beta time and the local copies
     around it (``cost_model.comm.layout_copy_bytes``), or the tie-break."""
+    n = math.prod(mesh.shape[a] for a in step.axes)
+    copies = layout_copy_time(layout_copy_bytes(step.kind, step.nbytes, n, step.src_dim, step.dst_dim), mesh.resolved_cluster())
     if step.is_comm:
-        n = math.prod(mesh.shape[a] for a in step.axes)
-        copies = layout_copy_bytes(step.kind, step.nbytes, n, step.src_dim, step.dst_dim)
-        return mesh_collective_time(step.kind, step.nbytes, mesh, step.axes) + layout_copy_time(copies, mesh.resolved_cluster())
-    return LOCAL_STEP_TIEBREAK_S
+        return mesh_collective_time(step.kind, step.nbytes, mesh, step.axes) + copies
+    return copies + LOCAL_STEP_TIEBREAK_S
 
 
 def priced(route: ReshardPlan, mesh) -> PricedReshard:

@@ -321,3 +321,47 @@ def test_layout_copies_follow_what_the_collectives_copy():
     cluster = PRESETS["cpu-gloo"]
     assert layout_copy_time(b, cluster) == pytest.approx(2 * b / cluster.sustained_memory_bandwidth)
     assert layout_copy_time(0, cluster) == 0
+
+
+def test_a_slice_copies_its_chunk_and_its_backward_pads_a_new_gradient():
+    """codegen.collectives.Slice: forward makes its chunk contiguous; backward writes zeros of the
+    input's size into a new tensor (at the fresh-page rate where measured) and copies the chunk in."""
+    from autopar.cost_model.comm import layout_copy_bytes, layout_copy_time, slice_backward_time
+
+    b, n = 4096.0, 4
+    assert layout_copy_bytes("slice", b, n, dst_dim=1) == b / n
+    assert layout_copy_bytes("slice", b, 1, dst_dim=1) == 0
+    warm = PRESETS["cpu-gloo"]
+    assert warm.fresh_write_bandwidth == warm.sustained_memory_bandwidth  # not measured: a warm write
+    assert slice_backward_time(b, n, warm) == pytest.approx((b + 2 * b / n) / warm.sustained_memory_bandwidth)
+    fresh = dataclasses.replace(warm, fresh_memory_bandwidth=warm.sustained_memory_bandwidth / 3)
+    assert slice_backward_time(b, n, fresh) == pytest.approx(
+        3 * b / warm.sustained_memory_bandwidth + layout_copy_time(b / n, warm))
+    assert slice_backward_time(b, 1, fresh) == 0
+    with pytest.raises(ConfigError, match="overheads must be finite"):
+        dataclasses.replace(warm, fresh_memory_bandwidth=-1.0)
+
+
+def test_a_sliced_read_pays_its_padded_gradient_in_backward():
+    """The step model's backward of an edge that slices a replicated value (a parameter read split,
+    as a tied embedding's lookup may read it): the gradient padded back to the whole tensor, not the
+    forward's copy again; under whole gradients on the axis, an all-gather of the whole tensor."""
+    from autopar.cost_model.comm import slice_backward_time
+    from autopar.cost_model.gradients import backward_reshard_s
+    from autopar.sharding_spec import ShardingSpec
+    from autopar.solver.plan import EdgePlan, StepPlan
+    from autopar.solver.reshard_search import plan_reshard
+
+    cluster = dataclasses.replace(PRESETS["cpu-gloo"], fresh_memory_bandwidth=3e9)
+    mesh = Mesh((4,), cluster=cluster)
+    src = ShardingSpec.replicate((1024, 256), 1)
+    dst = ShardingSpec((1024, 256), ((), (0,)), (), 1)
+    route = plan_reshard(src, dst, mesh)
+    (step,) = route.steps
+    assert step.kind == "slice" and step.nbytes == 1024 * 256 * 4
+    steps = [StepPlan(step.kind, step.axes, step.nbytes, route.costs[0], step.src_dim, step.dst_dim)]
+    edge = EdgePlan("w", "lookup", 0, src, dst, steps, backward=True)
+    assert backward_reshard_s(edge, mesh, identical=()) == pytest.approx(slice_backward_time(step.nbytes, 4, cluster))
+    assert backward_reshard_s(edge, mesh, identical=(0,)) == pytest.approx(
+        mesh_collective_time("all_gather", step.nbytes, mesh, (0,)))
+    assert backward_reshard_s(dataclasses.replace(edge, backward=False), mesh, identical=()) == 0

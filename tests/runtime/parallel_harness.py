@@ -216,3 +216,20 @@ def model_case(tag, name, mesh, groups, build_kw=None, **kw) -> dict:
         return summary(tag, compare(model, inputs, mesh, groups, **kw))
 
     return run_case(tag, go)
+
+
+def spawn_by_tag(tmp_path_factory, runs, timeout_s: float) -> dict[str, list[dict]]:
+    """In the test process: run each ``(rank_fn, world_size)`` of ``runs`` on spawned ranks that share
+    a fresh AUTOPAR_CACHE_DIR (they inherit the environment), and group every rank's cases by tag."""
+    import pytest
+
+    from autopar.runtime.launch import spawn
+
+    by_tag: dict[str, list[dict]] = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOPAR_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        for fn, n in runs:
+            for rank_out in spawn(fn, n, timeout_s=timeout_s):
+                for case in rank_out:
+                    by_tag.setdefault(case["tag"], []).append(case)
+    return by_tag

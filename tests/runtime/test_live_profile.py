@@ -135,6 +135,8 @@ def test_host_figures_are_measured_and_cached(results):
             assert math.isfinite(f[key]) and 0 <= f[key] < 0.1, (key, f[key])
         # an add past the caches, over the contention: a CPU streams 1-100 GB/s
         assert 1e9 < f["memory_bandwidth"] < 1e11, f["memory_bandwidth"]
+        # writing new pages (mapped and zeroed by the OS on first touch) is no faster than a warm add
+        assert 1e8 < f["fresh_memory_bandwidth"] < 2 * f["memory_bandwidth"], f
         assert 0 <= f["measured_spread"] < 2, f["measured_spread"]  # (slowest - fastest round) / median
     assert results[0]["first"] == results[1]["first"]  # every rank prices with the same figures
 

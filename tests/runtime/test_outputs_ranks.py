@@ -15,10 +15,9 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.errors import ConfigError
-from autopar.runtime.launch import spawn
 from autopar.runtime.outputs import SplitOutput
 from autopar.runtime.process_groups import MeshGroups
-from parallel_harness import TOL, rel, run_case
+from parallel_harness import TOL, rel, run_case, spawn_by_tag
 from test_parallelize import HF_VOCAB, hf_model
 
 BATCH, SEQ = 8, 16
@@ -149,21 +148,7 @@ def rank_4(rank, world_size):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import os
-
-    old = os.environ.get("AUTOPAR_CACHE_DIR")
-    os.environ["AUTOPAR_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    try:
-        by_tag: dict[str, list] = {}
-        for rank_out in spawn(rank_4, 4, timeout_s=600):
-            for case in rank_out:
-                by_tag.setdefault(case["tag"], []).append(case)
-        return by_tag
-    finally:
-        if old is None:
-            os.environ.pop("AUTOPAR_CACHE_DIR", None)
-        else:
-            os.environ["AUTOPAR_CACHE_DIR"] = old
+    return spawn_by_tag(tmp_path_factory, [(rank_4, 4)], timeout_s=600)
 
 
 @pytest.mark.parametrize("tag", ["dp gpt2", "zero3 llama", "dp x tp llama", "default gpt2", "pipeline gpt2"])

@@ -19,10 +19,9 @@ import torch.nn.functional as F
 import autopar
 from autopar import ir, models
 from autopar.errors import AutoparError
-from autopar.runtime.launch import spawn
 from autopar.runtime.outputs import SplitOutput
 from autopar.runtime.process_groups import MeshGroups
-from parallel_harness import ADAM_EPS, TOL, rel, run_case
+from parallel_harness import ADAM_EPS, TOL, rel, run_case, spawn_by_tag
 from test_parallelize import HF_VOCAB, hf_model
 
 MAX_NORM = 0.05  # far below the built-in GPT's gradient norm (~1): clipping bites every step
@@ -472,22 +471,7 @@ def rank_4(rank, world_size):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import os
-
-    old = os.environ.get("AUTOPAR_CACHE_DIR")
-    os.environ["AUTOPAR_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    try:
-        by_tag: dict[str, list] = {}
-        for fn, n in ((rank_2, 2), (rank_4, 4)):
-            for rank_out in spawn(fn, n, timeout_s=900):
-                for case in rank_out:
-                    by_tag.setdefault(case["tag"], []).append(case)
-        return by_tag
-    finally:
-        if old is None:
-            os.environ.pop("AUTOPAR_CACHE_DIR", None)
-        else:
-            os.environ["AUTOPAR_CACHE_DIR"] = old
+    return spawn_by_tag(tmp_path_factory, [(rank_2, 2), (rank_4, 4)], timeout_s=900)
 
 
 def _tags(results, prefix):

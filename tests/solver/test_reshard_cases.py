@@ -123,15 +123,18 @@ def test_shard_dim_change_is_one_all_to_all():
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
-def test_replicated_to_shard_is_a_free_slice(mesh_shape):
+def test_replicated_to_shard_is_a_local_slice(mesh_shape):
+    """No collective: the chunk is copied out (its bytes read and written), nothing more."""
     mesh = ring_mesh(mesh_shape)
     src = ShardingSpec.replicate((8, 4), mesh.ndim)
     dst = ShardingSpec((8, 4), ((0,), ()), (), mesh.ndim)
     plan = run(src, dst, mesh)
     step = only_step(plan)
     assert step.kind == "slice" and step.axes == (0,) and step.dst_dim == 0
-    assert not step.is_comm and step.nbytes == 0
-    assert plan.costs[0] == LOCAL_STEP_TIEBREAK_S
+    assert not step.is_comm and step.nbytes == 8 * 4 * 4  # its input
+    n = mesh_shape[0]
+    assert plan.costs[0] == pytest.approx(2 * (8 * 4 * 4 / n) / RING.sustained_memory_bandwidth + LOCAL_STEP_TIEBREAK_S)
+    assert plan.costs[0] == pytest.approx(copies("slice", 8 * 4 * 4, n, dst_dim=0) + LOCAL_STEP_TIEBREAK_S)
     assert plan.comm_bytes == 0
     assert str(step).startswith("slice(axis 0, dim 0)")
 
