@@ -80,20 +80,16 @@ def plan(model, mesh: Mesh, example_inputs=(), *, example_kwargs=None, config: P
 
 
 # A plan with more parts (stages, microbatches, recomputation) must be predicted faster than the
-# plain one-stage plan by more than the tie margin to be chosen: the live profile's measured spread
-# (the rank contention's standard error), at most TIE_MARGIN_CAP. Near a tie the moment's noise in a
-# live profile would otherwise decide, and the same job would get other plans run to run. The cap:
-# this VM's contention measures 3-6% noisy, and a margin that wide gave up the 4-7% a 2-stage
-# pipeline measures over data parallel for the bench's 10M LLaMA (predicted 2.5%).
-TIE_MARGIN_CAP = 0.02
+# plain one-stage plan by more than the live profile's measured spread (the rank contention's
+# standard error) to be chosen: within it, the moment's noise in the profile would decide, and the
+# same job would get other plans run to run. The rule is the measurement's own; no constant bounds it.
 
 
 def simpler_unless_faster(one: Plan, pipelined: Plan, mesh: Mesh) -> Plan:
-    """The one-stage plan, unless the pipelined one is predicted faster by more than the tie margin
-    (the cluster's ``measured_spread``, at most ``TIE_MARGIN_CAP``; 0 for presets: strictly
-    faster), or the one-stage plan does not fit.
+    """The one-stage plan, unless the pipelined one is predicted faster by more than the cluster's
+    ``measured_spread`` (0 for presets: strictly faster), or the one-stage plan does not fit.
     The choice and its margin are written in ``solver["decided"]`` (``explain`` prints it)."""
-    spread = min(mesh.resolved_cluster().measured_spread, TIE_MARGIN_CAP)
+    spread = mesh.resolved_cluster().measured_spread
     t1, tp = one.predicted["step_time_s"], pipelined.predicted["step_time_s"]
     gain = 1.0 - tp / t1
     what = pipeline_words(pipelined)
