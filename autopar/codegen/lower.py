@@ -191,8 +191,8 @@ class _Emitter:
         want = self.synced_as.params.get(own.name) if own is not None else None
         if own is None or want is None:
             return value
-        have = set(own.grad_sync[1]) if own.grad_sync else set()
-        need = set(want.grad_sync[1]) if want.grad_sync else set()
+        have = set(own.grad_sync.axes) if own.grad_sync else set()
+        need = set(want.grad_sync.axes) if want.grad_sync else set()
         if (have ^ need) - set(self.identical) - set(self.synced_as.identical_axes):
             raise PlanError(f"{own.name}: this program's gradient sync {sorted(have)} cannot be handed to the "
                             f"reducer's {sorted(need)}")

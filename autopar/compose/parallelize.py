@@ -25,7 +25,6 @@ import os
 import torch
 import torch.distributed as dist
 
-from autopar.cost_model.comm import ZERO2_SYNCS
 from autopar.compose.live_profile import calibrated, is_live, live_cluster, live_op_table
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir.precision import working_call, working_model
@@ -198,9 +197,6 @@ def check_plan(plan, graph, mesh) -> None:
         raise PlanError(f"this plan is for {plan.model_name}, not {graph.model_name}")
     if tuple(plan.mesh["shape"]) != mesh.shape:
         raise PlanError(f"the plan is for a mesh of shape {tuple(plan.mesh['shape'])}, not {mesh}")
-    for p in (p for sp in plan.stage_plans() for p in sp.params.values()):
-        if p.grad_sync is not None and p.grad_sync[0] not in ("all_reduce", *ZERO2_SYNCS):
-            raise ConfigError(f"parameter {p.name}: gradient sync {p.grad_sync[0]!r} is not supported by the runtime")
 
 
 def _device(model, device, on_meta) -> torch.device:

@@ -24,21 +24,9 @@ from typing import Sequence
 from autopar.cluster import Link
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
-# ZeRO-2's gradient sync as plans name it: the gradient summed and split, by a reduce-scatter, by an
-# all-reduce of which each rank keeps its chunk, or by an all-to-all that brings each rank every
-# rank's part of its chunk, which it sums itself (``local_sum_time``); then the updated chunk
-# all-gathered into the working copy. The planner takes the cheapest on the group's links (the
-# first on a tie): gloo's reduce-scatter moves a byte ~4x slower than its all-reduce and its
-# all-to-all ~1.5x faster (8.4M fp32 on 4 ranks here, buffers kept: reduce-scatter 110 ms,
-# all-reduce 78, all-to-all and sum 32); NCCL's reduce-scatter needs no sum of its own.
-ZERO2_SYNCS = ("reduce_scatter+all_gather", "all_reduce+all_gather", "all_to_all+all_gather")
 
 
 SCALAR_BYTES = 8  # one value of any dtype: what ``scalar_all_reduce_alphas`` prices
-
-
-def is_zero2_sync(kind: str | None) -> bool:
-    return kind in ZERO2_SYNCS
 
 
 def local_sum_time(kind: str, nbytes: float, n: int, cluster) -> float:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.cost_model.comm import is_zero2_sync, mesh_collective_time, slice_backward_time
+from autopar.cost_model.comm import mesh_collective_time, slice_backward_time
 from autopar.ir.graph import Role, edge_itemsize
 from autopar.sharding_spec.reshard import local_bytes, spec_after
 from autopar.sharding_spec.spec import ShardingSpec
@@ -143,7 +143,7 @@ def param_sync_axes(plan, graph, identical) -> dict[str, tuple[int, ...]]:
     for fqn, p in plan.params.items():
         if p.buffer or p.grad_sync is None:
             continue
-        axes = tuple(a for a in p.grad_sync[1] if a not in identical or a in deferred.get(p.node, ()))
+        axes = tuple(a for a in p.grad_sync.axes if a not in identical or a in deferred.get(p.node, ()))
         out[fqn] = axes
     return out
 
@@ -166,8 +166,8 @@ def identical_ok(plan, graph, identical, sync: dict) -> str | None:
             if identical & classes and not classes <= identical:
                 return f"{n.name}: class axes {sorted(classes)} only partly identical"
     for fqn, p in plan.params.items():
-        if p.grad_sync is not None and is_zero2_sync(p.grad_sync[0]) and tuple(sync[fqn]) != tuple(p.grad_sync[1]):
-            return f"{fqn}: a ZeRO-2 gradient would come out whole on axes {sorted(set(p.grad_sync[1]) - set(sync[fqn]))}"
+        if p.grad_sync is not None and p.grad_sync.split and tuple(sync[fqn]) != p.grad_sync.axes:
+            return f"{fqn}: a ZeRO-2 gradient would come out whole on axes {sorted(set(p.grad_sync.axes) - set(sync[fqn]))}"
     return None
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.cost_model.comm import is_zero2_sync, layout_copy_time, local_sum_time, mesh_collective_time
+from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time
 from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s, whole_on
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.graph import Role, edge_itemsize, per_graph
@@ -36,10 +36,10 @@ FIRST_BUCKET_BYTES = 1 << 20
 SCATTERS_IN_FLIGHT = 2
 
 
-def _pooled_buffers(kind: str) -> int:
-    """Whole-bucket buffers a ZeRO-2 sum by ``kind`` (a ``ZERO2_SYNCS`` name or its first
-    collective) keeps: the one sent, and for an all-to-all the one received."""
-    return 2 if kind.startswith("all_to_all") else 1
+def _pooled_buffers(sum_by: str) -> int:
+    """Whole-bucket buffers a ZeRO-2 sum by the collective ``sum_by`` (``GradSync.sum_by``) keeps:
+    the one sent, and for an all-to-all the one received."""
+    return 2 if sum_by == "all_to_all" else 1
 
 
 def zero2_pool_cap(kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
@@ -210,12 +210,12 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         meta = graph.nodes[p.node].meta
         local = local_bytes(p.storage, mesh.shape, meta.itemsize)  # (a gradient may be synced in a wider dtype)
         if p.grad_sync is not None:
-            kind, axes, nbytes = p.grad_sync
-            first, *rest = kind.split("+")
-            key = (first, tuple(axes), str(meta.dtype), tuple(rest), round(local / nbytes, 6) if nbytes else 1.0)
-            synced.append((first_use.get(p.node, 0), key, int(nbytes)))
-            if is_zero2_sync(kind):
-                local = local / math.prod(mesh.shape[a] for a in axes)
+            sync = p.grad_sync
+            first, *rest = sync.collectives
+            key = (first, sync.axes, str(meta.dtype), tuple(rest), round(local / sync.nbytes, 6) if sync.nbytes else 1.0)
+            synced.append((first_use.get(p.node, 0), key, int(sync.nbytes)))
+            if sync.split:
+                local = local / math.prod(mesh.shape[a] for a in sync.axes)
         elements += local / meta.itemsize
         tensors += 1
     # the reducer's buckets (``assign_buckets``), in backward's order; ZeRO-2's updated chunks are

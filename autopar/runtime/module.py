@@ -40,7 +40,6 @@ import torch.utils._pytree as pytree
 from torch.fx import _pytree as fx_pytree
 
 from autopar.codegen import ops
-from autopar.cost_model.comm import is_zero2_sync
 from autopar.errors import ConfigError
 from autopar.ir.graph import Role
 from autopar.ir.precision import kept_dtype
@@ -87,24 +86,23 @@ class ParallelModule(nn.Module):
                 owner, attr = self._owner(fqn_of[ph])
                 trainable = requires_grad.get(ph, True)
                 param_plan = plan.params.get(fqn_of[ph])
-                sync = _grad_sync(param_plan) if trainable else None
+                sync = param_plan.grad_sync if trainable and param_plan is not None else None
                 shard = shards[ph]
                 split = {a for ax in param_plan.storage.dim_axes for a in ax} if param_plan is not None else set()
                 # under a policy that casts, gradients are summed in its reduction dtype, and a
                 # ZeRO-2 working copy is gathered in the working dtype (the program reads nothing else)
                 cast = precision is not None and precision.casts and shard.is_floating_point()
                 wire = precision.reduce_dtype if precision is not None and shard.is_floating_point() else None
-                if sync is not None and sync[0] == "reduce_scatter":  # ZeRO-2: the optimizer sees a chunk
-                    g = groups.handle(sync[1])
+                if sync is not None and sync.split:  # ZeRO-2: the optimizer sees a chunk
+                    g = groups.handle(sync.axes)
                     param = nn.Parameter(chunk_of(shard, g.index, g.size).clone(), requires_grad=True)
                     full = shard.to(precision.param_dtype) if cast else shard
-                    entries.append(SyncEntry(slot, param, "reduce_scatter", sync[1], first_use.get(ph, 0), full=full,
-                                             wire_dtype=wire, scatter_by=sync[2]))
-                    split |= set(sync[1])
+                    entries.append(SyncEntry(slot, param, sync, first_use.get(ph, 0), full=full, wire_dtype=wire))
+                    split |= set(sync.axes)
                 else:
                     param = nn.Parameter(shard, requires_grad=trainable)
                     if sync is not None:
-                        entries.append(SyncEntry(slot, param, "all_reduce", sync[1], first_use.get(ph, 0), wire_dtype=wire))
+                        entries.append(SyncEntry(slot, param, sync, first_use.get(ph, 0), wire_dtype=wire))
                 if counts_in_norm(split, groups.coordinate, groups.mesh.shape) and ph not in not_in_norm:
                     counted.add(id(param))
                 owner.register_parameter(attr, param)
@@ -118,7 +116,7 @@ class ParallelModule(nn.Module):
                                          and shards[ph].is_floating_point())
         sizes = {k: v for k, v in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)) if v is not None}
         self._ap.reducer = GradReducer(entries, groups, **sizes)
-        self._ap.zero2 = {e.slot: e for e in entries if e.kind == "reduce_scatter"}
+        self._ap.zero2 = {e.slot: e for e in entries if e.sync.split}
         slot_of = {ph: i for i, ph in enumerate(state)}
         main = Program(graph, plan, lowered, [slot_of[ph] for ph in lowered.state], {}, self._ap.in_spec, self._ap.out_spec)
         self._ap.slot_of_fqn = {fqn_of[ph]: i for i, ph in enumerate(state) if ph in fqn_of}
@@ -326,10 +324,10 @@ class ParallelModule(nn.Module):
             if grads:
                 g = t.grad if isinstance(t, nn.Parameter) else None
                 if entry is not None and g is not None:  # (None alike on every rank: the same program ran)
-                    g = unchunk(g, entry.full.shape, ap.groups.handle(entry.axes))
+                    g = unchunk(g, entry.full.shape, ap.groups.handle(entry.sync.axes))
                 out[fqn_of[ph]] = g
             elif entry is not None and entry.full.dtype != t.dtype:  # a working copy: the masters, gathered
-                out[fqn_of[ph]] = unchunk(t.detach(), entry.full.shape, ap.groups.handle(entry.axes))
+                out[fqn_of[ph]] = unchunk(t.detach(), entry.full.shape, ap.groups.handle(entry.sync.axes))
             else:
                 out[fqn_of[ph]] = entry.full if entry is not None else t
         return out
@@ -398,7 +396,7 @@ class ParallelModule(nn.Module):
             if fqn not in ap.graph.params:
                 continue
             entry = ap.zero2.get(slot)
-            out[fqn] = ParamLayout(self.storage_spec(fqn), dm, fqn, tuple(entry.axes) if entry is not None else ())
+            out[fqn] = ParamLayout(self.storage_spec(fqn), dm, fqn, entry.sync.axes if entry is not None else ())
         return out
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
@@ -484,7 +482,7 @@ class ParallelModule(nn.Module):
             target.copy_(local.to(target.device))
             entry = ap.zero2.get(ap.slot_of_fqn[canon])
             if entry is not None:  # the optimizer's chunk follows the loaded working copy
-                g = ap.groups.handle(entry.axes)
+                g = ap.groups.handle(entry.sync.axes)
                 entry.param.copy_(chunk_of(target, g.index, g.size))
 
 
@@ -583,19 +581,6 @@ class _FromWorking(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (None if grad is None else grad.to(ctx.dtype)), None
-
-
-def _grad_sync(param_plan) -> tuple | None:
-    """(kind, mesh axes[, the collective that sums and splits a ZeRO-2 gradient]) that
-    synchronises a parameter's gradient under its plan, or None."""
-    if param_plan is None or param_plan.grad_sync is None:
-        return None
-    kind, axes, _ = param_plan.grad_sync
-    if kind == "all_reduce":
-        return "all_reduce", tuple(axes)
-    if is_zero2_sync(kind):  # summed and split by the collective the plan names
-        return "reduce_scatter", tuple(axes), kind.split("+")[0]
-    raise ConfigError(f"parameter {param_plan.name}: gradient sync {kind!r} (family {param_plan.family}) is not supported by the runtime")
 
 
 def _first_use(graph) -> dict[str, int]:

@@ -238,6 +238,14 @@ def _disjoint(param_groups: list) -> list[tuple[list, list, list]]:
     return out
 
 
+def _same_sync(a, b) -> bool:
+    """Whether two stages synchronise a parameter's gradient alike (bytes aside): both not at all,
+    or by the same collective, split or not, over the same axes."""
+    if a is None or b is None:
+        return a is b
+    return (a.sum_by, a.split, a.axes) == (b.sum_by, b.split, b.axes)
+
+
 class PipelineRunner:
     """This rank's part of a pipelined plan (see the module docstring); ``ParallelModule.train_step``
     calls ``step``."""
@@ -455,7 +463,7 @@ class PipelineRunner:
                 if entry is not None:
                     from autopar.runtime.reducer import chunk_of
 
-                    h = groups.handle(entry.axes)
+                    h = groups.handle(entry.sync.axes)
                     mine = chunk_of(mine, h.index, h.size)
                 local.grad = mine.clone()
 
@@ -475,5 +483,5 @@ class PipelineRunner:
             return False
         first, shape = params[0], tuple(plans[0].mesh_shape)
         return all(tuple(st.mesh_shape) == shape and p.storage == first.storage
-                   and (p.grad_sync or (None, None))[:2] == (first.grad_sync or (None, None))[:2]
+                   and _same_sync(p.grad_sync, first.grad_sync)
                    for st, p in zip(plans, params))

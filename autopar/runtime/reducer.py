@@ -33,7 +33,7 @@ steps are synchronised first (a global optimizer step pre-hook), so a loop that 
 ``no_sync()`` before ``step()`` is slower, never wrong. Every rank must run the same program with
 the same ``no_sync()`` usage (as with DDP): the collectives are matched by order.
 
-ZeRO-2 (``kind == "reduce_scatter"``): the optimizer's parameter is this rank's chunk of the
+ZeRO-2 (``sync.split``): the optimizer's parameter is this rank's chunk of the
 storage shard along dim 0 (``ceil(d0 / n)`` rows, the last chunks shorter or empty); the program
 reads the whole storage shard, a working copy the reducer all-gathers (bucketed) before a forward
 whenever a chunk changed since the last gather (the optimizer stepped, a state dict was loaded),
@@ -66,6 +66,7 @@ from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
 from autopar.cost_model.step import FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES
 from autopar.cost_model.step import SCATTERS_IN_FLIGHT, assign_buckets, zero2_pool_cap
 from autopar.errors import ConfigError
+from autopar.sharding_spec.grad_sync import GradSync
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -76,25 +77,21 @@ class SyncEntry:
     """One synchronised parameter.
 
     slot: its index in the program's state inputs; param: the ``nn.Parameter`` the optimizer sees;
-    kind: "all_reduce" (the parameter is the storage shard) or "reduce_scatter" (ZeRO-2: the
-    parameter is a dim-0 chunk of the storage shard, ``full`` the working copy the program reads);
-    axes: the mesh axes of the collective; first_use: position of its first reader in the forward;
-    wire_dtype: the dtype the collective sums in (a mixed-precision ``reduce_dtype``), None: the
-    parameter's; scatter_by: the collective that sums and splits a ZeRO-2 bucket, "reduce_scatter"
-    or "all_reduce" (each rank keeping its chunk of the sum: the plan's choice where the links run
-    it faster)."""
+    sync: the plan's ``GradSync``: summed whole (the parameter is the storage shard) or split
+    (ZeRO-2: the parameter is a dim-0 chunk of the storage shard, ``full`` the working copy the
+    program reads), by the collective ``sync.sum_by``, over ``sync.axes``; first_use: position of
+    its first reader in the forward; wire_dtype: the dtype the collective sums in (a
+    mixed-precision ``reduce_dtype``), None: the parameter's."""
 
     slot: int
     param: torch.nn.Parameter
-    kind: str
-    axes: tuple[int, ...]
+    sync: GradSync
     first_use: int
     full: torch.Tensor | None = None
     wire_dtype: torch.dtype | None = None
-    scatter_by: str = "reduce_scatter"
     # set by the bucket
     offset: int = 0
-    numel: int = 0  # elements in the flat buffer: the gradient's (all_reduce), one chunk's (reduce_scatter)
+    numel: int = 0  # elements in the flat buffer: the gradient's (summed whole), one chunk's (ZeRO-2)
 
 
 def chunk_rows(d0: int, n: int) -> int:
@@ -150,18 +147,19 @@ class _Pool:
 
 
 class _Bucket:
-    def __init__(self, index: int, kind: str, handle, entries: list[SyncEntry], pool: _Pool | None = None):
-        self.index, self.kind, self.handle, self.entries = index, kind, handle, entries
+    def __init__(self, index: int, handle, entries: list[SyncEntry], pool: _Pool | None = None):
+        self.index, self.handle, self.entries = index, handle, entries
+        # ZeRO-2 (each rank keeps its chunk of the sum) or not, and the collective that sums
+        self.split, self.sum_by = entries[0].sync.split, entries[0].sync.sum_by
         self.pool = pool if pool is not None else _Pool()
         self.n = handle.size
         ref = entries[0].param
         self.dtype, self.device = ref.dtype, ref.device
         self.wire = entries[0].wire_dtype or ref.dtype  # parts add up in ``dtype``, the collective sums in ``wire``
-        self.scatter_by = entries[0].scatter_by
         offset = 0
         for e in entries:
-            shape = e.full.shape if kind == "reduce_scatter" else e.param.shape
-            if kind == "reduce_scatter":
+            shape = e.full.shape if self.split else e.param.shape
+            if self.split:
                 d0 = shape[0] if len(shape) else 1
                 e.numel = chunk_rows(d0, self.n) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
             else:
@@ -211,7 +209,7 @@ class _Bucket:
                 self.received.add(e.slot)
 
     def _flat_numel(self) -> int:
-        return self.numel * (self.n if self.kind == "reduce_scatter" else 1)
+        return self.numel * (self.n if self.split else 1)
 
     def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer from the pool; one made new holds this bucket whole in the wire dtype."""
@@ -230,7 +228,7 @@ class _Bucket:
                                          for e in self.entries):
                 buf = None
         if buf is None:
-            if self.kind != "all_reduce":  # ZeRO-2 keeps only its chunk: the whole buffer goes back after the scatter
+            if self.split:  # ZeRO-2 keeps only its chunk: the whole buffer goes back after the scatter
                 return self._take(self._flat_numel(), self.dtype)
             buf = self._storage = torch.empty(self._flat_numel(), dtype=self.dtype, device=self.device)
         self._storage_busy = True  # until the flight that sums it finishes
@@ -241,7 +239,7 @@ class _Bucket:
         step as it keeps its sum (a new one each step paid its page faults again, as much as the
         bytes the narrower dtype saves; priced with the gradients), unless a flight of this bucket
         still uses it; a ZeRO-2 bucket's comes from the reducer's pool."""
-        if self.kind != "all_reduce":
+        if self.split:
             return self._take(numel, self.wire)
         if self._wire_busy:
             return torch.empty(numel, dtype=self.wire, device=self.device)
@@ -251,14 +249,14 @@ class _Bucket:
         return self._wire_storage
 
     def _view(self, buf: torch.Tensor, e: SyncEntry) -> torch.Tensor:
-        if self.kind == "all_reduce":
+        if not self.split:
             return buf[e.offset: e.offset + e.numel].view(e.param.shape)
         return buf.view(self.n, self.numel)[:, e.offset: e.offset + e.numel]
 
     def _layout(self, e: SyncEntry, g: torch.Tensor) -> torch.Tensor:
         """A gradient as its place in the buffer expects it: (n, chunk) rows by group rank for
         reduce_scatter (padded to whole chunks), unchanged for all_reduce."""
-        if self.kind == "all_reduce":
+        if not self.split:
             return g
         flat = g.reshape(1, -1) if g.dim() == 0 else g.reshape(g.shape[0], -1)
         rows = chunk_rows(flat.shape[0], self.n)
@@ -281,10 +279,10 @@ class _Bucket:
         else:
             sent = self._wire_buffer(buf.numel()).copy_(buf)
             self.pool.give(buf)  # (a ZeRO-2 bucket's: the pool lends it again)
-        if self.kind == "reduce_scatter" and self.scatter_by != "all_reduce":
+        if self.split and self.sum_by != "all_reduce":
             got = None
             try:
-                if self.scatter_by == "all_to_all":  # every rank's parts of this rank's rows, summed at finish
+                if self.sum_by == "all_to_all":  # every rank's parts of this rank's rows, summed at finish
                     got = self._take(sent.numel(), sent.dtype)
                     work = dist.all_to_all_single(got, sent, group=pg, async_op=True)
                     return _Flight(self, got, work, received, lent=(sent, got), parts=True)
@@ -298,7 +296,7 @@ class _Bucket:
         # an all-reduce; a ZeRO-2 bucket's finish keeps this rank's chunk of the sum, an all-reduce
         # bucket's sum goes back into the buffer its parts were added in
         home = None
-        if self.kind == "all_reduce" and sent.dtype != self.dtype:
+        if not self.split and sent.dtype != self.dtype:
             home = buf if buf.dtype == self.dtype else self._fresh_buffer()
         return _Flight(self, sent, dist.all_reduce(sent, group=pg, async_op=True), received, home, lent=(sent,))
 
@@ -309,7 +307,7 @@ class _Bucket:
         same program, so all agree."""
         result, received = flight.result, flight.received
         self._wire_busy = self._storage_busy = False  # flights of a bucket finish in launch order
-        if self.kind == "reduce_scatter" and result.numel() != self.numel:  # a whole bucket's rows
+        if self.split and result.numel() != self.numel:  # a whole bucket's rows
             rows = result.view(self.n, self.numel)
             if flight.parts:  # every rank's part of this rank's rows (all-to-all): summed in the master dtype,
                 # row by row (a reduction over dim 0 that casts bf16 ran 2.7x slower than these adds)
@@ -327,7 +325,7 @@ class _Bucket:
         for e in self.entries:
             if e.slot not in received:
                 continue
-            if self.kind == "all_reduce":
+            if not self.split:
                 g = result[e.offset: e.offset + e.numel].view(e.param.shape)
             else:
                 g = result[e.offset: e.offset + e.numel].view(-1)[: e.param.numel()].view(e.param.shape)
@@ -439,8 +437,7 @@ class GradReducer:
         self.pool = _Pool()  # the ZeRO-2 buckets' buffers while they are summed or gathered
         self.buckets = self._make_buckets(entries)
         # kept: at most the buckets in use at once, as the memory model prices them
-        self.pool.cap_bytes = max((zero2_pool_cap(b.scatter_by, bucket_bytes) for b in self.buckets
-                                   if b.kind == "reduce_scatter"), default=0)
+        self.pool.cap_bytes = max((zero2_pool_cap(b.sum_by, bucket_bytes) for b in self.buckets if b.split), default=0)
         self._by_slot = {e.slot: b for b in self.buckets for e in b.entries}
         self.tapped = frozenset(self._by_slot)  # the state slots a tap reads
         self._next = 0  # the next bucket to launch in this backward
@@ -459,11 +456,11 @@ class GradReducer:
 
     def _make_buckets(self, entries: list[SyncEntry]) -> list[_Bucket]:
         order = sorted(entries, key=lambda e: -e.first_use)  # the order backward finishes them
-        items = [((e.kind, tuple(e.axes), e.param.dtype, e.wire_dtype, e.param.device, e.scatter_by),
-                  (e.full if e.kind == "reduce_scatter" else e.param).numel() * (e.wire_dtype or e.param.dtype).itemsize)
+        items = [((e.sync.split, e.sync.sum_by, e.sync.axes, e.param.dtype, e.wire_dtype, e.param.device),
+                  (e.full if e.sync.split else e.param).numel() * (e.wire_dtype or e.param.dtype).itemsize)
                  for e in order]
         made = assign_buckets(items, self.bucket_bytes, self.first_bucket_bytes)  # as the step model prices them
-        return [_Bucket(i, key[0], self.groups.handle(key[1]), [order[k] for k in members], self.pool)
+        return [_Bucket(i, self.groups.handle(key[2]), [order[k] for k in members], self.pool)
                 for i, (key, members, _) in enumerate(made)]
 
     # ---- forward ------------------------------------------------------------------------------------
@@ -486,7 +483,7 @@ class GradReducer:
         call = _Call(self, self._sync_enabled if sync is None else sync)
         out = list(state if reads is None else reads)
         for b in self.buckets:
-            if b.kind == "reduce_scatter":
+            if b.split:
                 b.gather_if_stale()
                 ins = [e.full for e in b.entries] + [e.param for e in b.entries]
             else:
@@ -500,7 +497,7 @@ class GradReducer:
         their up-to-date working copies."""
         state = list(state)
         for b in self.buckets:
-            if b.kind == "reduce_scatter":
+            if b.split:
                 b.gather_if_stale()
                 for e in b.entries:
                     state[e.slot] = e.full
@@ -544,14 +541,14 @@ class GradReducer:
     def _launch(self, bucket: _Bucket) -> None:
         self._inflight.append(bucket.launch())
         self.launched += 1
-        if bucket.kind == "reduce_scatter":
+        if bucket.split:
             self._bound_scatters()
 
     def _bound_scatters(self) -> None:
         """Finish the oldest reduce-scatters while more than ``SCATTERS_IN_FLIGHT`` are in flight:
         each holds a whole bucket of gradients until it is done, and ZeRO-2 is there to not hold
         every gradient at once (FSDP bounds its reduce-scatters the same way)."""
-        scatters = [i for i, f in enumerate(self._inflight) if f.bucket.kind == "reduce_scatter"]
+        scatters = [i for i, f in enumerate(self._inflight) if f.bucket.split]
         for i in reversed(scatters[: max(0, len(scatters) - SCATTERS_IN_FLIGHT)]):
             self._inflight.pop(i).finish()
 
@@ -600,9 +597,9 @@ class GradReducer:
 
     # ---- introspection ----------------------------------------------------------------------------
     def describe(self) -> list[dict]:
-        """One row per bucket: kind, mesh axes, parameters, bytes (what ``explain`` shows)."""
-        return [{"kind": b.kind, "axes": tuple(b.handle.axes), "params": len(b.entries),
-                 "bytes": b.numel * (b.n if b.kind == "reduce_scatter" else 1) * b.wire.itemsize}
+        """One row per bucket: its collectives, mesh axes, parameters, bytes (what ``explain`` shows)."""
+        return [{"kind": b.entries[0].sync.name, "axes": tuple(b.handle.axes), "params": len(b.entries),
+                 "bytes": b.numel * (b.n if b.split else 1) * b.wire.itemsize}
                 for b in self.buckets]
 
 

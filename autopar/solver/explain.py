@@ -118,7 +118,7 @@ def _rows(plan, incoming, show_all: bool = True):
         p = next((p for p in plan.params.values() if p.node == node.name), None)
         if p is not None and p.grad_sync is not None:
             comm += p.grad_sync_s
-            colls.append(f"grad {p.grad_sync[0]}[{''.join(map(str, p.grad_sync[1]))}] {fmt_bytes(p.grad_sync[2])}")
+            colls.append(f"grad {p.grad_sync.name}[{''.join(map(str, p.grad_sync.axes))}] {fmt_bytes(p.grad_sync.nbytes)}")
         ins = ", ".join(spec_str(s) for s in node.inputs) if node.inputs else ""
         op = (p.name if p is not None else node.name) if node.target == "placeholder" else _short_target(node.target)
         rows.append((node.layer or "", op, node.family, ins, spec_str(node.output), "; ".join(colls), node.compute_s + comm))
@@ -405,7 +405,7 @@ def bytes_per_step(plan) -> float:
     m = _per_step(plan)
     total = 0.0
     for p in plan.stage_plans():
-        sync = sum(int(q.grad_sync[2]) * len(q.grad_sync[0].split("+")) for q in p.params.values() if q.grad_sync is not None)
+        sync = sum(int(q.grad_sync.nbytes) * len(q.grad_sync.collectives) for q in p.params.values() if q.grad_sync is not None)
         reshard = sum(c[2] for c in p.collectives()) - sync
         total += m * reshard + sync
     return float(total)
@@ -431,7 +431,7 @@ def costliest_collectives(plan, k: int = 5) -> list[str]:
                 g[1] += m
         for q in p.params.values():
             if q.grad_sync is not None:
-                key = (f"gradient {q.grad_sync[0]}", tuple(q.grad_sync[1]), 0, "parameter sync")
+                key = (f"gradient {q.grad_sync.name}", q.grad_sync.axes, 0, "parameter sync")
                 g = groups.setdefault(key, [0.0, 0, 0])
                 g[0] += q.grad_sync_s * m
                 g[1] += 1

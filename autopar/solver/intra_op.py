@@ -13,7 +13,6 @@ import math
 import time
 
 from autopar.cost_model import memory as memory_model
-from autopar.cost_model.comm import is_zero2_sync
 from autopar.cost_model.gradients import identical_ok, param_sync_axes
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time, zero2_pool_bytes
 from autopar.errors import ConfigError, PlanError
@@ -178,11 +177,10 @@ def _identical_plan(plan: Plan, graph, mesh: Mesh, axes, bucket_bytes: int) -> P
     params = {}
     total = graph.param_bytes()
     for fqn, p in plan.params.items():
-        if fqn in sync and tuple(sync[fqn]) != tuple(p.grad_sync[1]):
-            kind, _, nbytes = p.grad_sync
+        if fqn in sync and tuple(sync[fqn]) != p.grad_sync.axes:  # (a ZeRO-2 sync keeps its axes: identical_ok)
             if sync[fqn]:
-                p = dataclasses.replace(p, grad_sync=(kind, sync[fqn], nbytes), grad_sync_s=bucketed_collective_time(
-                    kind, nbytes, mesh, sync[fqn], bucket_bytes, total))
+                p = dataclasses.replace(p, grad_sync=p.grad_sync.on(sync[fqn]), grad_sync_s=bucketed_collective_time(
+                    p.grad_sync.sum_by, p.grad_sync.nbytes, mesh, sync[fqn], bucket_bytes, total))
             else:
                 p = dataclasses.replace(p, grad_sync=None, grad_sync_s=0.0)
         params[fqn] = p
@@ -354,12 +352,12 @@ def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: 
         if p.buffer:
             params += node.memory_bytes
             continue
-        zero_axes = p.grad_sync[1] if p.grad_sync and is_zero2_sync(p.grad_sync[0]) else ()
+        zero_axes = p.grad_sync.axes if p.grad_sync is not None and p.grad_sync.split else ()
         parts = memory_model.param_memory_parts(graph.nodes[p.node].meta, p.storage, mesh, opt_state_sharded_axes=zero_axes,
                                                 precision=precision)
         params += parts["parameters"]
         grads += parts["gradients"]
         if zero_axes:
-            grads += zero2_pool_bytes(p.grad_sync[2], p.grad_sync[0], all_grads, bucket_bytes)
+            grads += zero2_pool_bytes(p.grad_sync.nbytes, p.grad_sync.sum_by, all_grads, bucket_bytes)
     return {"parameters": params, "gradients": grads, "optimizer_states": max(0.0, held - params - grads),
             "activations": max(0.0, total - held)}

@@ -13,6 +13,7 @@ from pathlib import Path
 from autopar.cost_model.gradients import whole_on
 from autopar.cost_model.schedules import bubble_fraction
 from autopar.errors import AutoparError, PlanError
+from autopar.sharding_spec.grad_sync import GradSync
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.solver.diff import diff as diff_plans
@@ -21,9 +22,10 @@ from autopar.solver.explain import axis_roles, explain as explain_plan
 # 2: pipeline stages (version-1 files load as one-stage plans); 3: identical-gradient axes (an
 # older reader would run such a plan with the wrong gradient convention, so it must refuse it);
 # 4: each stage's reshards of the values it receives (``StagePlan.received``; older files load
-# without them, and ``solver.receives.with_received`` computes them from the graph)
-SCHEMA_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# without them, and ``solver.receives.with_received`` computes them from the graph); 5: a parameter's
+# gradient sync as an object (``GradSync``; older files spelt it ``[kind, axes, bytes]``, read as such)
+SCHEMA_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 # The backward of each resharding step under the dual-layout gradient convention.
 BACKWARD_OF = {
@@ -120,7 +122,7 @@ class ParamPlan:
     node: str
     storage: ShardingSpec
     family: str  # replicated | sharded | zero2 | sharded+zero2
-    grad_sync: tuple | None  # (kind, axes, bytes) per step, or None
+    grad_sync: GradSync | None  # how its gradient is synchronised each step, or None
     grad_sync_s: float
     aliases: tuple[str, ...] = ()
     buffer: bool = False
@@ -263,9 +265,7 @@ class Plan:
                         out.append((kind, tuple(s.axes), int(s.nbytes)))
         for p in self.params.values():
             if p.grad_sync is not None:
-                kind, axes, nbytes = p.grad_sync
-                for k in kind.split("+"):
-                    out.append((k, tuple(axes), int(nbytes)))
+                out += [(k, p.grad_sync.axes, int(p.grad_sync.nbytes)) for k in p.grad_sync.collectives]
         return out
 
     def summary(self) -> dict:
@@ -333,7 +333,8 @@ class Plan:
             ],
             "edges": [e.to_json() for e in self.edges],
             "params": [
-                {**dataclasses.asdict(p), "storage": spec_to_json(p.storage)} for p in self.params.values()
+                {**dataclasses.asdict(p), "storage": spec_to_json(p.storage),
+                 "grad_sync": None if p.grad_sync is None else p.grad_sync.to_json()} for p in self.params.values()
             ],
             "pipeline": None if self.pipeline is None else self.pipeline.to_json(),
             "precision": self.precision,
@@ -357,9 +358,7 @@ class Plan:
             p = dict(p)
             p["storage"] = spec_from_json(p["storage"])
             p["aliases"] = tuple(p["aliases"])
-            if p["grad_sync"] is not None:
-                kind, axes, nbytes = p["grad_sync"]
-                p["grad_sync"] = (kind, tuple(axes), nbytes)
+            p["grad_sync"] = GradSync.from_json(p["grad_sync"])
             params[p["name"]] = ParamPlan(**p)
         pipeline = PipelinePlan.from_json(d["pipeline"]) if d.get("pipeline") else None
         return Plan(d["model_name"], d["model_fingerprint"], d["mesh"], nodes, edges, params, d["predicted"], d["solver"],

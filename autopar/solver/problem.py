@@ -21,7 +21,7 @@ import numpy as np
 
 from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
-from autopar.cost_model.comm import ZERO2_SYNCS, layout_copy_time, local_sum_time, mesh_collective_time
+from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.gradients import output_whole_axes
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_count, reshard_s, zero2_pool_bytes
@@ -29,6 +29,7 @@ from autopar.cost_model.ops import alias_roots, needs_grad
 from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role, edge_itemsize
 from autopar.ir.losses import counted_from_inputs, unread_outputs
+from autopar.sharding_spec.grad_sync import ZERO2_SUMS, GradSync
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.rules import strategies_for
@@ -40,8 +41,8 @@ from autopar.solver.reshard_search import plan_reshard, reshard_costs_from
 
 @dataclasses.dataclass
 class NodeChoices:
-    """A node's candidates and what each costs. ``grad_sync[i]``: (kind, axes, bytes) of the
-    gradient collective a parameter storage choice implies, or None; ``accumulate_s[i]``: the part
+    """A node's candidates and what each costs. ``grad_sync[i]``: the ``GradSync`` a parameter
+    storage choice implies, or None; ``accumulate_s[i]``: the part
     of ``compute_s[i]`` a parameter pays per run of the graph to add its gradient up (the rest, its
     optimizer share, once per step)."""
 
@@ -94,7 +95,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
         grad = local * grad_scale
         if repl:
             cost = bucketed_collective_time("all_reduce", grad, mesh, repl, bucket_bytes, total_bytes)
-            sync = ("all_reduce", repl, grad)
+            sync = GradSync.all_reduce(repl, grad)
         else:
             cost, sync = 0.0, None
         strategies.append(Strategy((), spec, family, 1.0))
@@ -110,15 +111,15 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
             # the updated chunk packed and the whole unpacked into the working copy (``runtime.reducer``)
             gather = (bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes, total_bytes)
                       + layout_copy_time(local / ways + local, cluster))
-            cost_z, kind_z = min(((bucketed_collective_time(k.split("+")[0], grad, mesh, repl, bucket_bytes, total_bytes)
-                                   + local_sum_time(k.split("+")[0], grad, ways, cluster) + gather, k) for k in ZERO2_SYNCS),
+            cost_z, sum_by = min(((bucketed_collective_time(k, grad, mesh, repl, bucket_bytes, total_bytes)
+                                   + local_sum_time(k, grad, ways, cluster) + gather, k) for k in ZERO2_SUMS),
                                  key=lambda priced: priced[0])  # the first on a tie
             strategies.append(Strategy((), spec, "zero2" if spec.is_replicated else "sharded+zero2", 1.0))
             opt.append(optimizer_s(local / math.prod(mesh.shape[a] for a in repl)))
             costs.append(cost_z)
             mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl,
-                                                  precision=precision) + zero2_pool_bytes(grad, kind_z, total_bytes, bucket_bytes))
-            syncs.append((kind_z, repl, grad))
+                                                  precision=precision) + zero2_pool_bytes(grad, sum_by, total_bytes, bucket_bytes))
+            syncs.append(GradSync.zero2(sum_by, repl, grad))
             acc.append(accumulate_s(grad, True, step_share, cluster))
     comp = [o * step_share + a for o, a in zip(opt, acc)]
     return strategies, comp, [c * step_share for c in costs], mems, syncs, acc

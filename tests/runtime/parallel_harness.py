@@ -194,7 +194,7 @@ def summary(tag: str, res: dict) -> dict:
         "families": res["plan"].summary()["families"],
         "plan_cluster": (res["plan"].mesh.get("cluster") or {}).get("name"),
         "storage": {p.name: (str(p.storage), p.family) for p in res["plan"].params.values()},
-        "grad_syncs": sorted({p.grad_sync[0] for p in res["plan"].params.values() if p.grad_sync}),
+        "grad_syncs": sorted({p.grad_sync.name for p in res["plan"].params.values() if p.grad_sync}),
         "code": res["code"],
     }
 

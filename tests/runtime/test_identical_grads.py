@@ -30,7 +30,7 @@ def _case(tag, name, build_kw, mesh_shape, groups, layout, identical):
         out = summary(tag, res)
         plan = res["plan"]
         out["identical"] = tuple(plan.identical_axes)
-        out["sync"] = {p.name: (None if p.grad_sync is None else tuple(p.grad_sync[1])) for p in plan.params.values()
+        out["sync"] = {p.name: (None if p.grad_sync is None else p.grad_sync.axes) for p in plan.params.values()
                        if not p.buffer}
         out["sums"] = res["code"].count("autopar_grad_sum(")
         out["whole_steps"] = res["code"].count("whole = True")

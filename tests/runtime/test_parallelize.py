@@ -261,7 +261,7 @@ def idle_case(tag, mesh, groups, idle_axes):
         res = compare(model, inputs, mesh, groups, force=force, idle_axes=idle_axes)
         out = summary(tag, res)
         out["idle_axes"] = tuple(res["plan"].idle_axes)
-        out["grad_sync_axes"] = sorted({a for p in res["plan"].params.values() if p.grad_sync for a in p.grad_sync[1]})
+        out["grad_sync_axes"] = sorted({a for p in res["plan"].params.values() if p.grad_sync for a in p.grad_sync.axes})
         return out
 
     return run_case(tag, go)

@@ -378,11 +378,11 @@ def test_gradient_sums_are_priced_in_the_reduction_dtype():
                                                      (f"bf16 sums zero{zero}", torch.bfloat16))}
     for zero in (0, 2):
         fp32, bf16 = plans[f"fp32 sums zero{zero}"], plans[f"bf16 sums zero{zero}"]
-        synced = [sum(p.grad_sync[2] for p in plan.params.values() if p.grad_sync) for plan in (fp32, bf16)]
+        synced = [sum(p.grad_sync.nbytes for p in plan.params.values() if p.grad_sync) for plan in (fp32, bf16)]
         assert synced[1] == pytest.approx(synced[0] / 2), synced
         # memory by kind: the same, but the all-reduce buckets (zero 0) keep the bf16 buffer they
         # send, and ZeRO-2's pool keeps its buckets' in bf16 (2 bytes a parameter less than fp32)
-        assert {p.grad_sync[0] for p in bf16.params.values() if p.grad_sync} == (
+        assert {p.grad_sync.name for p in bf16.params.values() if p.grad_sync} == (
             {"all_reduce"} if zero == 0 else {"reduce_scatter+all_gather"})
         held = {k: bf16.predicted["memory_parts"][k] - v for k, v in fp32.predicted["memory_parts"].items()}
         kept = 2 * sum(p.numel() for p in model.parameters()) * (1 if zero == 0 else -1)

@@ -18,7 +18,7 @@ import torch
 
 import autopar
 from autopar import ir, models
-from autopar.cost_model.comm import ZERO2_SYNCS
+from autopar.sharding_spec.grad_sync import ZERO2_SUMS, GradSync
 from autopar.runtime.launch import spawn
 from autopar.runtime.process_groups import MeshGroups
 from autopar.runtime.reducer import GradReducer, SyncEntry, _Bucket, chunk_of, chunk_rows
@@ -59,13 +59,14 @@ def test_scalar_parameter_chunks_as_one_row():
     assert [chunk_of(torch.tensor(2.0), i, 2).numel() for i in range(2)] == [1, 0]
 
 
-def _entry(slot, shape, kind="all_reduce", first_use=0, n=4):
+def _entry(slot, shape, split=False, first_use=0, n=4, axes=(0,)):
     p = torch.nn.Parameter(torch.zeros(shape))
     full = None
-    if kind == "reduce_scatter":
+    if split:
         full = torch.zeros(shape)
         p = torch.nn.Parameter(chunk_of(full, 0, n).clone())
-    return SyncEntry(slot, p, kind, (0,), first_use, full=full)
+    sync = GradSync.zero2("reduce_scatter", axes, 0) if split else GradSync.all_reduce(axes, 0)
+    return SyncEntry(slot, p, sync, first_use, full=full)
 
 
 def test_buckets_follow_reverse_first_use_with_a_small_first_bucket():
@@ -78,19 +79,18 @@ def test_buckets_follow_reverse_first_use_with_a_small_first_bucket():
 
 def test_buckets_separate_collectives_axes_and_dtypes():
     a = _entry(0, (4,), first_use=1)
-    b = _entry(1, (4,), first_use=0)
-    b.axes = (1,)
-    c = SyncEntry(2, torch.nn.Parameter(torch.zeros(4, dtype=torch.float64)), "all_reduce", (0,), 2)
+    b = _entry(1, (4,), first_use=0, axes=(1,))
+    c = SyncEntry(2, torch.nn.Parameter(torch.zeros(4, dtype=torch.float64)), GradSync.all_reduce((0,), 32), 2)
     r = GradReducer([a, b, c], FakeGroups(2))
-    keys = [(bk.kind, bk.handle.axes, bk.dtype) for bk in r.buckets]
+    keys = [(bk.split, bk.handle.axes, bk.dtype) for bk in r.buckets]
     assert len(keys) == len(set(keys)) == 3
 
 
 def test_reduce_scatter_layout_puts_each_ranks_rows_together():
     """The flat buffer holds, per group rank, that rank's chunk of every parameter (padded)."""
     n = 2
-    e1, e2 = _entry(0, (3, 2), "reduce_scatter", n=n), _entry(1, (2,), "reduce_scatter", n=n)
-    bucket = _Bucket(0, "reduce_scatter", FakeHandle(n), [e1, e2])
+    e1, e2 = _entry(0, (3, 2), split=True, n=n), _entry(1, (2,), split=True, n=n)
+    bucket = _Bucket(0, FakeHandle(n), [e1, e2])
     g1, g2 = torch.arange(6.0).view(3, 2), torch.tensor([10.0, 11.0])
     bucket.add([g1, g2])
     rows = bucket.accum.view(n, -1)
@@ -102,8 +102,8 @@ def test_reduce_scatter_layout_puts_each_ranks_rows_together():
 
 def test_reduce_scatter_layout_follows_the_groups_rank_order():
     n = 2
-    e = _entry(0, (2,), "reduce_scatter", n=n)
-    bucket = _Bucket(0, "reduce_scatter", FakeHandle(n, pg_of_shard=(1, 0)), [e])
+    e = _entry(0, (2,), split=True, n=n)
+    bucket = _Bucket(0, FakeHandle(n, pg_of_shard=(1, 0)), [e])
     bucket.add([torch.tensor([1.0, 2.0])])
     assert bucket.accum.view(n, -1)[:, 0].tolist() == [2.0, 1.0]  # shard 0's chunk goes to group rank 1
 
@@ -158,15 +158,14 @@ def accumulation_case(tag, mesh, groups, *, micro=4, last_no_sync=False, resync=
             opt_ref.zero_grad(set_to_none=set_to_none)
             opt_par.zero_grad(set_to_none=set_to_none)
             # the all-reduce buckets' own buffers and the ZeRO-2 buckets' pool
-            buffers.append(([b._storage.data_ptr() for b in pm.reducer.buckets if b.kind == "all_reduce"],
+            buffers.append(([b._storage.data_ptr() for b in pm.reducer.buckets if not b.split],
                             sorted(b.data_ptr() for b in pm.reducer.pool._free)))
         state = pm.full_state_dict()
         state_err = max(rel(state[k], v) for k, v in ref.state_dict().items())
         return {"tag": tag, "grad_err": grad_err, "state_err": state_err, "buckets": len(pm.reducer.buckets),
                 "predicted_buckets": pm.plan.predicted["buckets"],
                 "launched": pm.reducer.launched - launched0, "pending": pm.reducer.pending(),
-                "same_buffers": buffers[0] == buffers[1],
-                "kinds": sorted({(b.kind, b.scatter_by if b.kind == "reduce_scatter" else "") for b in pm.reducer.buckets})}
+                "same_buffers": buffers[0] == buffers[1]}
 
     return run_case(tag, go)
 
@@ -181,7 +180,7 @@ def no_grad_case(mesh, groups):
     with torch.no_grad():
         out = pm(*inputs)
     return {"tag": "no-grad", "err": rel(out, ref(*inputs)), "pending": pm.reducer.pending(),
-            "requires_grad": out.requires_grad, "zero2": sum(b.kind == "reduce_scatter" for b in pm.reducer.buckets)}
+            "requires_grad": out.requires_grad, "zero2": sum(b.split for b in pm.reducer.buckets)}
 
 
 def parts_case(mesh, groups):
@@ -203,7 +202,7 @@ def parts_case(mesh, groups):
     def run(wire, dtype, steps, forwards=1, constant=None):
         params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(2, 3)),
                   torch.nn.Parameter(torch.zeros(3))]
-        entries = [SyncEntry(k, p, "all_reduce", (0,), 3 - k, wire_dtype=wire) for k, p in enumerate(params)]
+        entries = [SyncEntry(k, p, GradSync.all_reduce((0,), 0), 3 - k, wire_dtype=wire) for k, p in enumerate(params)]
         reducer = GradReducer(entries, groups)
         assert len(reducer.buckets) == 1
         for step in range(steps):
@@ -248,13 +247,13 @@ def parts_case(mesh, groups):
 
 
 def zero2_plan_by(kind, name, mesh, build_kw):
-    """The ZeRO-2 plan of ``name`` with every gradient summed and split by ``kind`` (a
-    ``ZERO2_SYNCS`` name) whatever the links price cheapest."""
+    """The ZeRO-2 plan of ``name`` with every gradient summed and split by the collective ``kind``
+    (one of ``ZERO2_SUMS``) whatever the links price cheapest."""
     model, inputs = models.build(name, **build_kw)
     plan = autopar.plan(model, mesh, inputs, force=zero2_force(name, build_kw), idle_axes=(), pipeline=False)
     for p in plan.params.values():
         if p.grad_sync is not None:
-            p.grad_sync = (kind, *p.grad_sync[1:])
+            p.grad_sync = dataclasses.replace(p.grad_sync, sum_by=kind)
     return plan
 
 
@@ -270,7 +269,7 @@ def rank_cases(rank, world, shapes):
             out.append(model_case(f"zero2-{name}-{s}", name, mesh, groups, kw, force=zero2_force(name, kw), steps=4))
         if shape == (4,):  # the other ways to sum and split (the cpu-gloo preset's prices take the all-to-all)
             kw = {"layers": 2}
-            for kind in [k for k in ZERO2_SYNCS if k != "all_to_all+all_gather"]:
+            for kind in [k for k in ZERO2_SUMS if k != "all_to_all"]:
                 out.append(model_case(f"zero2-gpt-4 by {kind}", "gpt", mesh, groups, kw, steps=3,
                                       plan=zero2_plan_by(kind, "gpt", mesh, kw)))
         out.append(accumulation_case(f"accumulate-{s}", mesh, groups))
@@ -325,13 +324,13 @@ def test_zero2_is_exact_on_4_ranks(four_ranks, tag):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("kind", ZERO2_SYNCS)
+@pytest.mark.parametrize("kind", ZERO2_SUMS)
 def test_zero2_is_exact_whichever_collective_sums_and_splits(four_ranks, kind):
     # the all-to-all is the cpu-gloo preset's own choice: its case is the plain ZeRO-2 one
-    case = _ok(four_ranks["zero2-gpt-4" if kind == "all_to_all+all_gather" else f"zero2-gpt-4 by {kind}"])
+    case = _ok(four_ranks["zero2-gpt-4" if kind == "all_to_all" else f"zero2-gpt-4 by {kind}"])
     assert case["worst"] <= TOL, case["bad_grads"]
     assert case["state_err"] <= TOL
-    assert case["grad_syncs"] == [kind]
+    assert case["grad_syncs"] == [f"{kind}+all_gather"]
 
 
 @pytest.mark.multirank

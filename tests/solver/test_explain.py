@@ -175,7 +175,7 @@ def test_what_if_views_keep_the_hardware_and_pipelines_count_every_microbatch():
     m = plan.pipeline.microbatches
     per_micro = sync = 0
     for p in plan.stage_plans():
-        s = sum(int(q.grad_sync[2]) * len(q.grad_sync[0].split("+")) for q in p.params.values() if q.grad_sync is not None)
+        s = sum(int(q.grad_sync.nbytes) * len(q.grad_sync.collectives) for q in p.params.values() if q.grad_sync is not None)
         per_micro += sum(c[2] for c in p.collectives()) - s
         sync += s
     assert bytes_per_step(plan) == pytest.approx(m * per_micro + sync)

@@ -63,7 +63,7 @@ def test_megatron_block_keeps_tensor_parallel_gradients_whole():
     # all-reduce) plus a sync of the norm and the bias: the whole convention prices lower
     _, _, _, dual = _megatron(identical_axes=())
     assert dual.identical_axes == ()
-    dual_sync = {p.name: p.grad_sync and p.grad_sync[1] for p in dual.params.values()}
+    dual_sync = {p.name: p.grad_sync and p.grad_sync.axes for p in dual.params.values()}
     assert dual_sync == {"ln.weight": (0,), "ln.bias": (0,), "fc1.weight": None, "fc1.bias": None,
                          "fc2.weight": None, "fc2.bias": (0,)}
     assert plan.predicted["step_time_s"] < dual.predicted["step_time_s"]
@@ -77,7 +77,7 @@ def test_a_set_the_plan_cannot_run_is_refused_by_name():
     # with ZeRO-2 allowed the norm's gradient is reduce-scattered over tp; whole there, it could
     # not be: refused when asked for, and "auto" keeps the dual convention
     plan = autopar.plan(model, mesh, inputs, force=MEGATRON, identical_axes=())
-    assert plan.params["ln.weight"].grad_sync[0] == "reduce_scatter+all_gather"
+    assert plan.params["ln.weight"].grad_sync.name == "reduce_scatter+all_gather"
     with pytest.raises(PlanError, match=r"cannot keep gradients whole on axes \(0,\): ln\.\w+: a ZeRO-2 gradient"):
         autopar.plan(model, mesh, inputs, force=MEGATRON, identical_axes=(0,))
     assert autopar.plan(model, mesh, inputs, force=MEGATRON).identical_axes == ()
@@ -86,7 +86,7 @@ def test_a_set_the_plan_cannot_run_is_refused_by_name():
 def test_sync_axes_shrink_only_on_identical_axes():
     model, mesh, inputs, plan = _megatron(identical_axes=())
     graph = ir.trace(model, inputs)
-    planned = {p.name: p.grad_sync[1] for p in plan.params.values() if p.grad_sync is not None}
+    planned = {p.name: p.grad_sync.axes for p in plan.params.values() if p.grad_sync is not None}
     assert param_sync_axes(plan, graph, ()) == planned
     sync = param_sync_axes(plan, graph, (0,))
     assert sync == {"ln.weight": (), "ln.bias": (), "fc2.bias": ()}

@@ -69,7 +69,7 @@ def test_large_batch_small_weights_is_data_parallel():
     gathers = {e.src: e.steps for e in plan.edges if plan.nodes[e.src].family == "sharded"}
     for p in plan.params.values():
         if p.storage.is_replicated:
-            assert p.grad_sync is not None and p.grad_sync[1] == (0,)
+            assert p.grad_sync is not None and p.grad_sync.axes == (0,)
         else:
             assert p.grad_sync is None and set(p.storage.used_axes) == {0}
             assert [(s.kind, s.axes) for s in gathers[p.node]] == [("all_gather", (0,))]

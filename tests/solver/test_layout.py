@@ -6,7 +6,8 @@ import pytest
 
 import autopar
 from autopar import Layout, models
-from autopar.cost_model.comm import ZERO2_SYNCS, local_sum_time, mesh_collective_time
+from autopar.cost_model.comm import local_sum_time, mesh_collective_time
+from autopar.sharding_spec.grad_sync import ZERO2_SUMS
 from autopar.cost_model.step import bucket_count, bucket_sizes, step_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,7 +39,7 @@ def test_data_parallel_splits_every_batch_and_keeps_weights_whole(gpt):
     plan = plan_of(gpt, (4,), dp=4)
     assert plan.solver["layout"] == "dp4-tp1" and plan.idle_axes == ()
     assert {n.family for n in linears(plan)} == {"dp"}
-    assert all(p.storage.is_replicated and p.grad_sync[0] == "all_reduce" for p in plan.params.values())
+    assert all(p.storage.is_replicated and p.grad_sync.name == "all_reduce" for p in plan.params.values())
 
 
 def test_data_parallel_follows_a_batch_that_is_not_dim_0():
@@ -61,7 +62,7 @@ def test_data_parallel_follows_a_batch_that_is_not_dim_0():
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_1_and_2_shard_gradients_and_states(gpt, zero):
     plan = plan_of(gpt, (4,), dp=4, zero=zero)
-    assert all(p.family == "zero2" and p.grad_sync[0] in ZERO2_SYNCS for p in plan.params.values())
+    assert all(p.family == "zero2" and p.grad_sync.split and p.grad_sync.sum_by in ZERO2_SUMS for p in plan.params.values())
 
 
 @pytest.mark.parametrize("cluster, sync", [("cpu-gloo", "all_to_all+all_gather"),
@@ -73,12 +74,11 @@ def test_zero2_sums_and_splits_by_the_cheapest_collective(gpt, cluster, sync):
     model, _, graph = gpt
     mesh = autopar.Mesh((4,), cluster=cluster)
     plan = autopar.plan(model, mesh, graph=graph, force=Layout(dp=4, zero=2))
-    assert {p.grad_sync[0] for p in plan.params.values()} == {sync}
+    assert {p.grad_sync.name for p in plan.params.values()} == {sync}
     nbytes = 64 << 20
     cl = mesh.resolved_cluster()
-    by = {k: mesh_collective_time(k.split("+")[0], nbytes, mesh, (0,)) + local_sum_time(k.split("+")[0], nbytes, 4, cl)
-          for k in ZERO2_SYNCS}
-    assert min(by, key=by.get) == sync
+    by = {k: mesh_collective_time(k, nbytes, mesh, (0,)) + local_sum_time(k, nbytes, 4, cl) for k in ZERO2_SUMS}
+    assert f"{min(by, key=by.get)}+all_gather" == sync
     # the sum an all-to-all leaves: read the 4 parts, write one
     assert local_sum_time("all_to_all", nbytes, 4, cl) == pytest.approx(1.25 * nbytes / cl.sustained_memory_bandwidth)
     assert local_sum_time("reduce_scatter", nbytes, 4, cl) == 0.0

@@ -22,9 +22,27 @@ def test_json_round_trip_is_exact(gpt_plan, tmp_path):
     loaded = autopar.Plan.load(path)
     assert loaded == gpt_plan
     assert loaded.to_json() == gpt_plan.to_json()
-    assert json.loads(path.read_text())["schema_version"] == 4
+    assert json.loads(path.read_text())["schema_version"] == 5
     loaded.save(tmp_path / "again.json")
     assert (tmp_path / "again.json").read_text() == path.read_text()
+
+
+def test_a_schema_4_file_reads_its_gradient_syncs(gpt_plan, tmp_path):
+    """Schema 4 spelt a parameter's sync ``[kind, axes, bytes]``, ZeRO-2's kind "<sum>+all_gather"."""
+    d = gpt_plan.to_json()
+    d["schema_version"] = 4
+    for p in d["params"]:
+        if p["grad_sync"] is not None:
+            g = p["grad_sync"]
+            p["grad_sync"] = ["+".join(([g["sum_by"]] + (["all_gather"] if g["split"] else []))), g["axes"], g["nbytes"]]
+    (tmp_path / "v4.json").write_text(json.dumps(d))
+    loaded = autopar.Plan.load(tmp_path / "v4.json")
+    assert {n: p.grad_sync for n, p in loaded.params.items()} == {n: p.grad_sync for n, p in gpt_plan.params.items()}
+    p = next(p for p in d["params"] if p["grad_sync"] is not None)
+    p["grad_sync"][0] = "all_reduce+broadcast"
+    (tmp_path / "v4-bad.json").write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="'all_reduce\\+broadcast' is not one this autopar runs"):
+        autopar.Plan.load(tmp_path / "v4-bad.json")
 
 
 def test_summary_has_the_contract_keys(gpt_plan):
