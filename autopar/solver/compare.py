@@ -100,8 +100,8 @@ def config_of(plan) -> str | None:
     zero = 2 if "ZeRO-2" in words else 3 if "ZeRO-3" in words else 0
     if zero and dp == 1:  # sharded over the tensor axis: no hand-written configuration says that
         return None
-    storage = [p.family for p in plan.params.values() if not p.buffer]
-    if zero == 2 and sum("zero2" in f for f in storage) * 2 < len(storage):
+    synced = [p.grad_sync for p in plan.params.values() if not p.buffer]
+    if zero == 2 and sum(s is not None and s.split for s in synced) * 2 < len(synced):
         return None  # mixed storage
     vocab = int("vocabulary-parallel loss" in words)
     parts = ([f"dp={dp}"] if dp > 1 else []) + ([f"tp={tp}"] if tp > 1 else [])

@@ -348,8 +348,7 @@ def layout_words(plan) -> str:
             extras.append("Megatron column/row in the blocks")
         if any("heads" in k for k in fam):
             extras.append("attention split by heads")
-    storage = Counter(p.family for q in stages for p in q.params.values() if not p.buffer)
-    if any("zero2" in k for k in storage):
+    if any(p.grad_sync is not None and p.grad_sync.split for q in stages for p in q.params.values() if not p.buffer):
         extras.append("ZeRO-2 (gradients and optimizer states sharded)")
     # ZeRO-3 / FSDP: most parameters stored split and gathered whole before use (tensor-parallel
     # weights are stored split too, but read split)
