@@ -51,7 +51,7 @@ def loss_of(out):
     return out.loss if hasattr(out, "loss") else (out[0] if isinstance(out, tuple) else out)
 
 
-def compare(model, inputs, mesh, groups, *, steps: int = 3, lr: float = 1e-2, kwargs_fn=None, **parallelize_kw) -> dict:
+def compare(model, inputs, mesh, groups, *, steps: int = 5, lr: float = 1e-2, kwargs_fn=None, **parallelize_kw) -> dict:
     """Parallelize ``model`` and train it next to a copy for ``steps`` AdamW steps. ``kwargs_fn(inputs)``
     turns positional inputs into the call's keyword arguments (for models called by keyword)."""
     warnings.simplefilter("ignore")
