@@ -39,7 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hand_tuned as ht  # noqa: E402
 from autopar_variant import AutoparVariant  # noqa: E402
-from hybrid import RESULTS, SHAPES, TINY, alternate, first_step, pyplot  # noqa: E402
+from hybrid import RESULTS, SHAPES, TINY, alternate, first_step, pyplot, save_figure  # noqa: E402
 
 # (mesh shape, Layout fields or None for the planner's own one-stage plan)
 CASES = [
@@ -273,10 +273,7 @@ def plot(rows, path) -> bool:
     ax.set_ylabel("measured s/step (median, slowest rank)")
     ax.set_title("autopar cost model: predicted vs measured, 4 gloo ranks")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(plt, fig, path)
 
 
 def main():

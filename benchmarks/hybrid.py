@@ -378,6 +378,14 @@ def pyplot():
     return plt
 
 
+def save_figure(plt, fig, path) -> bool:
+    """Lay out, write and close ``fig``: what every plot of these benchmarks ends with."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot(model_name, rows, path, world) -> bool:
     plt = pyplot()
     if plt is None:
@@ -420,10 +428,7 @@ def plot(model_name, rows, path, world) -> bool:
         ax2.set_ylabel("measured s/step")
         ax2.set_title("measured vs predicted")
         ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(plt, fig, path)
 
 
 def main():

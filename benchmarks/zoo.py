@@ -505,13 +505,10 @@ def report(name: str, res: dict) -> dict:
 
 
 def plot(summaries: dict, results: dict, path: Path) -> bool:
-    try:
-        import matplotlib
+    from hybrid import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no plot: matplotlib is not installed; `make bench` installs it)")
+    plt = pyplot()
+    if plt is None:
         return False
     names = list(summaries)
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.6), squeeze=False)
@@ -527,10 +524,7 @@ def plot(summaries: dict, results: dict, path: Path) -> bool:
         ax.invert_yaxis()
         ax.set_xlabel("s/step (median, slowest rank)")
         ax.set_title(f"{n}: vocabulary {summaries[n]['vocab']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(plt, fig, path)
 
 
 def main():
