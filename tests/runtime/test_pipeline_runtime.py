@@ -268,7 +268,10 @@ CASES = [
      dict(layout=autopar.Layout(dp=2, zero=2))),
     ("llama zero bubble 2 stages x tp2 clip", (4,), dict(stages=2, microbatches=4, schedule="zero-bubble"),
      dict(model="llama", layout=autopar.Layout(tp=2), clip=True)),
-    # tied, summed whole (gathered in the stage, summed, sliced again), as where stages store it differently
+    # tied under zero bubble, as the stages store it (alike: summed as it is) and forced whole (gathered
+    # in the stage, summed, sliced again), as where stages store it differently
+    ("hf gpt2 zero bubble (tied across stages)", (4,), dict(stages=2, microbatches=2, schedule="zero-bubble"),
+     dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2))),
     ("hf gpt2 zero bubble (tied across stages, summed whole)", (4,), dict(stages=2, microbatches=2, schedule="zero-bubble"),
      dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2), tied_whole=True)),
     # ignored targets that differ per microbatch: each microbatch weighs its share of the count
@@ -577,9 +580,10 @@ def test_gradient_sync_starts_inside_the_last_backward(results):
 
 
 def test_tied_gradients_sum_as_the_stages_store_them(results):
-    # stored alike (ZeRO-2 chunks on dp2 sub-meshes of one shape): each rank's chunk with its peer's;
-    # the whole-tensor path (forced, under zero bubble) is exact too (pipeline_case)
+    # stored alike (ZeRO-2 chunks on dp2 sub-meshes of one shape, or whole on both): each rank's part
+    # with its peer's, under 1F1B and zero bubble; the whole-tensor path (forced) is exact too (pipeline_case)
     assert all(r["tied_alike"] == [True] for r in results["hf gpt2 2 stages x dp2 zero2 (tied across stages)"])
+    assert all(r["tied_alike"] == [True] for r in results["hf gpt2 zero bubble (tied across stages)"])
     assert all(r["tied_alike"] == [False] for r in results["hf gpt2 zero bubble (tied across stages, summed whole)"])
 
 

@@ -287,8 +287,12 @@ def rank_2(rank, world):
 def rank_4(rank, world):
     mesh = autopar.Mesh((2, 2))
     groups = MeshGroups(mesh)
+    line = autopar.Mesh((4,))
     return [case("dp2 x tp2 (2, 2)", mesh, groups, autopar.Layout(dp=2, tp=2)),
-            case("dp2 x tp2 zero3 (2, 2)", mesh, groups, autopar.Layout(dp=2, tp=2, zero=3))]
+            case("dp2 x tp2 zero3 (2, 2)", mesh, groups, autopar.Layout(dp=2, tp=2, zero=3)),
+            # a pipeline over data parallel with ZeRO-2, the embedding tied to the head across stages
+            case("2 stages x dp2 zero2 tied (4,)", line, None, autopar.Layout(dp=2, zero=2),
+                 pipeline=autopar.Pipeline(stages=2, microbatches=2, schedule="1f1b"))]
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +357,7 @@ def test_each_layout_ran_what_it_names(results):
     by = {r["tag"]: r for r in results}
     assert "zero3" in str(by["dp2-tp1-zero3 (2,)"]["storage"]) or "sharded" in str(by["dp2-tp1-zero3 (2,)"]["storage"])
     assert any("1d" in f or "megatron" in f.lower() for f in by["dp1-tp2 (2,)"]["families"])
+    assert "zero2" in str(by["2 stages x dp2 zero2 tied (4,)"]["storage"])
 
 
 def test_a_bad_or_unsupported_precision_is_a_config_error():
