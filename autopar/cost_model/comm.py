@@ -113,12 +113,19 @@ def layout_copy_bytes(kind: str, nbytes: float, n: int, src_dim: int | None = No
     if kind == "slice":  # the chunk cut out and made contiguous
         return nbytes / n
     if kind == "all_gather":
-        return (nbytes / n + nbytes) if src_dim else 0.0
+        return packed_gather_bytes(nbytes, n) if src_dim else 0.0
     if kind == "reduce_scatter":
         return nbytes + (nbytes / n if dst_dim else 0.0)
     if kind == "all_to_all":
         return (nbytes if dst_dim else 0.0) + (nbytes if src_dim else 0.0)
     return nbytes  # all_reduce
+
+
+def packed_gather_bytes(nbytes: float, n: int) -> float:
+    """Bytes an all-gather of ``nbytes`` (gathered) on ``n`` ranks copies where its shard is packed
+    into the buffer sent and the whole is unpacked out of the one received (a dim other than the
+    leading one; a layer's or ZeRO-2's gather of several parameters in one call)."""
+    return nbytes / n + nbytes if n > 1 else 0.0
 
 
 def layout_copy_time(nbytes: float, cluster) -> float:
@@ -133,4 +140,3 @@ def slice_backward_time(nbytes: float, n: int, cluster) -> float:
     if n <= 1:
         return 0.0
     return nbytes / cluster.fresh_write_bandwidth + 2.0 * nbytes / n / cluster.sustained_memory_bandwidth
-

@@ -184,22 +184,21 @@ def output_whole_axes(steps) -> tuple[int, ...]:
 
 
 def backward_reshard_s(edge, mesh, identical, itemsize: int = 4) -> float:
-    """Seconds of the backward of ``edge``'s steps: each step's dual priced as its forward under the
-    dual convention (a slice's pads the gradient back to its input's size); under the identical one a gather's, an all-reduce's and a to_partial's
-    backward are local and a slice's is an all-gather (of ``itemsize``-byte elements)."""
+    """Seconds of the backward of ``edge``'s steps (of ``itemsize``-byte elements): a slice's pads the
+    gradient back to its input's size, or under the identical convention all-gathers it; every other
+    step's dual is priced as its forward, except under the identical convention, where a gather's,
+    an all-reduce's and a to_partial's backward are local."""
     if not edge.backward:
         return 0.0
     total, spec = 0.0, edge.src_spec
     for s in edge.steps:
         after = spec_after(spec, s)
-        if s.kind == "slice" and not whole_on(s.axes, identical):
-            n = math.prod(mesh.shape[a] for a in s.axes)
-            total += slice_backward_time(local_bytes(spec, mesh.shape, itemsize), n, mesh.resolved_cluster())
-        elif not whole_on(s.axes, identical):
-            total += s.cost_s
-        elif s.kind == "slice":
-            total += mesh_collective_time("all_gather", local_bytes(spec, mesh.shape, itemsize), mesh, s.axes)
-        elif s.kind in ("reduce_scatter", "all_to_all"):
+        whole = whole_on(s.axes, identical)
+        if s.kind == "slice":
+            nbytes = local_bytes(spec, mesh.shape, itemsize)
+            total += (mesh_collective_time("all_gather", nbytes, mesh, s.axes) if whole else
+                      slice_backward_time(nbytes, math.prod(mesh.shape[a] for a in s.axes), mesh.resolved_cluster()))
+        elif not whole or s.kind in ("reduce_scatter", "all_to_all"):
             total += s.cost_s
         spec = after
     return total

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time
+from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time, packed_gather_bytes
 from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s, whole_on
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.graph import Role, edge_itemsize, per_graph
@@ -152,9 +152,8 @@ def reshard_s(graph, edges, mesh, identical=()) -> float:
     cluster = mesh.resolved_cluster()
     for (_, axes), members in groups.items():  # one gather per group, one reduce-scatter back
         nbytes = sum(e.steps[0].nbytes for _, e in members)
-        n = math.prod(mesh.shape[a] for a in axes)
         # the shards packed into the buffer sent, every full tensor cut out of the one received
-        copies = nbytes / n + nbytes if n > 1 else 0.0
+        copies = packed_gather_bytes(nbytes, math.prod(mesh.shape[a] for a in axes))
         total += mesh_collective_time("all_gather", nbytes, mesh, axes) + layout_copy_time(copies, cluster)
         if any(e.backward for _, e in members) and not whole_on(axes, identical):
             total += mesh_collective_time("reduce_scatter", nbytes, mesh, axes) + layout_copy_time(copies, cluster)
@@ -224,14 +223,13 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     buckets, gathers = [], 0.0
     priced: dict = {}
     for (kind, axes, _, after, gathered), _, nbytes in assign_buckets([(key, n) for _, key, n in synced], bucket_bytes):
+        ways = math.prod(mesh.shape[a] for a in axes)
         for k, n in ((kind, nbytes), *((a, int(nbytes * gathered)) for a in after)):
             if (k, axes, n) not in priced:
-                ways = math.prod(mesh.shape[a] for a in axes)
                 priced[(k, axes, n)] = mesh_collective_time(k, n, mesh, axes) + local_sum_time(k, n, ways, cluster)
         buckets.append(priced[(kind, axes, nbytes)])
-        ways = math.prod(mesh.shape[a] for a in axes)
         # each all-gather after the step packs the chunk and unpacks the whole into the working copies
-        gathers += sum(priced[(k, axes, int(nbytes * gathered))] + layout_copy_time(nbytes * gathered * (1 + 1 / ways), cluster)
+        gathers += sum(priced[(k, axes, int(nbytes * gathered))] + layout_copy_time(packed_gather_bytes(nbytes * gathered, ways), cluster)
                        for k in after)
     sync = sum(buckets)
     exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0

@@ -21,7 +21,7 @@ import numpy as np
 
 from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
-from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time
+from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time, packed_gather_bytes
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.gradients import output_whole_axes
 from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_count, reshard_s, zero2_pool_bytes
@@ -110,7 +110,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
             ways = math.prod(mesh.shape[a] for a in repl)
             # the updated chunk packed and the whole unpacked into the working copy (``runtime.reducer``)
             gather = (bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes, total_bytes)
-                      + layout_copy_time(local / ways + local, cluster))
+                      + layout_copy_time(packed_gather_bytes(local, ways), cluster))
             cost_z, sum_by = min(((bucketed_collective_time(k, grad, mesh, repl, bucket_bytes, total_bytes)
                                    + local_sum_time(k, grad, ways, cluster) + gather, k) for k in ZERO2_SUMS),
                                  key=lambda priced: priced[0])  # the first on a tie
@@ -458,7 +458,7 @@ def _edge_prices(graph, prod, cons, pos, mesh, backward: bool, in_place: bool, p
         group = math.prod(mesh.shape[a] for a in axes)
         by_bytes = {}
         for n in set(nbytes[mask].tolist()):
-            seconds = sum(mesh_collective_time(k, n, mesh, axes) + layout_copy_time(n / group + n, cluster) for k in kinds)
+            seconds = sum(mesh_collective_time(k, n, mesh, axes) + layout_copy_time(packed_gather_bytes(n, group), cluster) for k in kinds)
             by_bytes[n] = (mask & (nbytes == n), seconds - latency)
         mat = np.where(mask & np.isfinite(mat), 0.0, mat)
         calls[axes] = (mask, latency, by_bytes)
