@@ -39,7 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hand_tuned as ht  # noqa: E402
 from autopar_variant import AutoparVariant  # noqa: E402
-from hybrid import RESULTS, SHAPES, TINY, alternate, first_step, pyplot, save_figure  # noqa: E402
+from hybrid import RESULTS, SHAPES, TINY, alternate, first_step, gathered, pyplot, save_figure, slowest  # noqa: E402
 
 # (mesh shape, Layout fields or None for the planner's own one-stage plan)
 CASES = [
@@ -144,7 +144,7 @@ def zoo_main(rank, world, opts):
                        families=_families(v.plan))
             if verdict["exact"]:
                 times = [zoo.timed(_ZooStep(v).train_step, b) for _ in range(opts["rounds"] * opts["round_steps"])]
-                steps = [max(t) for t in zip(*ht_gathered(times))]
+                steps = slowest(gathered(times))
                 row.update(step_times=steps, s_per_step=statistics.median(steps))
             rows[case] = row
             v.close()
@@ -184,12 +184,6 @@ class _ZooStep:
     def train_step(self, b):
         self.v.pm.train_step(**b)
         self.finish()
-
-
-def ht_gathered(value):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _families(plan) -> dict:

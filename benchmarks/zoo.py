@@ -46,6 +46,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -55,6 +56,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hybrid import gathered, pyplot, save_figure, slowest  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH, SEQ = 8, 128
@@ -375,12 +379,6 @@ def _say(*a) -> None:
         print(*a, flush=True)
 
 
-def gathered(value):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 def checked(v, ref, vocab: int) -> dict:
     """The variant's first ``CHECK_STEPS`` steps against one process (``judge``), on every rank."""
     bs = batches(vocab, CHECK_STEPS)
@@ -428,7 +426,7 @@ def rank_main(rank, world, opts):
             v.close()
             del v
             gc.collect()
-            steps = [max(t) for t in zip(*gathered(times))] if times else []
+            steps = slowest(gathered(times)) if times else []
             rows[kind] = dict(verdict, s_per_step=statistics.median(steps) if steps else None, step_times=steps)
             _say(f"  {kind:<12}" + (f"{rows[kind]['s_per_step']:7.3f} s/step" if steps else f"NOT EXACT: {verdict['error']}"))
         # phase 2
@@ -463,7 +461,7 @@ def rank_main(rank, world, opts):
             per_rank = gathered(times)
         phase2 = {}
         for n in names:
-            steps = [max(t) for t in zip(*(p[n] for p in per_rank))]
+            steps = slowest([p[n] for p in per_rank])
             phase2[n] = {"s_per_step": statistics.median(steps), "step_times": steps}
         out[name] = {"phase1": rows, "phase2": phase2, "autopar": info["autopar"]}
         dist.barrier()
@@ -505,8 +503,6 @@ def report(name: str, res: dict) -> dict:
 
 
 def plot(summaries: dict, results: dict, path: Path) -> bool:
-    from hybrid import pyplot, save_figure
-
     plt = pyplot()
     if plt is None:
         return False
