@@ -23,7 +23,7 @@ import torch
 
 import autopar
 from autopar import models
-from autopar.cost_model.schedules import SCHEDULES
+from autopar.record.schedules import SCHEDULES
 
 GPT3 = dict(layers=96, width=12288, heads=96, seq=2048, vocab=51200, batch=1536)
 PRECISION = "bf16"  # Megatron's recipe

@@ -1,7 +1,7 @@
 """The package's imports follow the data flow, and no module imports itself round a circle.
 
     base (errors.py, cluster.py: top-level modules) -> models (built-in example models) -> ir
-    -> sharding_spec -> cost_model -> solver -> codegen -> runtime -> compose -> autopar (the
+    -> sharding_spec -> record -> cost_model -> solver -> codegen -> runtime -> compose -> autopar (the
     package's public names) -> cli -> __main__
 
 Every import counts, at module level or inside a function (or under ``TYPE_CHECKING``), and so does
@@ -25,7 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "autopar"
 
 # The flow, first to last; a module's layer is its subpackage's, or one of the entries below.
-FLOW = ("ir", "sharding_spec", "cost_model", "solver", "codegen", "runtime", "compose")
+FLOW = ("ir", "sharding_spec", "record", "cost_model", "solver", "codegen", "runtime", "compose")
 LAYERS = ("base", "models", *FLOW, "api", "cli", "main")
 
 
@@ -182,6 +182,14 @@ def test_codegen_and_the_runtime_do_not_plan():
     bad = [f"{i.where}: {i.text!r}" for i in imports(ROOT)
            if layer_of(i.src) in ("codegen", "runtime") and layer_of(i.dst) == "solver"]
     assert not bad, "codegen or the runtime imports the solver:\n" + "\n".join(bad)
+
+
+def test_codegen_and_the_runtime_do_not_price():
+    """They read what a step runs from the record (buckets, gather groups, gradient conventions,
+    schedules), which lives below the cost model; a price never decides what runs."""
+    bad = [f"{i.where}: {i.text!r}" for i in imports(ROOT)
+           if layer_of(i.src) in ("codegen", "runtime") and layer_of(i.dst) == "cost_model"]
+    assert not bad, "codegen or the runtime imports the cost model:\n" + "\n".join(bad)
 
 
 def test_no_module_imports_itself_round_a_circle():

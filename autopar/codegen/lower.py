@@ -37,8 +37,8 @@ import torch.fx as fx
 
 from autopar.codegen import ops
 from autopar.codegen.lowerings import lowering
-from autopar.cost_model.gradients import grad_sum_reads, output_whole_axes, whole_on
-from autopar.cost_model.step import param_gather_groups
+from autopar.record.gradients import grad_sum_reads, output_whole_axes, whole_on
+from autopar.record.gathers import param_gather_groups
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.aliasing import in_place_reads, written_values
 from autopar.ir.graph import NodeRef, Role

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from autopar.codegen.ops import autopar_all_reduce, handle
 from autopar.codegen.ring_attention import ring_attention
-from autopar.cost_model.gradients import whole_on
+from autopar.record.gradients import whole_on
 from autopar.errors import PlanError
 from autopar.ir.graph import call_arg
 from autopar.ir.losses import CLASS_LOSSES

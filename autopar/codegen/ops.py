@@ -22,7 +22,7 @@ import contextvars
 import torch
 
 from autopar.codegen import collectives as C
-from autopar.cost_model.gradients import whole_on
+from autopar.record.gradients import whole_on
 from autopar.errors import AutoparError
 
 _GROUPS: contextvars.ContextVar = contextvars.ContextVar("autopar_mesh_groups", default=None)

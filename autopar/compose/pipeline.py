@@ -136,7 +136,7 @@ class PipelineVariants:
                                    pm._ap.out_spec)
         out_node = next(n for n in graph.nodes.values() if n.op == "output")
         from autopar.codegen.loss_weights import loss_denominators
-        from autopar.cost_model.ops import needs_grad
+        from autopar.ir.graph import needs_grad
 
         return StageSet(graph, plan, cuts, specs, programs, list(batch_dims), needs_grad(graph),
                         loss_denominators(graph, out_node.inputs[loss_position(graph)]))

@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 
 from autopar.cluster import resolve_cluster
-from autopar.cost_model.ops import is_floating, is_view, itemsize, local_nbytes, needs_grad, tensor_inputs
+from autopar.cost_model.ops import is_floating, is_view, itemsize, local_nbytes, tensor_inputs
+from autopar.ir.graph import needs_grad
 from autopar.sharding_spec.rules.attention import ring_blocks
 
 # A matmul's backward computes two products of the forward's size (dL/dX = dL/dY W^T and

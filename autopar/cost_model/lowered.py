@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 from autopar.cost_model.comm import mesh_collective_time, ring_pass_time
-from autopar.cost_model.gradients import whole_on
+from autopar.record.gradients import whole_on
 from autopar.sharding_spec.rules.attention import RING_CAUSAL, ring_axes, ring_family
 from autopar.sharding_spec.rules.loss import MEAN_SPLIT, VOCAB_PARALLEL
 

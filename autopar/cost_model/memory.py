@@ -48,13 +48,12 @@ from autopar.cost_model.ops import (
     itemsize,
     local_nbytes,
     local_numel,
-    needs_grad,
     save_rule,
     tensor_inputs,
     workspace_bytes,
 )
 from autopar.errors import ConfigError
-from autopar.ir.graph import per_graph
+from autopar.ir.graph import needs_grad, per_graph
 from autopar.sharding_spec.strategy import active_axes
 
 # Optimizer states kept per parameter element.

@@ -277,23 +277,6 @@ def tensor_metas(meta) -> list:
     return [meta]
 
 
-# ---- gradient flow ---------------------------------------------------------------------------------
-@per_graph
-def needs_grad(graph) -> frozenset[str]:
-    """Names of the nodes whose value needs a gradient in backward: every floating-point parameter
-    (all parameters are assumed trainable), and every floating-point value computed from one.
-    User inputs, buffers and constants need none."""
-    out: set[str] = set()
-    for node in graph.nodes.values():
-        floating = any(is_floating(m.dtype) for m in tensor_metas(node.meta))
-        if node.op == "placeholder":
-            if str(node.role) == "parameter" and floating:
-                out.add(node.name)
-        elif node.op == "call_function" and floating and any(i in out for i in node.inputs):
-            out.add(node.name)
-    return frozenset(out)
-
-
 def tensor_inputs(node, graph) -> list[tuple[int, str]]:
     """(position in ``node.inputs``, name) of the inputs that are single tensors."""
     out = []

@@ -1,23 +1,14 @@
-"""Pipeline schedules: one record per schedule, and the step time each gives.
-
-A ``Schedule`` holds everything the planner, codegen and runtime decide per schedule: the torch
-class that runs it (``torch.distributed.pipelining``) and whether that class takes a list of
-stages, the stages per rank, whether the backward splits into an input and a weight half (and so
-whether recomputation is allowed), the microbatches a stage holds in flight, the microbatch counts
-torch's class takes, each stage's task order, and the step with a device per rank from the stages'
-times per microbatch (a formula, or an event simulation of the task order). The simulation also
-prices ranks that share CPU cores (``simulate_shared``).
-
-Plans store a schedule's name; ``schedule_named`` finds its record. No torch import: the solver,
-codegen and runtime all read this module.
+"""The step a pipeline schedule gives (``autopar.record.schedules`` holds the schedules): a formula
+from the stages' times per microbatch, or an event simulation of each stage's task order, which also
+prices ranks that share CPU cores (``simulate_shared``). No torch import.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
-from autopar.errors import ConfigError, PlanError
+from autopar.errors import PlanError
+from autopar.record.schedules import Schedule, schedule_named, schedule_orders
 
 # A backward split into an input and a weight half costs more than the whole one: the weight half
 # runs one autograd call per group of weights from the saved intermediates. Measured on CPU (torch
@@ -26,58 +17,18 @@ from autopar.errors import ConfigError, PlanError
 SPLIT_BACKWARD_EXTRA = 0.1
 
 
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """One pipeline schedule. The functions take a stage's place ``stage`` (0 first) among
-    ``stages`` stages (one per rank, or per block of ranks) and the microbatch ``count``."""
-
-    name: str
-    torch_class: str  # the class in torch.distributed.pipelining that runs it
-    multi_stage: bool  # torch's class takes the list of a rank's stages (else the one stage)
-    virtual_stages: int  # stages per rank unless given; > 1: it interleaves (and takes any count > 1)
-    split_backward: bool  # each backward is an input half and a deferred weight half (zero bubble)
-    # forwards a stage runs before its first backward
-    warmup: Callable[[int, int, int], int] = dataclasses.field(repr=False)
-    # microbatches whose activations a stage holds at its peak
-    inflight: Callable[[int, int, int], int] = dataclasses.field(repr=False)
-    # (ranks, count) -> whether torch's class runs ``count`` microbatches over ``ranks`` ranks
-    takes: Callable[[int, int], bool] = dataclasses.field(repr=False)
-    # (schedule, stage times, count, stages per rank) -> the step with a device per rank
-    timing: Callable[["Schedule", Sequence[float], int, int], float] = dataclasses.field(repr=False)
-    fallback: str | None = None  # what the runtime runs where torch's class does not take the count
-
-    def __str__(self) -> str:
-        return self.name
-
-    @property
-    def interleaved(self) -> bool:
-        """Whether it runs several stages per rank."""
-        return self.virtual_stages > 1
-
-    @property
-    def simulated(self) -> bool:
-        """Whether its step is the event simulation of its task order (no formula gives it)."""
-        return self.timing is _simulated
-
-    @property
-    def recompute(self) -> bool:
-        """Whether a stage may recompute its activations: not under a split backward, whose weight
-        half is one autograd call per group of weights (a recomputed layer would run its forward
-        again in each)."""
-        return not self.split_backward
-
-    def stages_per_rank(self, given: int | None) -> int:
-        """The stages each rank runs: ``given`` (``Pipeline.virtual_stages``) or this schedule's
-        default where it interleaves; one otherwise."""
-        return (given or self.virtual_stages) if self.interleaved else 1
-
-    def step_time(self, stage_times: Sequence[float], count: int, virtual: int = 1) -> float:
-        """Seconds of a step of ``count`` microbatches with a device per rank, from the stages'
-        times per microbatch (``virtual`` stages per rank)."""
-        return self.timing(self, stage_times, count, virtual)
-
-
 # ---- step times --------------------------------------------------------------------------------------
+def step_time(schedule: str | Schedule, stage_times: Sequence[float], count: int, virtual: int = 1) -> float:
+    """Seconds of a step of ``count`` microbatches with a device per rank, from the stages' times
+    per microbatch (``virtual`` stages per rank), as ``schedule.timing`` says to price it."""
+    schedule = schedule_named(schedule)
+    if schedule.timing == "fill-drain":
+        return fill_drain_time(stage_times, count)
+    if schedule.timing == "interleaved":
+        return interleaved_time(stage_times, len(stage_times) // virtual, virtual, count)
+    return simulate_shared(stage_times, [1] * len(stage_times), count, schedule, math.inf)
+
+
 def fill_drain_time(stage_times, microbatches: int) -> float:
     """GPipe / 1F1B step time from per-microbatch stage times: the pipeline fill and drain, then the
     slowest stage once per remaining microbatch (Alpa's objective, Zheng et al., OSDI'22)."""
@@ -94,55 +45,7 @@ def interleaved_time(stage_times, ranks: int, virtual: int, count: int) -> float
     return float(max((count + (ranks - 1) / virtual) * busiest, sum(stage_times)))
 
 
-def _fill_drain(schedule, stage_times, count, virtual):
-    return fill_drain_time(stage_times, count)
-
-
-def _interleaved(schedule, stage_times, count, virtual):
-    return interleaved_time(stage_times, len(stage_times) // virtual, virtual, count)
-
-
-def _simulated(schedule, stage_times, count, virtual):
-    return simulate_shared(stage_times, [1] * len(stage_times), count, schedule, math.inf)
-
-
-# ---- task orders and their simulation ----------------------------------------------------------------
-def schedule_orders(p: int, count: int, schedule) -> list[list[tuple[str, int]]]:
-    """Each stage's tasks in the order torch's schedule runs them (one stage per rank): ("F", k)
-    forward of microbatch k, ("B", k) its backward (under a split backward: the input-gradient half),
-    ("W", k) the weight-gradient half (split backward only). Each stage runs its warm-up forwards
-    (``Schedule.warmup``: GPipe every one, 1F1B ``p - s - 1`` on stage s), then one forward and one
-    backward in turn, then the remaining backwards. Zero bubble (ZB-H1, torch's
-    ``ScheduleInterleavedZeroBubble`` with one stage per rank): 1F1B's order, each backward
-    followed by a weight half once stage s has ``s`` weight halves deferred; the deferred ones run
-    at the end, in the drain the other stages leave."""
-    schedule = schedule_named(schedule)
-    orders = []
-    for st in range(p):
-        warm = schedule.warmup(st, p, count)
-        order = [("F", k) for k in range(warm)]
-        backwards = 0
-        weights = 0
-
-        def backward(k):
-            nonlocal backwards, weights
-            order.append(("B", k))
-            if schedule.split_backward and backwards >= st:
-                order.append(("W", weights))
-                weights += 1
-            backwards += 1
-
-        for k in range(count - warm):
-            order.append(("F", warm + k))
-            backward(k)
-        for k in range(count - warm, count):
-            backward(k)
-        if schedule.split_backward:
-            order += [("W", k) for k in range(weights, count)]
-        orders.append(order)
-    return orders
-
-
+# ---- the simulation ---------------------------------------------------------------------------------
 def task_fractions(schedule, stage: int) -> dict[str, float]:
     """The share of a stage's per-microbatch time each task takes: forward a third, backward two.
     Under a split backward the input and the weight gradient take a third each, the weight half
@@ -214,72 +117,3 @@ def bubble_fraction(stage_times, count: int, schedule, virtual: int = 1) -> floa
         return 0.0
     total = simulate_shared(times, [1] * len(times), count, schedule, math.inf)
     return max(0.0, 1.0 - count * max(times) / total)
-
-
-# ---- the registry ------------------------------------------------------------------------------------
-def _warmup_all(stage, stages, count):  # every forward first
-    return count
-
-
-def _warmup_1f1b(stage, stages, count):  # until its first microbatch's backward can start
-    return min(stages - stage - 1, count)
-
-
-def _inflight_all(stage, stages, count):
-    return count
-
-
-def _inflight_1f1b(stage, stages, count):  # what its warm-up forwards start, and the one in turn
-    return min(stages - stage, count)
-
-
-def _inflight_zero_bubble(stage, stages, count):  # 1F1B's, and those whose weight half it defers (stage)
-    return min(stages, count)
-
-
-def _takes_any(ranks, count):
-    return True
-
-
-def _takes_1f1b(ranks, count):  # torch's 1F1B runs at least one microbatch per stage
-    return ranks <= count
-
-
-def _takes_rounds(ranks, count):  # torch's run equal rounds of >= ranks microbatches
-    return count % max(1, count // ranks) == 0
-
-
-def _takes_interleaved(ranks, count):  # equal rounds; interleaving: 2+ ranks, a microbatch each
-    return _takes_rounds(ranks, count) and 1 < ranks <= count
-
-
-GPIPE = Schedule("gpipe", "ScheduleGPipe", multi_stage=False, virtual_stages=1, split_backward=False,
-                 warmup=_warmup_all, inflight=_inflight_all, takes=_takes_any, timing=_fill_drain)
-ONE_F_ONE_B = Schedule("1f1b", "Schedule1F1B", multi_stage=False, virtual_stages=1, split_backward=False,
-                       warmup=_warmup_1f1b, inflight=_inflight_1f1b, takes=_takes_1f1b, timing=_fill_drain,
-                       fallback="gpipe")
-INTERLEAVED_1F1B = Schedule("interleaved-1f1b", "ScheduleInterleaved1F1B", multi_stage=True, virtual_stages=2,
-                            split_backward=False, warmup=_warmup_1f1b, inflight=_inflight_1f1b,
-                            takes=_takes_interleaved, timing=_interleaved)
-ZERO_BUBBLE = Schedule("zero-bubble", "ScheduleInterleavedZeroBubble", multi_stage=True, virtual_stages=1,
-                       split_backward=True, warmup=_warmup_1f1b, inflight=_inflight_zero_bubble,
-                       takes=_takes_rounds, timing=_simulated)
-
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (GPIPE, ONE_F_ONE_B, INTERLEAVED_1F1B, ZERO_BUBBLE)}
-SEARCHED = (ONE_F_ONE_B, GPIPE, ZERO_BUBBLE, INTERLEAVED_1F1B)  # what "auto" tries, in this order (ties keep the first)
-
-
-def schedule_named(name: str | Schedule) -> Schedule:
-    """The record of schedule ``name`` (a record is returned as is)."""
-    if isinstance(name, Schedule):
-        return name
-    found = SCHEDULES.get(name) if isinstance(name, str) else None
-    if found is None:
-        raise ConfigError(f"Pipeline(schedule={name!r}): schedules are {list(SCHEDULES)}")
-    return found
-
-
-def listed(schedules) -> str:
-    """Names as a sentence says them: 'a', 'b' or 'c'."""
-    names = [repr(s.name) for s in schedules]
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]

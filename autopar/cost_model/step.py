@@ -23,85 +23,25 @@ from __future__ import annotations
 import math
 
 from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time, packed_gather_bytes
-from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s, whole_on
+from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s
+from autopar.record.gradients import whole_on
 from autopar.cost_model.lowered import lowered_comm_s
-from autopar.ir.graph import Role, edge_itemsize, per_graph
+from autopar.ir.graph import edge_itemsize
 from autopar.ir.losses import counted_from_inputs
+from autopar.record.buckets import DEFAULT_BUCKET_BYTES, assign_buckets, first_reads, pooled_buffers, zero2_pool_cap
+from autopar.record.gathers import param_gather_groups
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
-
-DEFAULT_BUCKET_BYTES = 25 << 20
-FIRST_BUCKET_BYTES = 1 << 20
-# ZeRO-2 reduce-scatters in flight at once (``runtime.reducer``): each holds a whole bucket.
-SCATTERS_IN_FLIGHT = 2
-
-
-def _pooled_buffers(sum_by: str) -> int:
-    """Whole-bucket buffers a ZeRO-2 sum by the collective ``sum_by`` (``GradSync.sum_by``) keeps:
-    the one sent, and for an all-to-all the one received."""
-    return 2 if sum_by == "all_to_all" else 1
-
-
-def zero2_pool_cap(kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """The most bytes the reducer's pool keeps for ZeRO-2 buckets summed by ``kind``: the buffers a
-    sum uses (``_pooled_buffers``) of the buckets in use at once (``SCATTERS_IN_FLIGHT`` and one
-    filling)."""
-    return _pooled_buffers(kind) * (SCATTERS_IN_FLIGHT + 1) * bucket_bytes
-
 
 def zero2_pool_bytes(grad_bytes: float, kind: str, total_bytes: float | None,
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
     """Bytes a ZeRO-2 gradient of ``grad_bytes`` (in its reduction dtype) adds to the reducer's
     pool, which keeps the buffers a sum uses from step to step: their bytes, or where the model's
     gradients (``total_bytes``) outgrow ``zero2_pool_cap`` its share of that bound."""
-    buffers = _pooled_buffers(kind)
+    buffers = pooled_buffers(kind)
     if not total_bytes:
         return buffers * grad_bytes
     return grad_bytes * min(buffers, zero2_pool_cap(kind, bucket_bytes) / total_bytes)
-
-
-def bucket_sizes(total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[int]:
-    """The reducer's buckets for ``total`` gradient bytes of one (collective, axes) group: a small
-    first bucket (its collective starts early in backward), then ``bucket_bytes`` each. Parameters
-    are never split across buckets in the runtime; this ignores that rounding."""
-    if total <= 0:
-        return []
-    first = min(FIRST_BUCKET_BYTES, bucket_bytes)
-    sizes = [min(total, first)]
-    rest = total - sizes[0]
-    while rest > 0:
-        sizes.append(min(rest, bucket_bytes))
-        rest -= sizes[-1]
-    return sizes
-
-
-def assign_buckets(items, bucket_bytes: int = DEFAULT_BUCKET_BYTES, first_bucket_bytes: int = FIRST_BUCKET_BYTES
-                   ) -> list[tuple[object, list[int], int]]:
-    """The reducer's buckets (``runtime.reducer.GradReducer``) and the step model's: ``items`` are
-    (key, bytes) in the order backward finishes them (the reverse of the forward's first reads);
-    each key (collective, axes, dtype, device) fills buckets of its own, a parameter never split
-    across two; the first bucket made holds at most ``first_bucket_bytes`` (its collective starts
-    early in backward), every other ``bucket_bytes``. Returns (key, item indices, bytes) per
-    bucket, in the order they are made."""
-    open_: dict = {}
-    made: list[list] = []
-    for i, (key, nbytes) in enumerate(items):
-        cap = min(first_bucket_bytes, bucket_bytes) if not made else bucket_bytes
-        cur = open_.get(key)
-        if cur is None or (cur[2] + nbytes > cur[3] and cur[1]):
-            cur = open_[key] = [key, [], 0, cap]
-            made.append(cur)
-        cur[1].append(i)
-        cur[2] += nbytes
-    return [(key, members, total) for key, members, total, _ in made]
-
-
-def bucket_count(total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """``len(bucket_sizes(total, bucket_bytes))``, without the list (a 175B model fills ~13,000)."""
-    if total <= 0:
-        return 0
-    first = min(FIRST_BUCKET_BYTES, bucket_bytes)
-    return 1 + -(-max(0, total - first) // bucket_bytes)
 
 
 def accumulate_s(nbytes: float, bucketed: bool, step_share: float, cluster) -> float:
@@ -115,30 +55,6 @@ def accumulate_s(nbytes: float, bucketed: bool, step_share: float, cluster) -> f
     runs = 1.0 if bucketed else 1.0 - step_share
     passes = 3.0 * runs - (step_share if bucketed else 0.0)
     return nbytes * passes / cluster.sustained_memory_bandwidth + runs * cluster.backward_op_overhead_s
-
-
-def param_gather_groups(graph, edges, inside=None, least: int = 2) -> tuple[dict, dict]:
-    """How the runtime gathers parameters stored split and used whole (ZeRO-3 / FSDP edges: one
-    all-gather step): grouped per (layer, mesh axes), as FSDP groups a block's parameters, one
-    collective per group in forward and one reduce-scatter in backward. ``inside``: the nodes of
-    the program (default: all). Returns (group key -> [(parameter, its first edge)] in program
-    order, (consumer, input position) -> group key), for groups of ``least`` or more parameters
-    (the runtime groups two or more; a lone parameter's gather is an ordinary reshard, whose
-    backward is the same reduce-scatter)."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    inside = set(graph.nodes) if inside is None else inside
-    members: dict = {}  # key -> {parameter: first edge}
-    readers: dict = {}  # key -> [(consumer, position)]
-    for e in sorted(edges, key=lambda e: order.get(e.dst, -1)):
-        src = graph.nodes.get(e.src)
-        if (src is None or src.op != "placeholder" or src.role != Role.PARAMETER or e.src not in inside
-                or e.dst not in inside or len(e.steps) != 1 or e.steps[0].kind != "all_gather"):
-            continue
-        key = (graph.nodes[e.dst].layer, tuple(e.steps[0].axes))
-        members.setdefault(key, {}).setdefault(e.src, e)
-        readers.setdefault(key, []).append((e.dst, e.position))
-    groups = {k: list(m.items()) for k, m in members.items() if len(m) >= least}
-    return groups, {r: k for k in groups for r in readers[k]}
 
 
 def reshard_s(graph, edges, mesh, identical=()) -> float:
@@ -160,19 +76,10 @@ def reshard_s(graph, edges, mesh, identical=()) -> float:
     return total
 
 
-@per_graph
-def first_reads(graph) -> dict[str, int]:
-    """Placeholder -> the forward position of its first reader (its gradient is finished in the
-    reverse order; the reducer orders its buckets so)."""
-    order = {n: t for t, n in enumerate(graph.nodes)}
-    return {name: min((order[u] for u in node.users), default=len(order)) for name, node in graph.nodes.items()
-            if node.op == "placeholder"}
-
-
 def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     """Seconds of one training step per rank under ``plan`` (see the module docstring), by part.
     ``mesh``: the mesh the plan was priced on (its cluster gives links, overheads and overlap)."""
-    from autopar.cost_model.ops import needs_grad
+    from autopar.ir.graph import needs_grad
 
     cluster = mesh.resolved_cluster()
     grad = needs_grad(graph)

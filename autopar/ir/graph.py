@@ -176,6 +176,23 @@ def per_graph(analysis):
     return cached
 
 
+@per_graph
+def needs_grad(graph) -> frozenset[str]:
+    """Names of the nodes whose value needs a gradient in backward: every floating-point parameter
+    (all parameters are assumed trainable), and every floating-point value computed from one.
+    User inputs, buffers and constants need none."""
+    out: set[str] = set()
+    for node in graph.nodes.values():
+        metas = node.meta if isinstance(node.meta, tuple) else (node.meta,)
+        floating = any(m is not None and m.torch_dtype.is_floating_point for m in metas)
+        if node.op == "placeholder":
+            if node.role == Role.PARAMETER and floating:
+                out.add(node.name)
+        elif node.op == "call_function" and floating and any(i in out for i in node.inputs):
+            out.add(node.name)
+    return frozenset(out)
+
+
 class Graph:
     """A traced model. Build one with ``autopar.ir.trace``."""
 

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from autopar.codegen import ops
 from autopar.codegen.loss_weights import loss_denominators
 from autopar.codegen.stages import sent_specs
-from autopar.cost_model.ops import needs_grad
-from autopar.cost_model.schedules import schedule_named
+from autopar.ir.graph import needs_grad
+from autopar.record.schedules import schedule_named
 from autopar.errors import ConfigError
 from autopar.ir.blocks import unit_of_nodes
 from autopar.runtime.pipeline_call import PipelineCall, StageSet, microbatch_rows

@@ -62,11 +62,11 @@ import torch
 import torch.distributed as dist
 
 # One source for the bucket sizes: the cost model prices these buckets.
-from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
-from autopar.cost_model.step import FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES
-from autopar.cost_model.step import SCATTERS_IN_FLIGHT, assign_buckets, zero2_pool_cap
+from autopar.record.buckets import DEFAULT_BUCKET_BYTES
+from autopar.record.buckets import FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES
+from autopar.record.buckets import SCATTERS_IN_FLIGHT, assign_buckets, zero2_pool_cap
 from autopar.errors import ConfigError
-from autopar.sharding_spec.grad_sync import GradSync
+from autopar.record.grad_sync import GradSync
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

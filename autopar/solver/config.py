@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from autopar.cost_model.memory import OPTIMIZER_STATES
-from autopar.cost_model.schedules import SCHEDULES, listed, schedule_named
-from autopar.cost_model.step import DEFAULT_BUCKET_BYTES
+from autopar.record.schedules import SCHEDULES, listed, schedule_named
+from autopar.record.buckets import DEFAULT_BUCKET_BYTES
 from autopar.errors import ConfigError
 from autopar.ir.precision import policy
 from autopar.solver.layout import Layout

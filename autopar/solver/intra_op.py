@@ -13,8 +13,9 @@ import math
 import time
 
 from autopar.cost_model import memory as memory_model
-from autopar.cost_model.gradients import identical_ok, param_sync_axes
-from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, step_time, zero2_pool_bytes
+from autopar.record.gradients import identical_ok, param_sync_axes
+from autopar.cost_model.step import step_time, zero2_pool_bytes
+from autopar.record.buckets import DEFAULT_BUCKET_BYTES
 from autopar.errors import ConfigError, PlanError
 from autopar.ir import trace
 from autopar.ir.graph import Role

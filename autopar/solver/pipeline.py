@@ -30,7 +30,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from autopar.cost_model.schedules import SEARCHED, Schedule, schedule_named, simulate_shared
+from autopar.cost_model.schedules import simulate_shared, step_time
+from autopar.record.schedules import SEARCHED, Schedule, schedule_named
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir import trace as trace_graph
 from autopar.ir.batch_scaling import scaled_graph
@@ -89,7 +90,7 @@ class PipelineChoice:
     def call_step_time_s(self) -> float:
         """The step of a call (``pmodel(...)`` then ``backward()``: ``runtime.pipeline_call``),
         which runs GPipe's order over every stage, each rank its stages in turn: this step with the
-        schedule's own step from the stage times (``Schedule.step_time``) swapped for GPipe's."""
+        schedule's own step from the stage times (``autopar.cost_model.schedules.step_time``) swapped for GPipe's."""
         p = self.pipeline
         times = [s.time_per_microbatch_s for s in p.stages]
         blocks = max(1, len(times) // p.virtual_stages)
@@ -99,7 +100,7 @@ class PipelineChoice:
         if schedule.simulated:  # the simulated step, as the plan's bubble gives it
             core = m * max(times) / max(1e-12, 1.0 - p.bubble_fraction)
         else:
-            core = schedule.step_time(times, m, p.virtual_stages)
+            core = step_time(schedule, times, m, p.virtual_stages)
         return float(self.step_time_s - core + gpipe)
 
     def to_plan(self) -> Plan:
@@ -222,7 +223,7 @@ def shared_core_time(sol, devices: np.ndarray, count: int, contention: float, to
     all-busy price (measured on the 10M GPT and LLaMA, 2 stages x dp2: 1F1B priced 2-4% off its
     step this way, 5-12% under with it spread and sped up with the tasks). At c = 1 (a device per
     rank), and for interleaved schedules (which the simulation does not order), ``sol.step_time``:
-    the schedule's own step (``Schedule.step_time``)."""
+    the schedule's own step (``autopar.cost_model.schedules.step_time``)."""
     schedule = schedule_named(schedule)
     if contention <= 1.0 or schedule.interleaved:
         return sol.step_time
@@ -250,7 +251,7 @@ class _StagePricer:
         times = [float(self.time_t[i, j, m]) for i, j, m in stages]
         if not all(math.isfinite(t) for t in times):
             return None
-        sol = StageSolution(list(stages), self.schedule.step_time(times, count, self.virtual), max(times), times)
+        sol = StageSolution(list(stages), step_time(self.schedule, times, count, self.virtual), max(times), times)
         if self.virtual == 1 and not _fits_inflight(sol, self.mem_t, self.act_t, self.schedule, count, search.budget):
             return None
         per_step = [count * self.prices[m].per_step_s[i:j + 1].sum() for i, j, m in stages]

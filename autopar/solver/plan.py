@@ -10,10 +10,10 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from autopar.cost_model.gradients import whole_on
+from autopar.record.gradients import whole_on
 from autopar.cost_model.schedules import bubble_fraction
 from autopar.errors import AutoparError, PlanError
-from autopar.sharding_spec.grad_sync import GradSync
+from autopar.record.grad_sync import GradSync
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.solver.diff import diff as diff_plans

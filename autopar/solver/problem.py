@@ -23,13 +23,15 @@ from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time, packed_gather_bytes
 from autopar.cost_model.lowered import lowered_comm_s
-from autopar.cost_model.gradients import output_whole_axes
-from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, accumulate_s, bucket_count, reshard_s, zero2_pool_bytes
-from autopar.cost_model.ops import alias_roots, needs_grad
+from autopar.record.gradients import output_whole_axes
+from autopar.cost_model.step import accumulate_s, reshard_s, zero2_pool_bytes
+from autopar.cost_model.ops import alias_roots
+from autopar.ir.graph import needs_grad
 from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role, edge_itemsize
 from autopar.ir.losses import counted_from_inputs, unread_outputs
-from autopar.sharding_spec.grad_sync import ZERO2_SUMS, GradSync
+from autopar.record.buckets import DEFAULT_BUCKET_BYTES, bucket_count
+from autopar.record.grad_sync import ZERO2_SUMS, GradSync
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.rules import strategies_for

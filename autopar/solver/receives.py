@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopar.cost_model.ops import needs_grad
+from autopar.ir.graph import needs_grad
 from autopar.ir.aliasing import written_values
 from autopar.ir.blocks import unit_of_nodes
 from autopar.sharding_spec.mesh import Mesh

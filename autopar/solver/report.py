@@ -7,7 +7,8 @@ from __future__ import annotations
 import html
 import math
 
-from autopar.cost_model.schedules import schedule_named, simulate_shared
+from autopar.cost_model.schedules import simulate_shared
+from autopar.record.schedules import schedule_named
 from autopar.solver.explain import (
     _is_plumbing, _memory_line, _step_line, collapsed_rows, costliest_collectives, layout_words,
 )

@@ -35,7 +35,8 @@ from functools import reduce
 
 import numpy as np
 
-from autopar.cost_model.schedules import fill_drain_time, schedule_named
+from autopar.cost_model.schedules import fill_drain_time
+from autopar.record.schedules import schedule_named
 
 
 @dataclasses.dataclass

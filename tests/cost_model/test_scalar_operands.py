@@ -17,8 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models_zoo import SCALAR_OPS, SCALAR_OPS_EXTRA, scalar_op  # noqa: E402
 
 from autopar.cost_model.memory import saved_for_backward  # noqa: E402
-from autopar.cost_model.ops import SAVE_RULES, is_floating, is_view, needs_grad, operands, save_rule, tensor_inputs  # noqa: E402
+from autopar.cost_model.ops import SAVE_RULES, is_floating, is_view, operands, save_rule, tensor_inputs  # noqa: E402
 from autopar.ir import Node, NodeRef, Role, TensorMeta, trace  # noqa: E402
+from autopar.ir.graph import needs_grad  # noqa: E402
 
 A = torch.ops.aten
 CASES = [e for exprs in {**SCALAR_OPS, **SCALAR_OPS_EXTRA}.values() for e in exprs]

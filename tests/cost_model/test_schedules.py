@@ -9,9 +9,8 @@ import math
 import pytest
 
 from autopar.errors import ConfigError
-from autopar.cost_model.schedules import (
-    SCHEDULES, SEARCHED, Schedule, fill_drain_time, interleaved_time, schedule_named, simulate_shared,
-)
+from autopar.cost_model.schedules import fill_drain_time, interleaved_time, simulate_shared, step_time
+from autopar.record.schedules import SCHEDULES, SEARCHED, Schedule, schedule_named
 
 NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 CASES = [(stage, stages, count) for stages in (1, 2, 3, 4, 8) for stage in range(stages) for count in (1, 2, 3, 4, 8, 16)]
@@ -107,10 +106,10 @@ def test_torch_runs_every_schedule_with_its_class():
 def test_step_times_per_schedule():
     times = [1.0, 3.0, 2.0, 2.0]
     for name in ("gpipe", "1f1b"):
-        assert schedule_named(name).step_time(times, 4) == fill_drain_time(times, 4) == 8.0 + 3 * 3.0
-    assert schedule_named("interleaved-1f1b").step_time(times, 4, 2) == interleaved_time(times, 2, 2, 4)
+        assert step_time(name, times, 4) == fill_drain_time(times, 4) == 8.0 + 3 * 3.0
+    assert step_time("interleaved-1f1b", times, 4, 2) == interleaved_time(times, 2, 2, 4)
     zb = schedule_named("zero-bubble")
     assert zb.simulated and not any(schedule_named(n).simulated for n in NAMES[:3])
-    assert zb.step_time(times, 4) == simulate_shared(times, [1] * 4, 4, "zero-bubble", math.inf)
-    assert zb.step_time(times, 4) < fill_drain_time(times, 4)
+    assert step_time(zb, times, 4) == simulate_shared(times, [1] * 4, 4, "zero-bubble", math.inf)
+    assert step_time(zb, times, 4) < fill_drain_time(times, 4)
 

@@ -18,7 +18,7 @@ import torch
 
 import autopar
 from autopar import ir, models
-from autopar.sharding_spec.grad_sync import ZERO2_SUMS, GradSync
+from autopar.record.grad_sync import ZERO2_SUMS, GradSync
 from autopar.runtime.launch import spawn
 from autopar.runtime.process_groups import MeshGroups
 from autopar.runtime.reducer import GradReducer, SyncEntry, _Bucket, chunk_of, chunk_rows

@@ -12,7 +12,7 @@ import pytest
 import autopar
 from autopar import ir, models
 from autopar.cost_model.comm import layout_copy_time, mesh_collective_time
-from autopar.cost_model.step import param_gather_groups
+from autopar.record.gathers import param_gather_groups
 from autopar.ir.graph import Role
 from autopar.solver import ilp
 from autopar.solver.problem import build_problem, gather_correction, node_choices

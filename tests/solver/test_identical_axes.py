@@ -9,7 +9,7 @@ from torch import nn
 
 import autopar
 from autopar import ir
-from autopar.cost_model.gradients import grad_sum_reads, param_sync_axes
+from autopar.record.gradients import grad_sum_reads, param_sync_axes
 from autopar.errors import PlanError
 from autopar.solver.plan import Plan
 
@@ -106,7 +106,7 @@ def test_an_output_edge_may_span_identical_and_other_axes():
     # gathers and all-reduces, so their backwards run nothing and the convention holds on axis 1
     # alone; any other step over a mix of axes is still refused
     from autopar import models
-    from autopar.cost_model.gradients import identical_ok
+    from autopar.record.gradients import identical_ok
 
     model, inputs = models.build("gpt", vocab=64, width=32, layers=2, heads=4, seq=8, batch=4)
     graph = ir.trace(model, inputs)

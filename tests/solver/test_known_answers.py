@@ -192,7 +192,7 @@ def test_gradient_buckets_charge_their_whole_latency_to_the_tensors_in_them():
     # together fill them pay every latency between them (a 118k-parameter model's 2 buckets of
     # 25 MiB are 2% full: priced at 2% of one latency, its data parallel plan looked cheaper than
     # replicating it and ran 1.5x slower); a tensor never pays more than one
-    from autopar.cost_model.step import DEFAULT_BUCKET_BYTES, bucket_sizes
+    from autopar.record.buckets import DEFAULT_BUCKET_BYTES, bucket_sizes
     from autopar.solver.problem import bucketed_collective_time
 
     mesh = autopar.Mesh((4,), cluster=PRESETS["cpu-gloo"].with_axis_links([Link(1e-3, 0.0)]))

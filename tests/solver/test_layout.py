@@ -7,8 +7,9 @@ import pytest
 import autopar
 from autopar import Layout, models
 from autopar.cost_model.comm import local_sum_time, mesh_collective_time
-from autopar.sharding_spec.grad_sync import ZERO2_SUMS
-from autopar.cost_model.step import bucket_count, bucket_sizes, step_time
+from autopar.record.grad_sync import ZERO2_SUMS
+from autopar.cost_model.step import step_time
+from autopar.record.buckets import bucket_count, bucket_sizes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models_zoo import vit  # noqa: E402
@@ -156,7 +157,7 @@ def test_zero3_gathers_are_priced_per_layer_as_they_run():
     reduce-scatter costs what an all-gather does), each with its packing copies (the shards into the
     buffer sent, every full tensor out of the one received)."""
     from autopar.cost_model.comm import layout_copy_time, mesh_collective_time
-    from autopar.cost_model.step import param_gather_groups
+    from autopar.record.gathers import param_gather_groups
 
     model, inputs = models.build("mlp", layers=2, device="meta")
     graph = autopar.ir.trace(model, inputs)

@@ -10,7 +10,8 @@ import torch
 
 import autopar
 from autopar import ir, models
-from autopar.cost_model.schedules import SCHEDULES, bubble_fraction, interleaved_time, schedule_orders, simulate_shared
+from autopar.cost_model.schedules import bubble_fraction, interleaved_time, simulate_shared
+from autopar.record.schedules import SCHEDULES, schedule_orders
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import unit_of_nodes
 from autopar.ir.losses import unread_outputs

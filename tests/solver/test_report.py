@@ -14,7 +14,7 @@ import pytest
 import autopar
 from autopar import models
 from autopar.solver.report import html_report, timeline
-from autopar.cost_model.schedules import schedule_orders
+from autopar.record.schedules import schedule_orders
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 import pytest
 
 from autopar.errors import PlanError
-from autopar.sharding_spec.grad_sync import SUMS, ZERO2_SUMS, GradSync
+from autopar.record.grad_sync import SUMS, ZERO2_SUMS, GradSync
 
 
 def test_data_parallel_and_zero2_syncs():
