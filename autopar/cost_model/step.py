@@ -10,7 +10,8 @@ every local shard. ``step_time`` prices exactly these, per rank:
     step = compute + op overheads + reshard collectives (forward and their backward duals)
          + collectives inside lowered ops (vocabulary-parallel loss) + gradient sums of
            identical-gradient axes (``autopar.cost_model.gradients``) + gradient accumulation
-           (``accumulate_s``) + exposed gradient sync + ZeRO-2 parameter gathers + optimizer
+           (``accumulate_s``) + exposed gradient sync + ZeRO-2 parameter gathers + the pages of
+           ZeRO-2 buffers its pool does not keep (``zero2_fresh_s``) + optimizer
 
     exposed sync = max(the last bucket's collective, sync - comm_overlap * backward compute)
 
@@ -28,20 +29,42 @@ from autopar.record.gradients import whole_on
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.graph import edge_itemsize
 from autopar.ir.losses import counted_from_inputs
-from autopar.record.buckets import DEFAULT_BUCKET_BYTES, assign_buckets, first_reads, pooled_buffers, zero2_pool_cap
+from autopar.record.buckets import (
+    DEFAULT_BUCKET_BYTES, SCATTERS_IN_FLIGHT, assign_buckets, first_reads, pooled_buffers, zero2_pool_cap,
+    zero2_saved_bytes,
+)
 from autopar.record.gathers import param_gather_groups
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
 
-def zero2_pool_bytes(grad_bytes: float, kind: str, total_bytes: float | None,
+def zero2_pool_bytes(grad_bytes: float, kind: str, zero2_bytes: float, saved_bytes: float,
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
     """Bytes a ZeRO-2 gradient of ``grad_bytes`` (in its reduction dtype) adds to the reducer's
-    pool, which keeps the buffers a sum uses from step to step: their bytes, or where the model's
-    gradients (``total_bytes``) outgrow ``zero2_pool_cap`` its share of that bound."""
+    pool, which keeps the buffers a sum uses from step to step: its share of the pool the rank's
+    ZeRO-2 gradients (``zero2_bytes`` whole, ``saved_bytes`` freed: ``zero2_saved_bytes``) fill up
+    to ``zero2_pool_cap``."""
+    zero2_bytes = zero2_bytes or grad_bytes
+    if not zero2_bytes:
+        return 0.0
+    return grad_bytes * min(pooled_buffers(kind), zero2_pool_cap(kind, saved_bytes, bucket_bytes) / zero2_bytes)
+
+
+def zero2_fresh_s(grad_bytes: float, kind: str, zero2_bytes: float, saved_bytes: float, gathered_bytes: float,
+                  ways: int, cluster, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
+    """Seconds a step spends faulting in the pages of the ZeRO-2 buffers the pool does not keep
+    (``zero2_pool_cap``) for a gradient of ``grad_bytes``: its share of the buffers the sum takes
+    (``pooled_buffers``) and the gather after the step (the chunk and the whole, ``gathered_bytes``
+    in the working dtype), made anew each use, written at ``fresh_write_bandwidth`` instead of the
+    sustained rate (none where the allocator keeps its blocks, as a GPU's does)."""
+    zero2_bytes = zero2_bytes or grad_bytes
+    per_byte = max(0.0, 1.0 / cluster.fresh_write_bandwidth - 1.0 / cluster.sustained_memory_bandwidth)
+    if not zero2_bytes or not per_byte:
+        return 0.0
     buffers = pooled_buffers(kind)
-    if not total_bytes:
-        return buffers * grad_bytes
-    return grad_bytes * min(buffers, zero2_pool_cap(kind, bucket_bytes) / total_bytes)
+    wanted = min(buffers * zero2_bytes, buffers * (SCATTERS_IN_FLIGHT + 1) * bucket_bytes)
+    fresh = 1.0 - min(1.0, zero2_pool_cap(kind, saved_bytes, bucket_bytes) / wanted)
+    taken = buffers * grad_bytes + gathered_bytes * (1 + 1 / ways)
+    return fresh * taken * per_byte
 
 
 def accumulate_s(nbytes: float, bucketed: bool, step_share: float, cluster) -> float:
@@ -108,7 +131,10 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     # synced byte: a gradient summed in a wider dtype than the working copy gathered), bytes)
     synced = []
     elements = tensors = 0
-    accumulate = 0.0
+    accumulate = fresh = 0.0
+    zero2 = [(p.grad_sync.nbytes, math.prod(mesh.shape[a] for a in p.grad_sync.axes)) for p in plan.params.values()
+             if not p.buffer and p.grad_sync is not None and p.grad_sync.split]
+    zero2_bytes, saved = sum(n for n, _ in zero2), zero2_saved_bytes(zero2)
     for p in plan.params.values():
         if p.buffer:
             continue
@@ -121,7 +147,9 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
             key = (first, sync.axes, str(meta.dtype), tuple(rest), round(local / sync.nbytes, 6) if sync.nbytes else 1.0)
             synced.append((first_use.get(p.node, 0), key, int(sync.nbytes)))
             if sync.split:
-                local = local / math.prod(mesh.shape[a] for a in sync.axes)
+                ways = math.prod(mesh.shape[a] for a in sync.axes)
+                fresh += zero2_fresh_s(sync.nbytes, sync.sum_by, zero2_bytes, saved, local, ways, cluster, bucket_bytes)
+                local = local / ways
         elements += local / meta.itemsize
         tensors += 1
     # the reducer's buckets (``assign_buckets``), in backward's order; ZeRO-2's updated chunks are
@@ -141,7 +169,7 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     sync = sum(buckets)
     exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0
     optimizer = elements * cluster.optimizer_s_per_element + tensors * cluster.optimizer_s_per_tensor
-    total = compute + overhead + reshard + in_ops + exposed + gathers + optimizer + accumulate
+    total = compute + overhead + reshard + in_ops + exposed + gathers + fresh + optimizer + accumulate
     return {
         "compute_s": compute,
         "overhead_s": overhead,
@@ -150,9 +178,10 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         "grad_sync_s": sync,
         "exposed_sync_s": exposed,
         "param_gather_s": gathers,
+        "zero2_fresh_s": fresh,
         "optimizer_s": optimizer,
         "grad_accumulate_s": accumulate,
-        "comm_s": reshard + in_ops + exposed + gathers,
+        "comm_s": reshard + in_ops + exposed + gathers + fresh,
         "step_time_s": total,
         "buckets": len(buckets),
     }

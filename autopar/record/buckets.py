@@ -14,6 +14,11 @@ DEFAULT_BUCKET_BYTES = 25 << 20
 FIRST_BUCKET_BYTES = 1 << 20
 # ZeRO-2 reduce-scatters in flight at once (``runtime.reducer``): each holds a whole bucket.
 SCATTERS_IN_FLIGHT = 2
+# The share of the gradient bytes ZeRO-2 frees (each rank keeps its chunk of a gradient, not the
+# whole) that the reducer's pool may spend on keeping bucket buffers from step to step: a pool as
+# large as the buckets in use (a model whose gradients fit in a few buckets: all of them, twice for
+# an all-to-all) held more than data parallel does. Buffers past the cap are made anew each use.
+POOL_SHARE_OF_SAVING = 0.5
 
 
 def pooled_buffers(sum_by: str) -> int:
@@ -22,11 +27,19 @@ def pooled_buffers(sum_by: str) -> int:
     return 2 if sum_by == "all_to_all" else 1
 
 
-def zero2_pool_cap(kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+def zero2_pool_cap(kind: str, saved_bytes: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
     """The most bytes the reducer's pool keeps for ZeRO-2 buckets summed by ``kind``: the buffers a
     sum uses (``pooled_buffers``) of the buckets in use at once (``SCATTERS_IN_FLIGHT`` and one
-    filling)."""
-    return pooled_buffers(kind) * (SCATTERS_IN_FLIGHT + 1) * bucket_bytes
+    filling), and no more than ``POOL_SHARE_OF_SAVING`` of ``saved_bytes``, the gradient bytes
+    ZeRO-2 frees on this rank (``zero2_saved_bytes``)."""
+    in_use = pooled_buffers(kind) * (SCATTERS_IN_FLIGHT + 1) * bucket_bytes
+    return int(min(in_use, POOL_SHARE_OF_SAVING * saved_bytes))
+
+
+def zero2_saved_bytes(grads) -> float:
+    """The gradient bytes ZeRO-2 frees on a rank: for each (whole gradient bytes, ranks it is split
+    over) of ``grads``, all but the rank's chunk."""
+    return sum(nbytes * (1 - 1 / ways) for nbytes, ways in grads if ways > 1)
 
 
 def bucket_sizes(total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[int]:

@@ -64,7 +64,7 @@ import torch.distributed as dist
 # One source for the bucket sizes: the cost model prices these buckets.
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES
 from autopar.record.buckets import FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES
-from autopar.record.buckets import SCATTERS_IN_FLIGHT, assign_buckets, zero2_pool_cap
+from autopar.record.buckets import SCATTERS_IN_FLIGHT, assign_buckets, zero2_pool_cap, zero2_saved_bytes
 from autopar.errors import ConfigError
 from autopar.record.grad_sync import GradSync
 
@@ -112,7 +112,7 @@ class _Pool:
     next use. Made anew each time, their pages were faulted in again every step: on this 2-core
     VM's 4 gloo ranks a new 32 MiB buffer cost 15-30 ms, as much as the collective that fills it.
     The smallest free buffer that fits is lent first; the pool keeps at most ``cap_bytes`` free
-    (what the memory model prices: ``cost_model.step.zero2_pool_bytes``), a buffer given back past
+    (``record.buckets.zero2_pool_cap``, as the memory model prices it), a buffer given back past
     that is freed."""
 
     def __init__(self, cap_bytes: int | None = None):
@@ -436,8 +436,11 @@ class GradReducer:
         self.bucket_bytes, self.first_bucket_bytes = bucket_bytes, first_bucket_bytes
         self.pool = _Pool()  # the ZeRO-2 buckets' buffers while they are summed or gathered
         self.buckets = self._make_buckets(entries)
-        # kept: at most the buckets in use at once, as the memory model prices them
-        self.pool.cap_bytes = max((zero2_pool_cap(b.sum_by, bucket_bytes) for b in self.buckets if b.split), default=0)
+        # kept: at most the buckets in use at once and a share of what ZeRO-2 saves, as the memory
+        # model prices them
+        split = [b for b in self.buckets if b.split]
+        saved = zero2_saved_bytes([(b._flat_numel() * b.wire.itemsize, b.n) for b in split])
+        self.pool.cap_bytes = max((zero2_pool_cap(b.sum_by, saved, bucket_bytes) for b in split), default=0)
         self._by_slot = {e.slot: b for b in self.buckets for e in b.entries}
         self.tapped = frozenset(self._by_slot)  # the state slots a tap reads
         self._next = 0  # the next bucket to launch in this backward

@@ -1,11 +1,14 @@
 """What-ifs: hand-written hybrid configurations priced by the same cost model as autopar's plan.
 
 A configuration is written as people write them: ``"tp=8,dp=16"``, ``"tp=8,pp=4,dp=4,mb=16"``,
-``"dp=8,zero=3"``, ``"tp=4,vocab=1"`` (keys: dp, tp, pp, mb (microbatches), zero (0-3), vocab
-(vocabulary-parallel loss, 0/1)). The mesh's devices are viewed as (pp x dp, tp) when its shape
-differs (the cluster prices the links of that view). Without ``pp`` it is
-``autopar.plan(..., force=Layout(...))``; with ``pp`` it is a pipeline of ``pp`` equal stages (``Pipeline(stages=pp,
-microbatches=mb)``) whose stages run ``Layout(dp, tp, zero)`` on their sub-meshes. Each row says
+``"dp=8,zero=3"``, ``"tp=4,vocab=1"``, ``"dp=64,zero=1,mb=8,recompute=full"`` (keys: dp, tp, pp, mb
+(microbatches: gradient accumulation, with or without a pipeline), zero (0-3), vocab
+(vocabulary-parallel loss, 0/1), recompute (none or full: every layer's activations recomputed in
+backward)). The mesh's devices are viewed as (pp x dp, tp) when its shape differs (the cluster
+prices the links of that view). Without ``pp``, ``mb`` and ``recompute`` it is
+``autopar.plan(..., force=Layout(...))``; with any of them it is a pipeline of ``pp`` equal stages
+(one: gradient accumulation) (``Pipeline(stages=pp, microbatches=mb, recompute=...)``) whose stages
+run ``Layout(dp, tp, zero)`` on their sub-meshes. Each row says
 the predicted step time, memory per device and bytes moved per step; one that does not fit the
 budget says how much memory it needs. ``autopar.compare(plan, model, inputs, *configs)`` puts a plan
 beside configurations; it is no method of ``Plan``, which the planner makes and so cannot call.
@@ -21,7 +24,9 @@ from autopar.solver.config import Pipeline, PlanConfig
 from autopar.solver.mesh_views import config_mesh
 from autopar.solver.units import fmt_bytes, fmt_s
 
-KEYS = ("dp", "tp", "pp", "mb", "zero", "vocab")
+KEYS = ("dp", "tp", "pp", "mb", "zero", "vocab", "recompute")
+# recompute's words (and 0/1) -> whether every layer is recomputed
+RECOMPUTE = {"none": 0, "0": 0, "full": 1, "1": 1}
 
 
 @dataclasses.dataclass
@@ -36,30 +41,43 @@ class WhatIf:
 
 
 def parse_config(text: str) -> dict:
-    """``"tp=8,pp=4,dp=4,mb=16"`` -> {"tp": 8, "pp": 4, "dp": 4, "mb": 16}."""
+    """``"tp=8,pp=4,dp=4,mb=16,recompute=full"`` -> {"tp": 8, "pp": 4, "dp": 4, "mb": 16, "recompute": 1}."""
     out = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = item.partition("=")
         key = key.strip().lower()
         if not eq or key not in KEYS:
             raise ConfigError(f"what-if {text!r}: write items like tp=8,dp=16 (keys {', '.join(KEYS)}); got {item!r}")
+        if key == "recompute":
+            word = value.strip().lower()
+            if word == "selective":
+                raise ConfigError(f"what-if {text!r}: recompute=selective is not supported yet (autopar recomputes a "
+                                  "stage's layers whole); use recompute=full or recompute=none")
+            if word not in RECOMPUTE:
+                raise ConfigError(f"what-if {text!r}: recompute must be none or full, got {value!r}")
+            out[key] = RECOMPUTE[word]
+            continue
         try:
             out[key] = int(value)
         except ValueError:
             raise ConfigError(f"what-if {text!r}: {key} must be a whole number, got {value!r}") from None
-        if out[key] < 0 or (out[key] == 0 and key not in ("zero", "vocab")):
+        if out[key] < 0 or (out[key] == 0 and key not in ("zero", "vocab", "recompute")):
             raise ConfigError(f"what-if {text!r}: {key} must be positive")
     return out
 
 
 def config_grid(devices: int, *, layers: int | None = None, batch: int | None = None, tp_max: int | None = None,
-                microbatches=(1, 2, 4, 8), zero=(0, 1, 2, 3)) -> list[str]:
+                microbatches=(1, 2, 4, 8), zero=(0, 1, 2, 3), recompute=(0, 1)) -> list[str]:
     """Every hand-written configuration of ``devices``: tp x pp x dp over the divisors (pp at most
     ``layers``, tp at most ``tp_max``), each ZeRO stage where dp > 1, the vocabulary-parallel loss
-    on or off where tp > 1, and with pp > 1 each of ``microbatches`` that splits ``batch`` evenly
-    over dp and is at least pp (what torch's 1F1B runs)."""
+    on or off where tp > 1, each of ``microbatches`` that splits ``batch`` evenly over dp (with
+    pp > 1 at least pp, what torch's 1F1B runs; without a pipeline, more than one is gradient
+    accumulation), and each of ``recompute`` (none, full)."""
     def divisors(n):
         return [d for d in range(1, n + 1) if n % d == 0]
+
+    def splits(m, dp):
+        return batch is None or (batch % m == 0 and (batch // m) % dp == 0)
 
     out = []
     for tp in divisors(devices):
@@ -69,15 +87,19 @@ def config_grid(devices: int, *, layers: int | None = None, batch: int | None = 
             dp = devices // (tp * pp)
             if layers is not None and pp > layers:
                 continue
-            mbs = [None] if pp == 1 else [m for m in microbatches if m >= pp and (
-                batch is None or (batch % m == 0 and (batch // m) % dp == 0))]
+            if pp == 1:
+                mbs = [None] + [m for m in microbatches if m > 1 and splits(m, dp)]
+            else:
+                mbs = [m for m in microbatches if m >= pp and splits(m, dp)]
             for z in zero:
                 if z and dp == 1:
                     continue
                 for vocab in ((0, 1) if tp > 1 else (0,)):
                     for mb in mbs:
-                        parts = [f"tp={tp}", f"pp={pp}", f"dp={dp}"] + ([f"mb={mb}"] if mb else [])
-                        out.append(",".join(parts + [f"zero={z}", f"vocab={vocab}"]))
+                        for rc in recompute:
+                            parts = [f"tp={tp}", f"pp={pp}", f"dp={dp}"] + ([f"mb={mb}"] if mb else [])
+                            parts += [f"zero={z}", f"vocab={vocab}"] + (["recompute=full"] if rc else [])
+                            out.append(",".join(parts))
     return out
 
 
@@ -129,7 +151,9 @@ def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memo
     mesh = config_mesh(mesh, pp * dp, tp)
     try:
         layout = Layout(dp=dp, tp=tp, zero=c.get("zero", 0), vocab_parallel=None if vocab is None else bool(vocab))
-        pipeline = Pipeline(stages=pp, microbatches=c.get("mb")) if pp > 1 else None
+        accumulates = pp > 1 or "mb" in c or "recompute" in c  # a pipeline (of one stage: accumulation)
+        recompute = None if "recompute" not in c else bool(c["recompute"])
+        pipeline = Pipeline(stages=pp, microbatches=c.get("mb"), recompute=recompute) if accumulates else None
         config_of_plan = PlanConfig.of(plan_config, **options).replace(memory_budget=None, force=layout, pipeline=pipeline)
         plan = make_plan(model, mesh, example_inputs, example_kwargs=example_kwargs, config=config_of_plan)
     except (PlanError, ConfigError) as err:
@@ -146,8 +170,6 @@ def _degrees(config: str, mesh) -> tuple[dict, int, int, int]:
     dp, tp, pp = c.get("dp", 1), c.get("tp", 1), c.get("pp", 1)
     if dp * tp * pp != mesh.size:
         raise ConfigError(f"what-if {config!r}: dp x tp x pp = {dp * tp * pp}, but the mesh has {mesh.size} devices")
-    if "mb" in c and pp == 1:
-        raise ConfigError(f"what-if {config!r}: mb (microbatches) needs pp > 1")
     return c, dp, tp, pp
 
 

@@ -196,7 +196,8 @@ def _step_line(p: dict) -> str:
     text = " + ".join(f"{name} {fmt_s(p[key])}" for name, key in parts if key in p)
     if "exposed_sync_s" in p:
         text += (f" (communication: reshards {fmt_s(p['reshard_s'])}, in ops {fmt_s(p.get('op_comm_s', 0.0))}, gradient sync {fmt_s(p['exposed_sync_s'])} "
-                 f"exposed of {fmt_s(p['grad_sync_s'])} in {p['buckets']} bucket(s), ZeRO-2 gathers {fmt_s(p['param_gather_s'])})")
+                 f"exposed of {fmt_s(p['grad_sync_s'])} in {p['buckets']} bucket(s), ZeRO-2 gathers {fmt_s(p['param_gather_s'])}"
+                 + (f", ZeRO-2 buffers made anew {fmt_s(p['zero2_fresh_s'])}" if p.get("zero2_fresh_s") else "") + ")")
     return f"predicted step time {fmt_s(p['step_time_s'])} = {text}"
 
 

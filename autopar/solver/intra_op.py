@@ -15,7 +15,7 @@ import time
 from autopar.cost_model import memory as memory_model
 from autopar.record.gradients import identical_ok, param_sync_axes
 from autopar.cost_model.step import step_time, zero2_pool_bytes
-from autopar.record.buckets import DEFAULT_BUCKET_BYTES
+from autopar.record.buckets import DEFAULT_BUCKET_BYTES, zero2_saved_bytes
 from autopar.errors import ConfigError, PlanError
 from autopar.ir import trace
 from autopar.ir.graph import Role
@@ -342,8 +342,9 @@ def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: 
     and the updated chunk), gradients (with ZeRO-2's share of the reducer's pool of bucket
     buffers), optimizer states (and fp32 master copies), and activations (the rest of the total:
     saved values and the reshards kept for backward)."""
-    grad_scale = precision.reduce_dtype.itemsize / precision.param_dtype.itemsize if precision is not None else 1.0
-    all_grads = graph.param_bytes() * grad_scale  # (as the ILP priced the pool's share: ``_param_choices``)
+    zero2 = [(p.grad_sync.nbytes, math.prod(mesh.shape[a] for a in p.grad_sync.axes)) for p in plan.params.values()
+             if not p.buffer and p.grad_sync is not None and p.grad_sync.split]
+    zero2_bytes, saved = sum(n for n, _ in zero2), zero2_saved_bytes(zero2)
     params = grads = held = 0.0
     for p in plan.params.values():
         node = plan.nodes.get(p.node)
@@ -359,6 +360,6 @@ def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: 
         params += parts["parameters"]
         grads += parts["gradients"]
         if zero_axes:
-            grads += zero2_pool_bytes(p.grad_sync.nbytes, p.grad_sync.sum_by, all_grads, bucket_bytes)
+            grads += zero2_pool_bytes(p.grad_sync.nbytes, p.grad_sync.sum_by, zero2_bytes, saved, bucket_bytes)
     return {"parameters": params, "gradients": grads, "optimizer_states": max(0.0, held - params - grads),
             "activations": max(0.0, total - held)}

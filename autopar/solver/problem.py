@@ -24,13 +24,13 @@ from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time, packed_gather_bytes
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.record.gradients import output_whole_axes
-from autopar.cost_model.step import accumulate_s, reshard_s, zero2_pool_bytes
+from autopar.cost_model.step import accumulate_s, reshard_s, zero2_fresh_s, zero2_pool_bytes
 from autopar.cost_model.ops import alias_roots
 from autopar.ir.graph import needs_grad
 from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role, edge_itemsize
 from autopar.ir.losses import counted_from_inputs, unread_outputs
-from autopar.record.buckets import DEFAULT_BUCKET_BYTES, bucket_count
+from autopar.record.buckets import DEFAULT_BUCKET_BYTES, bucket_count, zero2_saved_bytes
 from autopar.record.grad_sync import ZERO2_SUMS, GradSync
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
@@ -113,14 +113,18 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
             # the updated chunk packed and the whole unpacked into the working copy (``runtime.reducer``)
             gather = (bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes, total_bytes)
                       + layout_copy_time(packed_gather_bytes(local, ways), cluster))
+            # the rank's ZeRO-2 gradients are not known here: priced as if all were, split as this one
+            zero2_bytes = total_bytes or grad
+            saved = zero2_saved_bytes([(zero2_bytes, ways)])
             cost_z, sum_by = min(((bucketed_collective_time(k, grad, mesh, repl, bucket_bytes, total_bytes)
-                                   + local_sum_time(k, grad, ways, cluster) + gather, k) for k in ZERO2_SUMS),
-                                 key=lambda priced: priced[0])  # the first on a tie
+                                   + local_sum_time(k, grad, ways, cluster) + gather
+                                   + zero2_fresh_s(grad, k, zero2_bytes, saved, local, ways, cluster, bucket_bytes), k)
+                                  for k in ZERO2_SUMS), key=lambda priced: priced[0])  # the first on a tie
             strategies.append(Strategy((), spec, "zero2" if spec.is_replicated else "sharded+zero2", 1.0))
             opt.append(optimizer_s(local / math.prod(mesh.shape[a] for a in repl)))
             costs.append(cost_z)
             mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl,
-                                                  precision=precision) + zero2_pool_bytes(grad, sum_by, total_bytes, bucket_bytes))
+                                                  precision=precision) + zero2_pool_bytes(grad, sum_by, zero2_bytes, saved, bucket_bytes))
             syncs.append(GradSync.zero2(sum_by, repl, grad))
             acc.append(accumulate_s(grad, True, step_share, cluster))
     comp = [o * step_share + a for o, a in zip(opt, acc)]

@@ -168,7 +168,7 @@ def test_explain_with_what_ifs(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["explain", "hf:cfg.json:layers=2", "--mesh", "2"], "options are batch, seq and dtype"),
     (["explain", "gpt:dtype=float99", "--mesh", "2"], "not a torch dtype"),
-    (["explain", "gpt:layers=1", "--mesh", "2", "--compare", "dp=2", "tp=2,mb=4"], "mb (microbatches) needs pp > 1"),
+    (["explain", "gpt:layers=1", "--mesh", "2", "--compare", "dp=2", "tp=2,recompute=selective"], "recompute=selective is not supported yet"),
     (["explain", "gpt:layers=1", "--mesh", "2", "--compare", "dp=4"], "the mesh has 2 devices"),
 ])
 def test_cli_model_and_what_if_errors_are_one_line(capsys, tmp_path, monkeypatch, argv, message):

@@ -39,10 +39,6 @@ PLANS = {
     # every microbatch in flight on both stages; the loss's logits held once, at the last stage's peak
     "pp2 x dp2 gpipe": ((4,), dict(dp=2), dict(stages=2, schedule="gpipe", microbatches=4, recompute=False)),
 }
-# ZeRO-2's buckets at 256 KiB: the reducer's pool keeps the buffers of the buckets in use at once
-# (the sum's sent and received ones), a bound the model's 4 MiB of gradients would not reach with
-# the default 25 MiB buckets (ZeRO-2 would then keep as much as data parallel does)
-OPTIONS = {"zero2": dict(bucket_bytes=256 << 10)}
 TOLERANCE = 0.15
 
 
@@ -56,7 +52,7 @@ def rank_cases(rank, world):
         model, (idx, targets) = models.build("gpt", **MODEL)
         pm = autopar.parallelize(model, autopar.Mesh(shape), (idx, targets), force=autopar.Layout(**fields),
                                  pipeline=autopar.Pipeline(**pipe) if pipe else False,
-                                 idle_axes=idle[0] if idle else "auto", **OPTIONS.get(name, {}))
+                                 idle_axes=idle[0] if idle else "auto")
         del model
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
 
@@ -91,9 +87,11 @@ def test_the_measured_peak_is_the_predicted_one(measured, name):
 
 
 def test_zero_holds_less_than_data_parallel_by_about_what_it_predicts(measured):
+    """At the default buckets (the model's 4 MiB of gradients fit in one): the reducer's pool keeps
+    no more than a share of what ZeRO-2 frees, so each ZeRO stage holds less than the one before."""
     for res in measured:
         dp, z2, z3 = (res[k] for k in ("dp4", "zero2", "zero3"))
-        assert z2["measured"] < dp["measured"] and z3["measured"] < dp["measured"]
+        assert z3["measured"] < z2["measured"] < dp["measured"], (dp, z2, z3)
         for z in (z2, z3):
             saved, predicted = dp["measured"] - z["measured"], dp["predicted"] - z["predicted"]
             assert saved == pytest.approx(predicted, rel=0.3), (saved, predicted)

@@ -150,6 +150,33 @@ def test_what_if_with_pipeline_stages():
     assert all(s.mesh_shape == (1, 2) for s in r.plan.pipeline.stages)
 
 
+def test_what_ifs_say_accumulation_and_recomputation_without_a_pipeline():
+    """``mb`` without ``pp`` is gradient accumulation (a one-stage pipeline of ``mb`` microbatches),
+    ``recompute=full`` recomputes every layer in backward: each holds fewer activations than the
+    plain layout and recomputation costs a forward more."""
+    from autopar.errors import ConfigError
+    from autopar.solver.compare import compare, parse_config
+
+    assert parse_config("dp=4,mb=4,recompute=full") == {"dp": 4, "mb": 4, "recompute": 1}
+    assert parse_config("dp=4,recompute=none")["recompute"] == 0
+    with pytest.raises(ConfigError, match="recompute=selective is not supported yet"):
+        parse_config("dp=4,recompute=selective")
+    with pytest.raises(ConfigError, match="recompute must be none or full"):
+        parse_config("dp=4,recompute=some")
+    model, inputs = models.build("gpt", device="meta", layers=4, width=512, heads=8, seq=256, vocab=4096, batch=32)
+    mesh = autopar.Mesh((4,), cluster="a100-80g")
+    plain, acc, rc, both = compare(model, mesh, inputs, ["dp=4", "dp=4,mb=4", "dp=4,recompute=full",
+                                                                  "dp=4,mb=4,recompute=full"])
+    assert plain.plan.pipeline is None
+    for r, mb, recompute in ((acc, 4, False), (rc, None, True), (both, 4, True)):
+        pipe = r.plan.pipeline
+        assert pipe is not None and len(pipe.stages) == 1, r.name
+        assert (mb is None or pipe.microbatches == mb) and bool(pipe.stages[0].recompute) == recompute, r.name
+        assert r.memory_bytes < plain.memory_bytes, r.name
+    assert both.memory_bytes < acc.memory_bytes and both.memory_bytes < rc.memory_bytes
+    assert rc.step_time_s > plain.step_time_s and both.step_time_s > acc.step_time_s
+
+
 def test_the_auto_plans_own_configuration_prices_the_same(gpt):
     """Read the auto plan's configuration from the plan itself, price it as a what-if: same step."""
     from autopar.solver.compare import config_of
