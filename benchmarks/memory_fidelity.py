@@ -78,19 +78,30 @@ def storage_bytes(tensors) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
+class _NoModules:
+    """Stands in for MemTracker's module tracker: its hooks on every module's inputs
+    (``register_multi_grad_hook``) make ``autograd.grad`` with inputs fail ("a leaf node was passed
+    to _will_engine_execute_node"), and zero bubble's split backward runs exactly that."""
+
+    parents: set = set()
+    is_bw = False
+
+    def register_user_hooks(self, *hooks): pass
+    def clear_user_hooks(self): pass
+    def get_known_fqn(self, module): return None
+    def __enter__(self): return self
+    def __exit__(self, *exc): pass
+
+
 def tracked_peak(step, held) -> int:
     """The peak of live tensor bytes while ``step()`` runs, by torch's MemTracker with the tensors
     ``held`` before it registered. Its per-module statistics are off: they refuse a module called
-    twice in one step (every pipeline stage runs once per microbatch); the device totals need none."""
+    twice in one step (every pipeline stage runs once per microbatch), and their hooks break a split
+    backward; the device totals need none."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    class DeviceTotals(MemTracker):
-        def _pre_fw_hook(self, *a): pass
-        def _post_fw_hook(self, *a): pass
-        def _pre_bw_hook(self, *a): pass
-        def _post_bw_hook(self, *a): pass
-
-    tracker = DeviceTotals()
+    tracker = MemTracker()
+    tracker._mod_tracker = _NoModules()
     tracker.track_external(*held)
     with tracker:
         step()

@@ -38,6 +38,16 @@ class Schedule:
     timing: str
     fallback: str | None = None  # what the runtime runs where torch's class does not take the count
 
+    def deferred(self, stage: int, stages: int, count: int) -> int:
+        """Microbatches whose weight half a stage holds back at its peak, each keeping its
+        activations and the gradients the weight half reads (torch's input half runs with
+        ``retain_graph``): none unless the backward splits; under zero bubble stage s > 0 defers s
+        and holds one more between an input half and the weight half it frees (torch runs stage
+        0's whole backward at once)."""
+        if not self.split_backward or stage == 0:
+            return 0
+        return min(stage + 1, count)
+
     def __str__(self) -> str:
         return self.name
 

@@ -201,13 +201,30 @@ def _fixed_cuts(time_t: np.ndarray) -> np.ndarray:
 
 
 # ---- the DP's answer under a schedule -------------------------------------------------------------------
-def _fits_inflight(sol, mem_t: np.ndarray, act_t: np.ndarray, schedule: Schedule, count: int, budget: float) -> bool:
+class StageMemory(NamedTuple):
+    """A stage's memory per (first unit, last unit, variant) (``stage_tables``): what it holds for
+    good, per microbatch in flight, and per microbatch whose weight half it defers."""
+
+    static: np.ndarray
+    activations: np.ndarray
+    deferred: np.ndarray
+
+    def kept(self, keep) -> "StageMemory":
+        return StageMemory(*(a[:, :, keep] for a in self))
+
+    def at(self, i: int, j: int, m: int, pos: int, stages: int, count: int, schedule: Schedule) -> float:
+        """Bytes of the stage of units i..j (variant m) at place ``pos`` of ``stages`` under ``schedule``."""
+        return float(self.static[i, j, m] + schedule.inflight(pos, stages, count) * self.activations[i, j, m]
+                     + schedule.deferred(pos, stages, count) * self.deferred[i, j, m])
+
+
+def _fits_inflight(sol, memory: StageMemory, schedule: Schedule, count: int, budget: float) -> bool:
     """Every stage of the DP's answer (one stage per rank) within ``budget`` with the microbatches
     the schedule holds in flight there: the DP counted each stage as the first of those from it
-    to the end, short of zero bubble's count (``Schedule.inflight``)."""
+    to the end, short of zero bubble's count (``Schedule.inflight``) and its deferred weight halves
+    (``Schedule.deferred``)."""
     p = len(sol.stages)
-    return all(mem_t[i, j, m] + schedule.inflight(pos, p, count) * act_t[i, j, m] <= budget
-               for pos, (i, j, m) in enumerate(sol.stages))
+    return all(memory.at(i, j, m, pos, p, count, schedule) <= budget for pos, (i, j, m) in enumerate(sol.stages))
 
 
 def shared_core_time(sol, devices: np.ndarray, count: int, contention: float, total_rows: int,
@@ -240,10 +257,10 @@ class _StagePricer:
     (``shared_core_time``), plus what the stages add (``step_extras``); None where a stage is
     ruled out or does not fit."""
 
-    def __init__(self, search, schedule: Schedule, virtual: int, count: int, time_t, mem_t, act_t, devices, prices,
-                 graph, groups, shared):
+    def __init__(self, search, schedule: Schedule, virtual: int, count: int, time_t, memory: StageMemory, devices,
+                 prices, graph, groups, shared):
         self.search, self.schedule, self.virtual, self.count = search, schedule, virtual, count
-        self.time_t, self.mem_t, self.act_t, self.devices, self.prices = time_t, mem_t, act_t, devices, prices
+        self.time_t, self.memory, self.devices, self.prices = time_t, memory, devices, prices
         self.graph, self.groups, self.shared = graph, groups, shared
 
     def __call__(self, stages: list) -> StageSolution | None:
@@ -252,7 +269,7 @@ class _StagePricer:
         if not all(math.isfinite(t) for t in times):
             return None
         sol = StageSolution(list(stages), step_time(self.schedule, times, count, self.virtual), max(times), times)
-        if self.virtual == 1 and not _fits_inflight(sol, self.mem_t, self.act_t, self.schedule, count, search.budget):
+        if self.virtual == 1 and not _fits_inflight(sol, self.memory, self.schedule, count, search.budget):
             return None
         per_step = [count * self.prices[m].per_step_s[i:j + 1].sum() for i, j, m in stages]
         sol.step_time = shared_core_time(sol, self.devices, count, search.contention, search.mesh.shape[0],
@@ -331,18 +348,18 @@ class _StageTables:
 
     def __init__(self, variants, graph, mesh: Mesh, layers: tuple[int, ...] | None):
         self.variants, self.graph, self.mesh, self.layers = variants, graph, mesh, layers
-        self.built: dict[tuple, tuple] = {}  # group sizes -> (groups, grouped variants, time, memory, activations)
+        self.built: dict[tuple, tuple] = {}  # group sizes -> (groups, grouped variants, time, StageMemory)
 
     def for_stages(self, stage_count: int | None):
-        """(groups, grouped variants, time, memory, activations) on units fit for ``stage_count`` stages."""
+        """(groups, grouped variants, time, StageMemory) on units fit for ``stage_count`` stages."""
         groups = unit_groups(len(self.graph.layers), stage_count, self.layers)
         key = tuple(map(len, groups))
         if key not in self.built:
             grouped = [(rows, grouped_prices(p, groups)) for rows, p in self.variants]
-            time_t, mem_t, act_t = stage_tables(grouped, len(groups), self.mesh)
+            time_t, *memory = stage_tables(grouped, len(groups), self.mesh)
             if self.layers is not None:
                 time_t = _fixed_cuts(time_t)
-            self.built[key] = (groups, grouped, time_t, mem_t, act_t)
+            self.built[key] = (groups, grouped, time_t, StageMemory(*memory))
         return self.built[key]
 
 
@@ -572,7 +589,7 @@ class _Search:
         recomputed = np.array([p.recompute for _, p in variants])
         for schedule, virtual in self._schedules():
             for keep, counts in _stage_shapes(devices, mesh.shape[0], self.pipeline.stages, self.equal_stages):
-                groups, grouped, time_t, mem_t, act_t = tables.for_stages(
+                groups, grouped, time_t, memory = tables.for_stages(
                     next(iter(counts)) * virtual if counts is not None and len(counts) == 1 else None)
                 if not schedule.recompute:  # (see Pipeline)
                     keep = keep & ~recomputed
@@ -582,12 +599,12 @@ class _Search:
                 counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if schedule.takes(c, count)}
                 if not counts:
                     continue
-                time_k, mem_k, act_k = time_t[:, :, keep], mem_t[:, :, keep], act_t[:, :, keep]
-                sol = self._solve(schedule, virtual, counts, count, devices[keep], time_k, mem_k, act_k)
+                time_k, memory_k = time_t[:, :, keep], memory.kept(keep)
+                sol = self._solve(schedule, virtual, counts, count, devices[keep], time_k, memory_k)
                 if sol is None:
                     continue
                 kept = np.flatnonzero(keep)  # the DP's variant index -> the variants list's
-                priced = _StagePricer(self, schedule, virtual, count, time_k, mem_k, act_k, devices[keep],
+                priced = _StagePricer(self, schedule, virtual, count, time_k, memory_k, devices[keep],
                                       [grouped[k][1] for k in kept], graph, groups, shared)
                 sol = priced(sol.stages)
                 if self.contention > 1.0 and not schedule.interleaved:
@@ -598,16 +615,17 @@ class _Search:
         self.timing["dp_s"] += time.perf_counter() - t_dp
         return found
 
-    def _solve(self, schedule: Schedule, virtual: int, counts: set[int], count: int, devices, time_t, mem_t, act_t):
+    def _solve(self, schedule: Schedule, virtual: int, counts: set[int], count: int, devices, time_t,
+               memory: StageMemory):
         """The DP for ``schedule`` over these variants and stage counts (of ranks): its stages (the
         DP's objective is GPipe's and 1F1B's step; ``_StagePricer`` prices them), or None when
         nothing fits."""
         if virtual > 1:  # v stages per rank: the DP cuts p * v stages on v copies of the rows
             counts = {c * virtual for c in counts}
-        sol = solve_stages(time_t, devices, self.mesh.shape[0] * virtual, count, mem=mem_t, act=act_t,
+        sol = solve_stages(time_t, devices, self.mesh.shape[0] * virtual, count, mem=memory.static, act=memory.activations,
                            budget=self.budget / virtual, schedule=schedule.name, stage_counts=counts,
                            tolerance=self.tolerance)
-        if sol is None or (virtual == 1 and not _fits_inflight(sol, mem_t, act_t, schedule, count, self.budget)):
+        if sol is None or (virtual == 1 and not _fits_inflight(sol, memory, schedule, count, self.budget)):
             return None
         return sol
 
@@ -648,8 +666,9 @@ def _stage_plans(found: Found, mesh: Mesh, virtual: int, budget: float) -> list[
         rows, prices = variants[m]
         if virtual > 1:
             row = (len(stages) % blocks) * rows
-        inflight = schedule.inflight(len(stages) % blocks, blocks, count)
-        mem = prices.held_between(i, j) + inflight * prices.activation_bytes[i:j + 1].sum() + prices.stage_extra_bytes
+        pos = len(stages) % blocks
+        mem = (prices.held_between(i, j) + schedule.inflight(pos, blocks, count) * prices.activation_bytes[i:j + 1].sum()
+               + schedule.deferred(pos, blocks, count) * prices.deferred_between(i, j) + prices.stage_extra_bytes)
         nodes = {name for name, u in unit.items() if i <= u <= j}
         if not stages:  # state nothing reads is held by the first stage (as codegen's cut_stages holds it)
             nodes |= {n for n, node in graph.nodes.items()

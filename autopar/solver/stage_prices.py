@@ -25,6 +25,7 @@ import numpy as np
 
 from autopar.cost_model.comm import mesh_collective_time
 from autopar.cost_model.lowered import lowered_comm_s
+from autopar.cost_model.ops import is_view, local_nbytes
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role
@@ -55,6 +56,12 @@ class UnitPrices:
     # held at the forward's peak once per stage, not per microbatch in flight (a loss's logits and
     # log-probabilities); None: nothing
     peak_bytes: np.ndarray | None = None
+    # per microbatch whose weight half a split backward defers (``Schedule.deferred``): the
+    # gradients of the outputs of the ops that read parameters, which the weight half reads
+    weight_grad_bytes: np.ndarray | None = None
+    # the activations the input half frees when the unit ends a stage: what is saved after its
+    # last op reading a parameter (a loss's inputs), which no weight half needs
+    tail_bytes: np.ndarray | None = None
 
     def static_between(self, i: int, j: int) -> float:
         """What units i..j hold of state, a shared parameter once."""
@@ -68,6 +75,13 @@ class UnitPrices:
         their state and what lives at the forward's peak, once."""
         peak = 0.0 if self.peak_bytes is None else float(self.peak_bytes[i:j + 1].sum())
         return self.static_between(i, j) * state_share + peak
+
+    def deferred_between(self, i: int, j: int) -> float:
+        """What a stage of units i..j holds per microbatch whose weight half is deferred, beyond
+        its activations: the weight halves' gradients, less what the input half frees."""
+        if self.weight_grad_bytes is None:
+            return 0.0
+        return max(0.0, float(self.weight_grad_bytes[i:j + 1].sum()) - float(self.tail_bytes[j]))
 
     def recomputed(self) -> "UnitPrices":
         """These prices with every unit's activations recomputed in backward (as
@@ -84,7 +98,9 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     cluster = mesh.resolved_cluster()
     unit = unit_of_nodes(graph)
     n = len(graph.layers)
-    micro, step, static, act, boundary, forward, peak = (np.zeros(n) for _ in range(7))
+    micro, step, static, act, boundary, forward, peak, weight_grads, tail = (np.zeros(n) for _ in range(9))
+    last_weight_op: dict[int, int] = {}  # unit -> graph position of its last op reading a parameter
+    position = {name: k for k, name in enumerate(graph.nodes)}
     readers = node_readers(graph)
     crossing: set[tuple[str, int]] = set()
     out = next(n for n in graph.nodes.values() if n.op == "output")
@@ -110,6 +126,9 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
             forward[u] += np_.compute_s / 3 + cluster.op_overhead_s  # node compute is forward + 2x backward
             act[u] += np_.memory_bytes - np_.peak_bytes
             peak[u] += np_.peak_bytes
+            if not is_view(node.target) and any(_param_source(graph, i) for i in node.inputs):
+                weight_grads[u] += local_nbytes(node.meta, np_.output, mesh)
+                last_weight_op[u] = max(last_weight_op.get(u, -1), position[name])
             if needs_lowering(np_.family):
                 micro[u] += lowered_comm_s(np_.target, np_.family, np_.inputs, np_.output, mesh,
                                            counted_locally=counted_from_inputs(graph, node), compute_s=np_.compute_s,
@@ -126,10 +145,24 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
                 if (e.src, b) not in crossing:
                     crossing.add((e.src, b))
                     boundary[b] += nbytes
+    for name, np_ in plan.nodes.items():  # saved from the unit's last op reading a parameter on
+        u = unit.get(name)
+        if (u is not None and graph.nodes[name].op == "call_function"
+                and position[name] >= last_weight_op.get(u, len(position))):
+            tail[u] += np_.memory_bytes - np_.peak_bytes
     for p in plan.params.values():
         if p.grad_sync is not None and p.node in unit:
             step[unit[p.node]] += p.grad_sync_s
-    return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_static=tuple(shared), peak_bytes=peak)
+    return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_static=tuple(shared), peak_bytes=peak,
+                      weight_grad_bytes=weight_grads, tail_bytes=tail)
+
+
+def _param_source(graph, name: str) -> bool:
+    """Whether a value is a parameter (through views of one input)."""
+    node = graph.nodes.get(name)
+    while node is not None and node.op == "call_function" and is_view(node.target) and len(node.inputs) == 1:
+        node = graph.nodes.get(node.inputs[0])
+    return node is not None and node.op == "placeholder" and node.role == Role.PARAMETER
 
 
 def grouped_prices(p: UnitPrices, groups) -> UnitPrices:
@@ -142,7 +175,9 @@ def grouped_prices(p: UnitPrices, groups) -> UnitPrices:
                       total(p.activation_bytes), np.asarray([p.boundary_bytes[g[0]] for g in groups]), p.plan,
                       total(p.forward_s), p.recompute, p.stage_extra_bytes,
                       tuple((b, tuple(group_of[u] for u in units)) for b, units in p.shared_static),
-                      None if p.peak_bytes is None else total(p.peak_bytes))
+                      None if p.peak_bytes is None else total(p.peak_bytes),
+                      None if p.weight_grad_bytes is None else total(p.weight_grad_bytes),
+                      None if p.tail_bytes is None else np.asarray([p.tail_bytes[g[-1]] for g in groups]))
 
 
 def fastest_prices(model, sm, graph, intra_op_plan, config) -> UnitPrices | None:
@@ -180,11 +215,13 @@ def leaner_prices(model, sm, graph, intra_op_plan, config, fastest: UnitPrices, 
 
 
 def stage_tables(variants, n_units: int, mesh: Mesh):
-    """(time, static memory, activation memory) per (first unit, last unit, variant)."""
+    """(time, static memory, activation memory, memory per deferred weight half) per (first unit,
+    last unit, variant)."""
     n_opt = len(variants)
     time_t = np.full((n_units, n_units, n_opt), math.inf)
     mem_t = np.zeros_like(time_t)
     act_t = np.zeros_like(time_t)
+    deferred_t = np.zeros_like(time_t)
     link = mesh.links()[0]
     call_s = mesh.resolved_cluster().collective_overhead_s  # a send reached from compute, as a collective
     for m, (rows, p) in enumerate(variants):
@@ -197,7 +234,8 @@ def stage_tables(variants, n_units: int, mesh: Mesh):
             time_t[i, i:, m] = c_time[j + 1] - c_time[i] + recv
             mem_t[i, i:, m] = [p.held_between(i, jj) + p.stage_extra_bytes for jj in j]
             act_t[i, i:, m] = c_act[j + 1] - c_act[i]
-    return time_t, mem_t, act_t
+            deferred_t[i, i:, m] = [p.deferred_between(i, jj) for jj in j]
+    return time_t, mem_t, act_t, deferred_t
 
 
 def multi_unit_params(graph) -> dict[str, set[int]]:

@@ -113,3 +113,13 @@ def test_step_times_per_schedule():
     assert step_time(zb, times, 4) == simulate_shared(times, [1] * 4, 4, "zero-bubble", math.inf)
     assert step_time(zb, times, 4) < fill_drain_time(times, 4)
 
+
+
+def test_only_a_split_backward_defers_weight_halves():
+    """Zero bubble's stage s > 0 holds s weight halves back and one more between an input half and
+    the weight half it frees; stage 0 runs its whole backward at once (torch's schedule)."""
+    for name in ("gpipe", "1f1b", "interleaved-1f1b"):
+        assert all(schedule_named(name).deferred(s, p, c) == 0 for s, p, c in CASES), name
+    zb = schedule_named("zero-bubble")
+    assert [zb.deferred(s, 4, 4) for s in range(4)] == [0, 2, 3, 4]
+    assert [zb.deferred(s, 4, 2) for s in range(4)] == [0, 2, 2, 2]

@@ -38,6 +38,9 @@ PLANS = {
     "pp2 x dp2": ((4,), dict(dp=2), dict(stages=2, schedule="1f1b", microbatches=2, recompute=False)),
     # every microbatch in flight on both stages; the loss's logits held once, at the last stage's peak
     "pp2 x dp2 gpipe": ((4,), dict(dp=2), dict(stages=2, schedule="gpipe", microbatches=4, recompute=False)),
+    # each stage past the first holds back weight halves, with their activations and the gradients
+    # they read (the last stage all four, its loss's inputs freed)
+    "pp4 zero-bubble": ((4,), dict(), dict(stages=4, schedule="zero-bubble", microbatches=4)),
 }
 TOLERANCE = 0.15
 

@@ -161,6 +161,26 @@ def test_units_and_attribution():
     assert added.sum() == pytest.approx(sum(acc.values()) + acc[wte])  # the tied weight by both its units
 
 
+def test_a_deferred_weight_half_holds_the_gradients_its_weights_read():
+    """Per unit, the output bytes of every op reading a parameter (what torch's input half keeps
+    for the weight half: a GPT layer's four linears and two layer norms; the last unit's head
+    too), less, on the unit ending a stage, what is saved after its last such op (the loss's
+    inputs: the input half frees them)."""
+    width, seq, batch, vocab = 64, 32, 8, 512
+    model, inputs = models.build("gpt", layers=3, width=width, seq=seq, batch=batch, vocab=vocab)
+    graph = ir.trace(model, inputs)
+    mesh = autopar.Mesh((1,), cluster="a100-80g")
+    prices = unit_prices(autopar.plan(model, mesh, graph=graph), graph, mesh)
+    tokens = batch * seq * 4  # float32 bytes per feature
+    layer = tokens * (3 * width + width + 4 * width + width + 2 * width)  # qkv, proj, fc, proj, 2 norms
+    assert prices.weight_grad_bytes[1] == layer
+    assert prices.weight_grad_bytes[0] == layer + tokens * width + seq * width * 4  # token, position embeddings
+    assert prices.weight_grad_bytes[2] == layer + tokens * width + tokens * vocab  # the final norm and the head
+    assert prices.tail_bytes[2] >= tokens * vocab  # the logits the loss saved
+    assert prices.deferred_between(1, 1) == layer - prices.tail_bytes[1]
+    assert prices.deferred_between(0, 2) == pytest.approx(prices.weight_grad_bytes.sum() - prices.tail_bytes[2])
+
+
 def test_row_options_and_sub_mesh():
     assert row_options(autopar.Mesh((4,))) == [1, 2, 3, 4]
     assert row_options(autopar.Mesh((128, 8))) == [1, 2, 4, 8, 16, 32, 64, 128]
