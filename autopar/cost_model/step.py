@@ -99,6 +99,37 @@ def reshard_s(graph, edges, mesh, identical=()) -> float:
     return total
 
 
+def synced_entry(sync, meta, local: float, first_use: int) -> tuple:
+    """A synchronised gradient as ``bucket_times`` takes it: (its parameter's first use, (the
+    collective, axes, dtype, ZeRO-2's all-gathers after the step, their bytes per synced byte: a
+    gradient summed in a wider dtype than the working copy gathered), bytes). ``local``: the
+    parameter's local bytes as stored."""
+    first, *rest = sync.collectives
+    key = (first, sync.axes, str(meta.dtype), tuple(rest), round(local / sync.nbytes, 6) if sync.nbytes else 1.0)
+    return first_use, key, int(sync.nbytes)
+
+
+def bucket_times(synced, mesh, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[list[float], float]:
+    """(each bucket's collective in seconds, ZeRO-2's gathers after the step in seconds) of the
+    gradients ``synced`` (``synced_entry``s): the reducer's buckets (``assign_buckets``) in
+    backward's order; ZeRO-2's updated chunks are all-gathered in the same buckets before the next
+    forward."""
+    cluster = mesh.resolved_cluster()
+    ordered = sorted(synced, key=lambda x: -x[0])
+    buckets, gathers = [], 0.0
+    priced: dict = {}
+    for (kind, axes, _, after, gathered), _, nbytes in assign_buckets([(key, n) for _, key, n in ordered], bucket_bytes):
+        ways = math.prod(mesh.shape[a] for a in axes)
+        for k, n in ((kind, nbytes), *((a, int(nbytes * gathered)) for a in after)):
+            if (k, axes, n) not in priced:
+                priced[(k, axes, n)] = mesh_collective_time(k, n, mesh, axes) + local_sum_time(k, n, ways, cluster)
+        buckets.append(priced[(kind, axes, nbytes)])
+        # each all-gather after the step packs the chunk and unpacks the whole into the working copies
+        gathers += sum(priced[(k, axes, int(nbytes * gathered))] + layout_copy_time(packed_gather_bytes(nbytes * gathered, ways), cluster)
+                       for k in after)
+    return buckets, gathers
+
+
 def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     """Seconds of one training step per rank under ``plan`` (see the module docstring), by part.
     ``mesh``: the mesh the plan was priced on (its cluster gives links, overheads and overlap)."""
@@ -143,29 +174,14 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         local = local_bytes(p.storage, mesh.shape, meta.itemsize)  # (a gradient may be synced in a wider dtype)
         if p.grad_sync is not None:
             sync = p.grad_sync
-            first, *rest = sync.collectives
-            key = (first, sync.axes, str(meta.dtype), tuple(rest), round(local / sync.nbytes, 6) if sync.nbytes else 1.0)
-            synced.append((first_use.get(p.node, 0), key, int(sync.nbytes)))
+            synced.append(synced_entry(sync, meta, local, first_use.get(p.node, 0)))
             if sync.split:
                 ways = math.prod(mesh.shape[a] for a in sync.axes)
                 fresh += zero2_fresh_s(sync.nbytes, sync.sum_by, zero2_bytes, saved, local, ways, cluster, bucket_bytes)
                 local = local / ways
         elements += local / meta.itemsize
         tensors += 1
-    # the reducer's buckets (``assign_buckets``), in backward's order; ZeRO-2's updated chunks are
-    # all-gathered in the same buckets before the next forward
-    synced.sort(key=lambda x: -x[0])
-    buckets, gathers = [], 0.0
-    priced: dict = {}
-    for (kind, axes, _, after, gathered), _, nbytes in assign_buckets([(key, n) for _, key, n in synced], bucket_bytes):
-        ways = math.prod(mesh.shape[a] for a in axes)
-        for k, n in ((kind, nbytes), *((a, int(nbytes * gathered)) for a in after)):
-            if (k, axes, n) not in priced:
-                priced[(k, axes, n)] = mesh_collective_time(k, n, mesh, axes) + local_sum_time(k, n, ways, cluster)
-        buckets.append(priced[(kind, axes, nbytes)])
-        # each all-gather after the step packs the chunk and unpacks the whole into the working copies
-        gathers += sum(priced[(k, axes, int(nbytes * gathered))] + layout_copy_time(packed_gather_bytes(nbytes * gathered, ways), cluster)
-                       for k in after)
+    buckets, gathers = bucket_times(synced, mesh, bucket_bytes)
     sync = sum(buckets)
     exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0
     optimizer = elements * cluster.optimizer_s_per_element + tensors * cluster.optimizer_s_per_tensor

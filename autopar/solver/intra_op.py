@@ -25,7 +25,7 @@ import autopar.solver.ilp as ilp
 from autopar.solver.config import PlanConfig
 from autopar.solver.layout import Layout, layout_force
 from autopar.solver.plan import NodePlan, ParamPlan, Plan
-from autopar.solver.problem import (build_problem, bucketed_collective_time, gather_correction, node_choices,
+from autopar.solver.problem import (Overlap, build_problem, bucketed_collective_time, gather_correction, node_choices,
                                     planned_edges)
 from autopar.solver.simplify import block_ties, eliminate, prune, recover
 from autopar.solver.units import parse_bytes
@@ -230,8 +230,9 @@ def _plan_on(graph, mesh, budget, force, config: PlanConfig):
     t_build = time.perf_counter()
     log.info("strategies of %d nodes on %s priced; solving", len(choices), mesh)
     built = build_problem(graph, mesh, memory_budget=budget, optimizer=config.optimizer, choices=choices)
-    attempt = _solve_tied(graph, built.problem, (1, 2) if config.reuse_blocks else (0,), choices, config.simplify,
-                          config.time_limit_s, config.solver, config.objective_cutoff_s)
+    overlap = (Overlap.of(graph, choices, built.requires_grad, mesh, 1.0 / config.microbatches, config.bucket_bytes,
+                          config.precision) if config.hide_syncs else None)
+    attempt, overlap_stats = _solve_overlapped(graph, built.problem, overlap, choices, config)
     # the ILP prices a layer's gather call as latency plus its parts' bytes; the step model as one
     # call of their sum (equal but for the profile's curvature): the objective is the step model's
     tie, period, full, solution, objective, memory, reduced, small = attempt
@@ -251,8 +252,85 @@ def _plan_on(graph, mesh, budget, force, config: PlanConfig):
         "ilp_constraints": solution.n_constraints,
         "build_s": t_build - t0,
         "solve_s": time.perf_counter() - t_build,
+        **overlap_stats,
     }
     return mesh, built, full, stats, memory
+
+
+def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: PlanConfig):
+    """``_solve_tied`` with the gradient syncs that backward hides left out of the objective: the
+    step is b + max(0, r) (``Overlap``: b the rest and the floors, r the syncs less their floors
+    and cover), which no sum over choices gives. For every l in
+    [0, 1], min b + l r is a sum the ILP minimises and a lower bound of the step. At l = 0 (every
+    sync hidden) the minimiser is optimal if its syncs stay hidden (r <= 0); at l = 1 (every sync
+    paid less its cover) if they do not (r >= 0). Otherwise the two bracket the answer, and l
+    moves to where their sums meet (the Lagrangian dual's search: each new minimiser replaces the
+    bracket end of its sign of r, and the bound rises) until a minimiser proves optimal, no new one
+    appears, or ``DUAL_STEPS`` ILPs more are spent. Returns (the cheapest attempt, with the step as
+    its objective; stats, with the bound where unproven)."""
+    periods = (1, 2) if config.reuse_blocks else (0,)
+
+    def run(costs, once=(), cutoff=None):
+        variant = dataclasses.replace(problem, costs=costs, tie={}, once=problem.once + list(once))
+        cutoffs = [c for c in (cutoff, config.objective_cutoff_s) if c is not None]
+        return _solve_tied(graph, variant, periods, choices, config.simplify, config.time_limit_s, config.solver,
+                           min(cutoffs) if cutoffs else None)
+
+    if overlap is None:
+        return run(problem.costs), {}
+
+    def split(attempt):  # (b, r) of an attempt's assignment
+        full = attempt[2]
+        hidable = overlap.total(overlap.sync, full) - overlap.floor(full)
+        return ilp.evaluate(problem, full)[0] - hidable, hidable - overlap.total(overlap.cover, full)
+
+    def priced(attempt):  # the attempt with the step as its objective
+        b, r = split(attempt)
+        return (*attempt[:4], b + max(0.0, r), *attempt[5:])
+
+    def at(lam):  # (costs, once-paid floors) of b + l r
+        costs = {v: c - (1 - lam) * (overlap.sync.get(v, 0.0) - overlap.spread.get(v, 0.0)) - lam * overlap.cover.get(v, 0.0)
+                 for v, c in problem.costs.items()}
+        return costs, overlap.floor_costs(1 - lam)
+
+    hidden = run(*at(0.0))
+    b0, r0 = split(hidden)
+    if r0 <= 0:
+        return priced(hidden), {"sync_hidden": "all", "sync_floor_s": overlap.floor(hidden[2])}
+    paid = run(*at(1.0))
+    b1, r1 = split(paid)
+    if r1 >= 0:
+        return priced(paid), {"sync_hidden": "in part", "sync_floor_s": overlap.floor(paid[2])}
+    best = min((priced(hidden), priced(paid)), key=lambda a: a[4])
+    bound = max(b0, b1 + r1)
+    for _ in range(DUAL_STEPS):
+        if best[4] <= bound * (1 + 1e-9):
+            break
+        lam = (b1 - b0) / (r0 - r1)  # where the bracket ends' sums meet
+        try:
+            costs, once = at(lam)
+            found = run(costs, cutoff=b0 + lam * r0, once=once)
+        except ilp.NoCheaperPlan:  # the dual's maximum: nothing below the ends' meeting point
+            bound = max(bound, b0 + lam * r0)
+            break
+        b, r = split(found)
+        bound = max(bound, b + lam * r)
+        best = min((best, priced(found)), key=lambda a: a[4])
+        if r > 0:
+            b0, r0 = b, r
+        elif r < 0:
+            b1, r1 = b, r
+        else:
+            break
+    floor = overlap.floor(best[2])
+    if best[4] <= bound * (1 + 1e-9):
+        return best, {"sync_hidden": "balanced", "sync_floor_s": floor}
+    return best, {"sync_hidden": "bounded", "sync_floor_s": floor, "objective_bound_s": bound}
+
+
+# Lagrangian steps past the two ends when the answer's syncs are partly hidden (see
+# ``_solve_overlapped``); each is one ILP.
+DUAL_STEPS = 4
 
 
 def _solve_tied(graph, problem, periods, choices, simplify, time_limit_s, solver, cutoff_s=None):

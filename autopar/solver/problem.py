@@ -23,14 +23,13 @@ from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time, packed_gather_bytes
 from autopar.cost_model.lowered import lowered_comm_s
-from autopar.record.gradients import output_whole_axes
-from autopar.cost_model.step import accumulate_s, reshard_s, zero2_fresh_s, zero2_pool_bytes
 from autopar.cost_model.ops import alias_roots
-from autopar.ir.graph import needs_grad
+from autopar.cost_model.step import accumulate_s, reshard_s, zero2_fresh_s, zero2_pool_bytes
 from autopar.ir.aliasing import in_place_reads
-from autopar.ir.graph import NodeRef, Role, edge_itemsize
+from autopar.ir.graph import NodeRef, Role, edge_itemsize, needs_grad
 from autopar.ir.losses import counted_from_inputs, unread_outputs
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES, bucket_count, zero2_saved_bytes
+from autopar.record.gradients import output_whole_axes
 from autopar.record.grad_sync import ZERO2_SUMS, GradSync
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
@@ -56,6 +55,73 @@ class NodeChoices:
     grad_sync: list
     accumulate_s: np.ndarray | None = None
     peak_memory: np.ndarray | None = None  # the part of ``memory`` held only at the forward's peak
+    # the part of ``comm_s`` a gradient sync's collective takes, which backward compute may hide
+    sync_s: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class Overlap:
+    """Gradient syncs hidden behind backward, as the step model prices them: a step exposes
+    max(its largest bucket, sync - comm_overlap x backward compute) of its syncs' collectives
+    (``cost_model.step``). Per node, per choice, in seconds per run of the graph: ``sync`` (a
+    parameter's collective, part of its cost) and ``cover`` (``comm_overlap`` x an op's backward
+    compute). The largest bucket (the floor) is, per group of syncs alike (collective, axes), its
+    call's latency paid once if any choice syncs there (``floors``: seconds and the choices), and
+    its bytes as each sync's share of one bucket of the model's gradients (``spread``), as the ILP
+    prices a bucket's latency. The syncs cost floor + max(0, sync - floor - cover):
+    ``intra_op._solve_overlapped``."""
+
+    sync: dict[str, np.ndarray]
+    cover: dict[str, np.ndarray]
+    spread: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    floors: list[tuple[float, list[tuple[str, np.ndarray]]]] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, graph, choices: dict[str, NodeChoices], grad, mesh, step_share: float = 1.0,
+           bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision=None) -> "Overlap | None":
+        """None where nothing overlaps (``comm_overlap`` 0, or no gradient sync). The sync runs
+        once a step, beside the backward of its last run (``step_share`` of a step)."""
+        cluster = mesh.resolved_cluster()
+        sync = {v: c.sync_s for v, c in choices.items() if c.sync_s is not None and c.sync_s.any()}
+        if not cluster.comm_overlap or not sync:
+            return None
+        cover = {}
+        for v, c in choices.items():
+            node = graph.nodes[v]
+            if node.op == "call_function" and any(i in grad for i in node.inputs):
+                cover[v] = cluster.comm_overlap * step_share * c.compute_s * 2 / 3  # forward + 2x backward
+        grad_scale = precision.reduce_dtype.itemsize / precision.param_dtype.itemsize if precision is not None else 1.0
+        share = min(1.0, bucket_bytes / max(1.0, graph.param_bytes() * grad_scale))
+        groups: dict = {}
+        spread = {}
+        for v in sync:
+            c = choices[v]
+            spread[v] = np.zeros(len(c.grad_sync))
+            for i, gs in enumerate(c.grad_sync):
+                if gs is None:
+                    continue
+                kind = gs.collectives[0]
+                latency = mesh_collective_time(kind, 0, mesh, gs.axes, alone=False)
+                ways = math.prod(mesh.shape[a] for a in gs.axes)
+                spread[v][i] = (mesh_collective_time(kind, gs.nbytes, mesh, gs.axes, alone=False) - latency
+                                + local_sum_time(kind, gs.nbytes, ways, cluster)) * share * step_share
+                group = groups.setdefault((kind, gs.axes), [latency * step_share, {}])
+                group[1].setdefault(v, np.zeros(len(c.grad_sync), bool))[i] = True
+        floors = [(seconds, list(members.items())) for seconds, members in groups.values()]
+        return cls(sync, cover, spread, floors)
+
+    def total(self, part: dict, pick: dict[str, int]) -> float:
+        """Seconds per run of ``part`` (``sync``, ``cover`` or ``spread``) under an assignment."""
+        return sum(float(a[pick[v]]) for v, a in part.items())
+
+    def floor(self, pick: dict[str, int]) -> float:
+        """Seconds per run of an assignment's largest bucket, as priced here."""
+        once = sum(s for s, members in self.floors if any(m[pick[v]] for v, m in members))
+        return once + self.total(self.spread, pick)
+
+    def floor_costs(self, scale: float) -> list[OnceCost]:
+        """The floors' latencies as once-paid costs of the ILP, ``scale`` of each."""
+        return [OnceCost(s * scale, [(v, v, m) for v, m in members]) for s, members in self.floors if s * scale]
 
 
 @dataclasses.dataclass
@@ -69,9 +135,10 @@ class Built:
 
 def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, total_bytes: int | None = None, step_share: float = 1.0,
-                   precision=None) -> tuple[list[Strategy], list, list, list, list, list]:
+                   precision=None) -> tuple[list[Strategy], list, list, list, list, list, list]:
     """A parameter's storage choices: (strategies, seconds per run of the graph, sync seconds per
-    run, memory, sync, accumulation seconds per run). A run pays ``step_share`` of what the
+    run, memory, sync, accumulation seconds per run, the seconds per run of the sync's collective
+    that backward may hide: ``Overlap``). A run pays ``step_share`` of what the
     parameter pays once per step (its optimizer, its gradient sync) and all of adding its gradient
     up (``accumulate_s``, also part of the first list). The gradient sync is priced as the
     runtime's reducer runs it: in shared buckets, so a parameter pays its bytes and its share of the
@@ -89,7 +156,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
     def optimizer_s(nbytes):
         return nbytes / itemsize * cluster.optimizer_s_per_element + cluster.optimizer_s_per_tensor
 
-    strategies, opt, costs, mems, syncs, acc = [], [], [], [], [], []
+    strategies, opt, costs, mems, syncs, acc, hidden = [], [], [], [], [], [], []
     for spec in enumerate_specs(meta.shape, mesh):
         repl = tuple(a for a in act if a not in spec.used_axes)
         local = local_bytes(spec, mesh.shape, itemsize)
@@ -103,6 +170,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
         strategies.append(Strategy((), spec, family, 1.0))
         opt.append(optimizer_s(local))
         costs.append(cost)
+        hidden.append(cost)
         mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, precision=precision))
         syncs.append(sync)
         acc.append(accumulate_s(grad, sync is not None, step_share, cluster))
@@ -127,8 +195,9 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
                                                   precision=precision) + zero2_pool_bytes(grad, sum_by, zero2_bytes, saved, bucket_bytes))
             syncs.append(GradSync.zero2(sum_by, repl, grad))
             acc.append(accumulate_s(grad, True, step_share, cluster))
+            hidden.append(bucketed_collective_time(sum_by, grad, mesh, repl, bucket_bytes, total_bytes))
     comp = [o * step_share + a for o, a in zip(opt, acc)]
-    return strategies, comp, [c * step_share for c in costs], mems, syncs, acc
+    return strategies, comp, [c * step_share for c in costs], mems, syncs, acc, [h * step_share for h in hidden]
 
 
 def bucketed_collective_time(kind: str, nbytes: float, mesh, axes, bucket_bytes: int, total_bytes: int | None = None) -> float:
@@ -166,10 +235,10 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
         if sig is not None and sig in memo:
             out[node.name] = dataclasses.replace(memo[sig], name=node.name)
             continue
-        syncs = acc = peak_mem = None
+        syncs = acc = peak_mem = hidden = None
         if node.op == "placeholder" and node.role == Role.PARAMETER:
-            strategies, comp, comm, mem, syncs, acc = _param_choices(node, mesh, optimizer, optimizer_sharding,
-                                                                     bucket_bytes, total, step_share, precision)
+            strategies, comp, comm, mem, syncs, acc, hidden = _param_choices(
+                node, mesh, optimizer, optimizer_sharding, bucket_bytes, total, step_share, precision)
         elif node.op == "placeholder":
             strategies = [Strategy((), spec, "input" if node.role == Role.INPUT else "buffer", 1.0) for spec in _placeholder_specs(node, mesh)]
             comp = [0.0] * len(strategies)
@@ -196,6 +265,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
         out[node.name] = NodeChoices(
             node.name, strategies, np.asarray(comp, float), np.asarray(comm, float), np.asarray(mem, float),
             syncs if syncs is not None else [None] * n, None if acc is None else np.asarray(acc, float), peak_mem,
+            None if hidden is None else np.asarray(hidden, float),
         )
         if sig is not None:
             memo[sig] = out[node.name]
@@ -244,6 +314,7 @@ def restrict(choices: dict[str, NodeChoices], name: str, want) -> NodeChoices:
     return NodeChoices(
         c.name, [c.strategies[i] for i in keep], c.compute_s[keep], c.comm_s[keep], c.memory[keep], [c.grad_sync[i] for i in keep],
         None if c.accumulate_s is None else c.accumulate_s[keep], None if c.peak_memory is None else c.peak_memory[keep],
+        None if c.sync_s is None else c.sync_s[keep],
     )
 
 
