@@ -260,8 +260,8 @@ def _plan_on(graph, mesh, budget, force, config: PlanConfig):
 def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: PlanConfig):
     """``_solve_tied`` with the gradient syncs that backward hides left out of the objective: the
     step is b + max(0, r) (``Overlap``: b the rest and the floors, r the syncs less their floors
-    and cover), which no sum over choices gives. For every l in
-    [0, 1], min b + l r is a sum the ILP minimises and a lower bound of the step. At l = 0 (every
+    and cover), which no sum over choices gives. For every l in [0, 1], min b + l r is a sum the
+    ILP minimises and a lower bound of the step. At l = 0 (every
     sync hidden) the minimiser is optimal if its syncs stay hidden (r <= 0); at l = 1 (every sync
     paid less its cover) if they do not (r >= 0). Otherwise the two bracket the answer, and l
     moves to where their sums meet (the Lagrangian dual's search: each new minimiser replaces the
