@@ -37,22 +37,30 @@ from autopar.record.gathers import param_gather_groups
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
 
+def zero2_pool_kept(kind: str, zero2_bytes: float, saved_bytes: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
+    """Bytes the reducer's pool keeps from step to step for the rank's ZeRO-2 gradients
+    (``zero2_bytes`` whole, ``saved_bytes`` freed: ``zero2_saved_bytes``): whole buckets' buffers
+    (``pooled_buffers`` of a full bucket each) up to ``zero2_pool_cap``."""
+    bucket = pooled_buffers(kind) * min(zero2_bytes, bucket_bytes)
+    if bucket <= 0:
+        return 0.0
+    return float(zero2_pool_cap(kind, saved_bytes, bucket_bytes) // bucket * bucket)
+
+
 def zero2_pool_bytes(grad_bytes: float, kind: str, zero2_bytes: float, saved_bytes: float,
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
     """Bytes a ZeRO-2 gradient of ``grad_bytes`` (in its reduction dtype) adds to the reducer's
-    pool, which keeps the buffers a sum uses from step to step: its share of the pool the rank's
-    ZeRO-2 gradients (``zero2_bytes`` whole, ``saved_bytes`` freed: ``zero2_saved_bytes``) fill up
-    to ``zero2_pool_cap``."""
+    pool: its share of what the pool keeps (``zero2_pool_kept``)."""
     zero2_bytes = zero2_bytes or grad_bytes
     if not zero2_bytes:
         return 0.0
-    return grad_bytes * min(pooled_buffers(kind), zero2_pool_cap(kind, saved_bytes, bucket_bytes) / zero2_bytes)
+    return grad_bytes * zero2_pool_kept(kind, zero2_bytes, saved_bytes, bucket_bytes) / zero2_bytes
 
 
 def zero2_fresh_s(grad_bytes: float, kind: str, zero2_bytes: float, saved_bytes: float, gathered_bytes: float,
                   ways: int, cluster, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
     """Seconds a step spends faulting in the pages of the ZeRO-2 buffers the pool does not keep
-    (``zero2_pool_cap``) for a gradient of ``grad_bytes``: its share of the buffers the sum takes
+    (``zero2_pool_kept``) for a gradient of ``grad_bytes``: its share of the buffers the sum takes
     (``pooled_buffers``) and the gather after the step (the chunk and the whole, ``gathered_bytes``
     in the working dtype), made anew each use, written at ``fresh_write_bandwidth`` instead of the
     sustained rate (none where the allocator keeps its blocks, as a GPU's does)."""
@@ -62,7 +70,7 @@ def zero2_fresh_s(grad_bytes: float, kind: str, zero2_bytes: float, saved_bytes:
         return 0.0
     buffers = pooled_buffers(kind)
     wanted = min(buffers * zero2_bytes, buffers * (SCATTERS_IN_FLIGHT + 1) * bucket_bytes)
-    fresh = 1.0 - min(1.0, zero2_pool_cap(kind, saved_bytes, bucket_bytes) / wanted)
+    fresh = 1.0 - min(1.0, zero2_pool_kept(kind, zero2_bytes, saved_bytes, bucket_bytes) / wanted)
     taken = buffers * grad_bytes + gathered_bytes * (1 + 1 / ways)
     return fresh * taken * per_byte
 

@@ -17,7 +17,8 @@ SCATTERS_IN_FLIGHT = 2
 # The share of the gradient bytes ZeRO-2 frees (each rank keeps its chunk of a gradient, not the
 # whole) that the reducer's pool may spend on keeping bucket buffers from step to step: a pool as
 # large as the buckets in use (a model whose gradients fit in a few buckets: all of them, twice for
-# an all-to-all) held more than data parallel does. Buffers past the cap are made anew each use.
+# an all-to-all) held more than data parallel does. Buffers past the cap are made anew each use;
+# the pool keeps whole buffers, so a model whose one bucket outgrows the cap keeps none.
 POOL_SHARE_OF_SAVING = 0.5
 
 
