@@ -30,7 +30,7 @@ from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.graph import edge_itemsize
 from autopar.ir.losses import counted_from_inputs
 from autopar.record.buckets import (
-    DEFAULT_BUCKET_BYTES, SCATTERS_IN_FLIGHT, assign_buckets, first_reads, pooled_buffers, zero2_pool_cap,
+    DEFAULT_BUCKET_BYTES, assign_buckets, first_reads, pooled_buffers, zero2_in_use_bytes, zero2_pool_cap,
     zero2_saved_bytes,
 )
 from autopar.record.gathers import param_gather_groups
@@ -69,10 +69,18 @@ def zero2_fresh_s(grad_bytes: float, kind: str, zero2_bytes: float, saved_bytes:
     if not zero2_bytes or not per_byte:
         return 0.0
     buffers = pooled_buffers(kind)
-    wanted = min(buffers * zero2_bytes, buffers * (SCATTERS_IN_FLIGHT + 1) * bucket_bytes)
+    wanted = min(buffers * zero2_bytes, zero2_in_use_bytes(kind, bucket_bytes))
     fresh = 1.0 - min(1.0, zero2_pool_kept(kind, zero2_bytes, saved_bytes, bucket_bytes) / wanted)
     taken = buffers * grad_bytes + gathered_bytes * (1 + 1 / ways)
     return fresh * taken * per_byte
+
+
+def zero2_totals(plan, mesh) -> tuple[float, float]:
+    """(the whole bytes of the rank's ZeRO-2 gradients, the bytes ZeRO-2 frees of them:
+    ``zero2_saved_bytes``) under ``plan``, what its pool's share and fresh pages are priced from."""
+    zero2 = [(p.grad_sync.nbytes, math.prod(mesh.shape[a] for a in p.grad_sync.axes)) for p in plan.params.values()
+             if not p.buffer and p.grad_sync is not None and p.grad_sync.split]
+    return sum(n for n, _ in zero2), zero2_saved_bytes(zero2)
 
 
 def accumulate_s(nbytes: float, bucketed: bool, step_share: float, cluster) -> float:
@@ -105,37 +113,6 @@ def reshard_s(graph, edges, mesh, identical=()) -> float:
         if any(e.backward for _, e in members) and not whole_on(axes, identical):
             total += mesh_collective_time("reduce_scatter", nbytes, mesh, axes) + layout_copy_time(copies, cluster)
     return total
-
-
-def synced_entry(sync, meta, local: float, first_use: int) -> tuple:
-    """A synchronised gradient as ``bucket_times`` takes it: (its parameter's first use, (the
-    collective, axes, dtype, ZeRO-2's all-gathers after the step, their bytes per synced byte: a
-    gradient summed in a wider dtype than the working copy gathered), bytes). ``local``: the
-    parameter's local bytes as stored."""
-    first, *rest = sync.collectives
-    key = (first, sync.axes, str(meta.dtype), tuple(rest), round(local / sync.nbytes, 6) if sync.nbytes else 1.0)
-    return first_use, key, int(sync.nbytes)
-
-
-def bucket_times(synced, mesh, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[list[float], float]:
-    """(each bucket's collective in seconds, ZeRO-2's gathers after the step in seconds) of the
-    gradients ``synced`` (``synced_entry``s): the reducer's buckets (``assign_buckets``) in
-    backward's order; ZeRO-2's updated chunks are all-gathered in the same buckets before the next
-    forward."""
-    cluster = mesh.resolved_cluster()
-    ordered = sorted(synced, key=lambda x: -x[0])
-    buckets, gathers = [], 0.0
-    priced: dict = {}
-    for (kind, axes, _, after, gathered), _, nbytes in assign_buckets([(key, n) for _, key, n in ordered], bucket_bytes):
-        ways = math.prod(mesh.shape[a] for a in axes)
-        for k, n in ((kind, nbytes), *((a, int(nbytes * gathered)) for a in after)):
-            if (k, axes, n) not in priced:
-                priced[(k, axes, n)] = mesh_collective_time(k, n, mesh, axes) + local_sum_time(k, n, ways, cluster)
-        buckets.append(priced[(kind, axes, nbytes)])
-        # each all-gather after the step packs the chunk and unpacks the whole into the working copies
-        gathers += sum(priced[(k, axes, int(nbytes * gathered))] + layout_copy_time(packed_gather_bytes(nbytes * gathered, ways), cluster)
-                       for k in after)
-    return buckets, gathers
 
 
 def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
@@ -171,9 +148,7 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     synced = []
     elements = tensors = 0
     accumulate = fresh = 0.0
-    zero2 = [(p.grad_sync.nbytes, math.prod(mesh.shape[a] for a in p.grad_sync.axes)) for p in plan.params.values()
-             if not p.buffer and p.grad_sync is not None and p.grad_sync.split]
-    zero2_bytes, saved = sum(n for n, _ in zero2), zero2_saved_bytes(zero2)
+    zero2_bytes, saved = zero2_totals(plan, mesh)
     for p in plan.params.values():
         if p.buffer:
             continue
@@ -182,14 +157,29 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         local = local_bytes(p.storage, mesh.shape, meta.itemsize)  # (a gradient may be synced in a wider dtype)
         if p.grad_sync is not None:
             sync = p.grad_sync
-            synced.append(synced_entry(sync, meta, local, first_use.get(p.node, 0)))
+            first, *rest = sync.collectives
+            key = (first, sync.axes, str(meta.dtype), tuple(rest), round(local / sync.nbytes, 6) if sync.nbytes else 1.0)
+            synced.append((first_use.get(p.node, 0), key, int(sync.nbytes)))
             if sync.split:
                 ways = math.prod(mesh.shape[a] for a in sync.axes)
                 fresh += zero2_fresh_s(sync.nbytes, sync.sum_by, zero2_bytes, saved, local, ways, cluster, bucket_bytes)
                 local = local / ways
         elements += local / meta.itemsize
         tensors += 1
-    buckets, gathers = bucket_times(synced, mesh, bucket_bytes)
+    # the reducer's buckets (``assign_buckets``), in backward's order; ZeRO-2's updated chunks are
+    # all-gathered in the same buckets before the next forward
+    synced.sort(key=lambda x: -x[0])
+    buckets, gathers = [], 0.0
+    priced: dict = {}
+    for (kind, axes, _, after, gathered), _, nbytes in assign_buckets([(key, n) for _, key, n in synced], bucket_bytes):
+        ways = math.prod(mesh.shape[a] for a in axes)
+        for k, n in ((kind, nbytes), *((a, int(nbytes * gathered)) for a in after)):
+            if (k, axes, n) not in priced:
+                priced[(k, axes, n)] = mesh_collective_time(k, n, mesh, axes) + local_sum_time(k, n, ways, cluster)
+        buckets.append(priced[(kind, axes, nbytes)])
+        # each all-gather after the step packs the chunk and unpacks the whole into the working copies
+        gathers += sum(priced[(k, axes, int(nbytes * gathered))] + layout_copy_time(packed_gather_bytes(nbytes * gathered, ways), cluster)
+                       for k in after)
     sync = sum(buckets)
     exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0
     optimizer = elements * cluster.optimizer_s_per_element + tensors * cluster.optimizer_s_per_tensor

@@ -28,13 +28,17 @@ def pooled_buffers(sum_by: str) -> int:
     return 2 if sum_by == "all_to_all" else 1
 
 
+def zero2_in_use_bytes(kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+    """The buffers ZeRO-2 buckets summed by ``kind`` use at once: those a sum uses
+    (``pooled_buffers``) of ``SCATTERS_IN_FLIGHT`` buckets and one filling."""
+    return pooled_buffers(kind) * (SCATTERS_IN_FLIGHT + 1) * bucket_bytes
+
+
 def zero2_pool_cap(kind: str, saved_bytes: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """The most bytes the reducer's pool keeps for ZeRO-2 buckets summed by ``kind``: the buffers a
-    sum uses (``pooled_buffers``) of the buckets in use at once (``SCATTERS_IN_FLIGHT`` and one
-    filling), and no more than ``POOL_SHARE_OF_SAVING`` of ``saved_bytes``, the gradient bytes
-    ZeRO-2 frees on this rank (``zero2_saved_bytes``)."""
-    in_use = pooled_buffers(kind) * (SCATTERS_IN_FLIGHT + 1) * bucket_bytes
-    return int(min(in_use, POOL_SHARE_OF_SAVING * saved_bytes))
+    """The most bytes the reducer's pool keeps for ZeRO-2 buckets summed by ``kind``: the buffers in
+    use at once (``zero2_in_use_bytes``), and no more than ``POOL_SHARE_OF_SAVING`` of
+    ``saved_bytes``, the gradient bytes ZeRO-2 frees on this rank (``zero2_saved_bytes``)."""
+    return int(min(zero2_in_use_bytes(kind, bucket_bytes), POOL_SHARE_OF_SAVING * saved_bytes))
 
 
 def zero2_saved_bytes(grads) -> float:

@@ -14,8 +14,8 @@ import time
 
 from autopar.cost_model import memory as memory_model
 from autopar.record.gradients import identical_ok, param_sync_axes
-from autopar.cost_model.step import step_time, zero2_pool_bytes
-from autopar.record.buckets import DEFAULT_BUCKET_BYTES, zero2_saved_bytes
+from autopar.cost_model.step import step_time, zero2_pool_bytes, zero2_totals
+from autopar.record.buckets import DEFAULT_BUCKET_BYTES
 from autopar.errors import ConfigError, PlanError
 from autopar.ir import trace
 from autopar.ir.graph import Role
@@ -420,9 +420,7 @@ def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: 
     and the updated chunk), gradients (with ZeRO-2's share of the reducer's pool of bucket
     buffers), optimizer states (and fp32 master copies), and activations (the rest of the total:
     saved values and the reshards kept for backward)."""
-    zero2 = [(p.grad_sync.nbytes, math.prod(mesh.shape[a] for a in p.grad_sync.axes)) for p in plan.params.values()
-             if not p.buffer and p.grad_sync is not None and p.grad_sync.split]
-    zero2_bytes, saved = sum(n for n, _ in zero2), zero2_saved_bytes(zero2)
+    zero2_bytes, saved = zero2_totals(plan, mesh)
     params = grads = held = 0.0
     for p in plan.params.values():
         node = plan.nodes.get(p.node)

@@ -100,7 +100,7 @@ def layout_force(graph, mesh, layout: Layout) -> dict:
         elif node.op == "call_function":
             # a parameter read through views; one broadcast to the batch (a ViT's class token
             # expanded and concatenated) is an activation there: it splits with the batch
-            weights = [i for i, src in enumerate(node.inputs) if (param := _param_source(graph, src)) is not None
+            weights = [i for i, src in enumerate(node.inputs) if (param := param_source(graph, src)) is not None
                        and graph.nodes[src].meta.numel == param.meta.numel]
             # An op without a sharding rule (in-place buffer updates, ops no rule covers) only runs
             # unsplit; a hand-written layout runs it whole too.
@@ -141,7 +141,7 @@ def _why_not(graph, node, mesh, layout: Layout, batch_sizes) -> str:
                 f"{b + (-b % layout.dp)}) or a data-parallel degree that divides {b}")
     if layout.tp > 1 and _is_weight_op(node):
         for src in node.inputs:
-            w = _param_source(graph, src)
+            w = param_source(graph, src)
             if w is not None and len(w.meta.shape) >= 2 and all(d % layout.tp for d in w.meta.shape[:2]):
                 return (f"its weight {w.param_name} {tuple(w.meta.shape)} has no dim that divides by tp={layout.tp}: "
                         f"use a tensor-parallel degree that divides one of them")
@@ -178,7 +178,7 @@ def _written_whole(graph, mesh, dp_axis: int, batch_sizes) -> set[str]:
     return out
 
 
-def _param_source(graph, name: str):
+def param_source(graph, name: str):
     """The parameter a value is (through views of one input), or None."""
     from autopar.cost_model.ops import is_view
 

@@ -184,8 +184,8 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
             # the rank's ZeRO-2 gradients are not known here: priced as if all were, split as this one
             zero2_bytes = total_bytes or grad
             saved = zero2_saved_bytes([(zero2_bytes, ways)])
-            cost_z, sum_by = min(((bucketed_collective_time(k, grad, mesh, repl, bucket_bytes, total_bytes)
-                                   + local_sum_time(k, grad, ways, cluster) + gather
+            sums = {k: bucketed_collective_time(k, grad, mesh, repl, bucket_bytes, total_bytes) for k in ZERO2_SUMS}
+            cost_z, sum_by = min(((sums[k] + local_sum_time(k, grad, ways, cluster) + gather
                                    + zero2_fresh_s(grad, k, zero2_bytes, saved, local, ways, cluster, bucket_bytes), k)
                                   for k in ZERO2_SUMS), key=lambda priced: priced[0])  # the first on a tie
             strategies.append(Strategy((), spec, "zero2" if spec.is_replicated else "sharded+zero2", 1.0))
@@ -195,7 +195,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
                                                   precision=precision) + zero2_pool_bytes(grad, sum_by, zero2_bytes, saved, bucket_bytes))
             syncs.append(GradSync.zero2(sum_by, repl, grad))
             acc.append(accumulate_s(grad, True, step_share, cluster))
-            hidden.append(bucketed_collective_time(sum_by, grad, mesh, repl, bucket_bytes, total_bytes))
+            hidden.append(sums[sum_by])
     comp = [o * step_share + a for o, a in zip(opt, acc)]
     return strategies, comp, [c * step_share for c in costs], mems, syncs, acc, [h * step_share for h in hidden]
 

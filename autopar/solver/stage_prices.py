@@ -33,6 +33,7 @@ from autopar.ir.losses import counted_from_inputs, unread_outputs
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
+from autopar.solver.layout import param_source
 
 MEMORY_VARIANTS = (0.25,)  # leaner ILP solutions per sub-mesh, as fractions of the fastest's memory
 
@@ -126,7 +127,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
             forward[u] += np_.compute_s / 3 + cluster.op_overhead_s  # node compute is forward + 2x backward
             act[u] += np_.memory_bytes - np_.peak_bytes
             peak[u] += np_.peak_bytes
-            if not is_view(node.target) and any(_param_source(graph, i) for i in node.inputs):
+            if not is_view(node.target) and any(param_source(graph, i) is not None for i in node.inputs):
                 weight_grads[u] += local_nbytes(node.meta, np_.output, mesh)
                 last_weight_op[u] = max(last_weight_op.get(u, -1), position[name])
             if needs_lowering(np_.family):
@@ -156,13 +157,6 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_static=tuple(shared), peak_bytes=peak,
                       weight_grad_bytes=weight_grads, tail_bytes=tail)
 
-
-def _param_source(graph, name: str) -> bool:
-    """Whether a value is a parameter (through views of one input)."""
-    node = graph.nodes.get(name)
-    while node is not None and node.op == "call_function" and is_view(node.target) and len(node.inputs) == 1:
-        node = graph.nodes.get(node.inputs[0])
-    return node is not None and node.op == "placeholder" and node.role == Role.PARAMETER
 
 
 def grouped_prices(p: UnitPrices, groups) -> UnitPrices:
