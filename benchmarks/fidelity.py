@@ -189,7 +189,7 @@ class _ZooStep:
 def _families(plan) -> dict:
     counts: dict = {}
     for n in plan.nodes.values():
-        if "view" not in n.family and n.target not in ("placeholder", "output"):
+        if not n.family.has("view") and n.target not in ("placeholder", "output"):
             counts[n.family] = counts.get(n.family, 0) + 1
     return counts
 

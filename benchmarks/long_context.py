@@ -35,7 +35,6 @@ from hybrid import alternate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LLAMA3_8B = "llama3-8b:seq=1048576,batch=1"
-RING = {"ring", "ring(causal)"}
 
 
 def plan_long(budget="80GB"):
@@ -57,9 +56,9 @@ def plan_long(budget="80GB"):
 
 def attention_form(plan) -> str:
     fams = {n.family for st in plan.stage_plans() for n in st.nodes.values() if "scaled_dot_product" in n.target}
-    if any(RING & set(f.split("+")) for f in fams):
+    if any(f.ring for f in fams):
         return "ring"
-    return "heads" if any("heads" in f.split("+") for f in fams) else "none"  # all-to-all where the sequence is split
+    return "heads" if any(f.has("heads") for f in fams) else "none"  # all-to-all where the sequence is split
 
 
 def rank_main(rank, world, opts):
@@ -73,7 +72,7 @@ def rank_main(rank, world, opts):
     ref = ht.reference("llama", kw) if rank == 0 else None
     model, inputs = models.build("llama", **kw)
     sdpa = [n.name for n in trace(model, inputs).nodes.values() if n.target == "aten.scaled_dot_product_attention.default"]
-    heads_only = {name: (lambda s: "heads" in s.family.split("+") and not RING & set(s.family.split("+")))
+    heads_only = {name: (lambda s: s.family.has("heads") and not s.family.ring)
                   for name in sdpa}
     mesh = autopar.Mesh((world,))
     choices = {"ring (cp4)": autopar.Layout(cp=world), "all-to-all": heads_only, "tensor parallel 4": autopar.Layout(tp=world),

@@ -35,7 +35,7 @@ from autopar.ir.losses import CLASS_LOSSES
 from autopar.sharding_spec.rules import attention as attention_rule
 from autopar.sharding_spec.rules import embedding as emb_rule
 from autopar.sharding_spec.rules import loss as loss_rule
-from autopar.sharding_spec.strategy import LOWERED_FAMILIES
+from autopar.sharding_spec.strategy import MEAN_PARTIAL
 
 SUM = 2
 CROSS_ENTROPY = "aten.cross_entropy_loss.default"
@@ -247,8 +247,7 @@ def lowering(node, node_plan, graph, identical=()):
     """(function, extra keyword arguments, how to pass the node's args) for a node whose strategy
     family needs lowering, on a plan whose gradients are whole on the ``identical`` axes. ``how``
     is "direct" (``fn(*args, **kwargs, **extra)``) or "packed" (``fn(op, args, kwargs, **extra)``)."""
-    parts = set(node_plan.family.split("+"))
-    lowered = parts & LOWERED_FAMILIES
+    lowered = node_plan.family.lowered
     target = node.target
     if emb_rule.VOCAB_PARALLEL in lowered and target == "aten.embedding.default":
         if call_arg(node.args, node.kwargs, 3, "scale_grad_by_freq", False) or call_arg(node.args, node.kwargs, 4, "sparse", False):
@@ -264,9 +263,9 @@ def lowering(node, node_plan, graph, identical=()):
         if whole_on(class_axes, identical):
             extra["whole"] = True
         return autopar_vocab_parallel_cross_entropy, extra, "direct"
-    if attention_rule.ring_family(node_plan.family) and target == attention_rule.SDPA:
+    if node_plan.family.ring and target == attention_rule.SDPA:
         return autopar_ring_sdpa, {"seq_axes": attention_rule.ring_axes(node_plan.output)}, "direct"
-    if lowered == {"reduce-partial(mean)"} and target in _SUM_OF_MEAN:
+    if lowered == {MEAN_PARTIAL} and target in _SUM_OF_MEAN:
         shape = graph.nodes[node.inputs[0]].meta.shape
         dim = call_arg(node.args, node.kwargs, 1, "dim") if target == "aten.mean.dim" else None
         dims = range(len(shape)) if dim is None else [d % len(shape) for d in ([dim] if isinstance(dim, int) else dim)]

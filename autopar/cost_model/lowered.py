@@ -24,8 +24,8 @@ import math
 
 from autopar.cost_model.comm import mesh_collective_time, ring_pass_time
 from autopar.record.gradients import whole_on
-from autopar.sharding_spec.rules.attention import RING_CAUSAL, ring_axes, ring_family
-from autopar.sharding_spec.rules.loss import MEAN_SPLIT, VOCAB_PARALLEL
+from autopar.sharding_spec.rules.attention import ring_axes
+from autopar.sharding_spec.strategy import MEAN_SPLIT, RING_CAUSAL, VOCAB_LOSS, Family
 
 _CLASS_LOSSES = ("cross_entropy", "nll_loss")
 
@@ -37,12 +37,12 @@ def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int
     backward's all-reduce is not run; ``counted_locally``: a mean's denominator needs no
     all-reduce (see the module docstring). Ring attention: ``compute_s`` its compute (forward and
     backward, a third forward), ``value_itemsize`` its tensors' element size."""
-    parts = set(family.split("+"))
+    family = Family(family)
     total = 0.0
-    ring = ring_family(family)
+    ring = family.ring
     if ring is not None:
         return ring_attention_s(inputs, output, mesh, compute_s, value_itemsize, ring == RING_CAUSAL)
-    if VOCAB_PARALLEL in parts and inputs and inputs[0] is not None:
+    if family.has(VOCAB_LOSS) and inputs and inputs[0] is not None:
         x = inputs[0]
         cdim = 1 if x.ndim >= 2 else 0
         class_axes = tuple(x.dim_axes[cdim])
@@ -55,7 +55,7 @@ def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int
                       + mesh_collective_time("all_reduce", 2 * samples * itemsize, mesh, class_axes))  # sum exp, target
         if batch_axes and not counted_locally:
             total += mesh_collective_time("all_reduce", itemsize, mesh, batch_axes)
-    elif MEAN_SPLIT in parts and any(k in target for k in _CLASS_LOSSES) and not counted_locally:
+    elif family.has(MEAN_SPLIT) and any(k in target for k in _CLASS_LOSSES) and not counted_locally:
         out = output[0] if isinstance(output, tuple) else output
         if out is not None and out.partial:
             total += mesh_collective_time("all_reduce", itemsize, mesh, tuple(out.partial))

@@ -74,7 +74,10 @@ class GradSync:
         if isinstance(d, dict):
             return GradSync(str(d["sum_by"]), bool(d["split"]), tuple(d["axes"]), int(d["nbytes"]))
         kind, axes, nbytes = d
-        sum_by, _, gather = str(kind).partition("+")
-        if gather not in ("", "all_gather"):
+        if kind not in _SCHEMA4_KINDS:
             raise PlanError(f"gradient sync {kind!r} is not one this autopar runs")
-        return GradSync(sum_by, bool(gather), tuple(axes), int(nbytes))
+        return GradSync(*_SCHEMA4_KINDS[kind], tuple(axes), int(nbytes))
+
+
+# a schema-4 plan file's sync kinds: (sum_by, split)
+_SCHEMA4_KINDS = {"all_reduce": ("all_reduce", False), **{f"{k}+all_gather": (k, True) for k in ZERO2_SUMS}}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from autopar.ir.graph import Role, needs_grad
 from autopar.sharding_spec.spec import ShardingSpec
+from autopar.sharding_spec.strategy import VOCAB_LOSS
 
 
 def whole_on(axes, identical) -> bool:
@@ -153,7 +154,7 @@ def identical_ok(plan, graph, identical, sync: dict) -> str | None:
             if identical & set(s.axes) and not set(s.axes) <= identical:
                 return f"edge {e.src} -> {e.dst} has a {s.kind} over axes {s.axes}, only partly identical"
     for n in plan.nodes.values():
-        if "loss-vocab-parallel" in n.family.split("+"):
+        if n.family.has(VOCAB_LOSS):
             x = n.inputs[0]
             cdim = 1 if x.ndim >= 2 else 0
             classes = set(x.dim_axes[cdim])

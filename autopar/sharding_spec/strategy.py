@@ -17,7 +17,7 @@ tensor).
 A strategy is exact when every rank runs the same ATen op on its local shards, with the size
 arguments of view-like ops and factories rewritten to local sizes (``rules._common.localize_args``);
 the families in ``LOWERED_FAMILIES`` are the exceptions, which codegen must lower as documented in
-their rule. Family labels (several parts join with "+", e.g. "dp+1d-col", "dp+heads"):
+their rule. Families (``Family``: parts joined with "+" in their label, e.g. "dp+1d-col", "dp+heads"):
 
     replicate                  everything whole on every device
     dp, sp                     a batch / a later (sequence) dim of the activations split
@@ -47,16 +47,62 @@ from typing import Callable, Iterable, Sequence
 from autopar.sharding_spec.spec import ShardingSpec
 
 
-# Families a codegen cannot run as the plain local op; see their rules for the lowering.
-LOWERED_FAMILIES = frozenset(
-    {"embedding-vocab-parallel", "loss-batch-split(mean)", "loss-vocab-parallel", "reduce-partial(mean)", "ring",
-     "ring(causal)"}
-)
+# The parts of families a codegen cannot run as the plain local op; see their rules for the lowering.
+VOCAB_EMBEDDING = "embedding-vocab-parallel"
+VOCAB_LOSS = "loss-vocab-parallel"
+MEAN_SPLIT = "loss-batch-split(mean)"
+MEAN_PARTIAL = "reduce-partial(mean)"
+RING, RING_CAUSAL = "ring", "ring(causal)"
+LOWERED_FAMILIES = frozenset({VOCAB_EMBEDDING, MEAN_SPLIT, VOCAB_LOSS, MEAN_PARTIAL, RING, RING_CAUSAL})
+ZERO2 = "zero2"  # a parameter's storage family part: its gradient summed and split (ZeRO-2)
+
+
+class Family(str):
+    """A strategy's family: its label ("dp+1d-col", shown and stored as is, equal to the string)
+    and the parts it joins, which code asks about by name (``has``, ``lowered``, ``ring``, ...)
+    rather than by matching text. ``Family.of(*parts)`` builds one ("replicate" for none); the
+    constructor reads a label (a plan file's, a user's ``force``)."""
+
+    @classmethod
+    def of(cls, *parts: str) -> "Family":
+        return cls("+".join(p for p in parts if p) or "replicate")
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return tuple(self.split("+"))
+
+    def has(self, part: str) -> bool:
+        return part in self.parts
+
+    @property
+    def lowered(self) -> frozenset[str]:
+        """Its parts codegen lowers (``LOWERED_FAMILIES``)."""
+        return frozenset(self.parts) & LOWERED_FAMILIES
+
+    @property
+    def ring(self) -> str | None:
+        """Its ring-attention part (``RING`` or ``RING_CAUSAL``), or None."""
+        return next((p for p in self.parts if p in (RING, RING_CAUSAL)), None)
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """Whether it splits a vocabulary (an embedding table's rows, a loss's classes)."""
+        return self.has(VOCAB_EMBEDDING) or self.has(VOCAB_LOSS)
+
+    @property
+    def zero2(self) -> bool:
+        """A parameter's storage family: whether its gradient is summed and split (ZeRO-2)."""
+        return self.has(ZERO2)
+
+    @property
+    def takes_mean(self) -> bool:
+        """Whether it computes a mean over split elements (its lowering divides by the global count)."""
+        return self.has(MEAN_SPLIT) or self.has(MEAN_PARTIAL)
 
 
 def needs_lowering(family: str) -> bool:
-    """Whether a strategy of this family needs codegen's special lowering (any "+" part does)."""
-    return any(part in LOWERED_FAMILIES for part in family.split("+"))
+    """Whether a strategy of this family needs codegen's special lowering (any part does)."""
+    return bool(Family(family).lowered)
 
 
 # A spec per output: one spec for a single tensor, a tuple for ops returning several, None for none.
@@ -69,8 +115,12 @@ class Strategy:
 
     inputs: tuple[ShardingSpec | None, ...]
     output: OutSpec
-    family: str
+    family: Family
     compute_fraction: float = 1.0
+
+    def __post_init__(self):
+        if type(self.family) is not Family:
+            object.__setattr__(self, "family", Family(self.family))
 
     def __str__(self) -> str:
         ins = ", ".join("-" if s is None else s.notation() for s in self.inputs)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-from autopar.sharding_spec.rules.attention import ring_family
 from autopar.sharding_spec.spec import spec_str
 from autopar.solver.units import fmt_bytes, fmt_s
 
@@ -289,14 +288,13 @@ def attention_forms(plan) -> dict[int, str]:
     op, all-to-all in 1"); axes attention does neither on are absent."""
     counts: dict[int, Counter] = {}
     for n in plan.nodes.values():
-        parts = set(n.family.split("+"))
         spec = n.output[0] if isinstance(n.output, tuple) else n.output
         if spec is None or "scaled_dot_product" not in n.target:
             continue
-        ring_axes = set(spec.dim_axes[-2]) if ring_family(n.family) is not None else set()
+        ring_axes = set(spec.dim_axes[-2]) if n.family.ring is not None else set()
         for a in ring_axes:
             counts.setdefault(a, Counter())["ring"] += 1
-        if "heads" in parts and len(spec.dim_axes) >= 3:
+        if n.family.has("heads") and len(spec.dim_axes) >= 3:
             for a in set(spec.dim_axes[-3]) - ring_axes:
                 counts.setdefault(a, Counter())["all-to-all"] += 1
     out = {}

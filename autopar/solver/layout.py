@@ -34,7 +34,7 @@ from autopar.errors import ConfigError
 from autopar.ir.aliasing import write_paths
 from autopar.ir.graph import Role, call_arg
 from autopar.sharding_spec.rules import has_rule, strategies_for
-from autopar.sharding_spec.rules.attention import SDPA, ring_axes, ring_family
+from autopar.sharding_spec.rules.attention import SDPA, ring_axes
 from autopar.sharding_spec.strategy import OpContext, active_axes
 
 # ops whose weight a tensor-parallel layout splits
@@ -254,13 +254,13 @@ def _stored_not_on(axis: int):
 def _ring_on(axis: int):
     """Ring attention whose sequence runs over ``axis``."""
     def pred(s) -> bool:
-        return ring_family(s.family) is not None and axis in ring_axes(s.output)
+        return s.family.ring is not None and axis in ring_axes(s.output)
     return pred
 
 
 def _vocab(want: bool):
     def pred(s) -> bool:
-        return ("vocab-parallel" in s.family) == want
+        return s.family.vocab_parallel == want
     return pred
 
 
@@ -271,7 +271,7 @@ def _param_storage(node, mesh, layout: Layout, dp_axis):
 
     def pred(s) -> bool:
         on_dp = dp_axis is not None and dp_axis in s.output.used_axes
-        zero2 = s.family.endswith("zero2")
+        zero2 = s.family.zero2
         if layout.zero == 3 and splittable:
             return on_dp and not zero2
         if layout.zero in (1, 2) and dp_axis is not None:

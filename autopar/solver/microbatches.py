@@ -140,7 +140,7 @@ def batch_mixing(graph, batch: int) -> str | None:
         if out is not None:
             spec[node.name] = out
             if isinstance(out, ShardingSpec) and out.partial:
-                kind[node.name] = pending.pop() if pending else ("mean" if "(mean)" in match.family else "sum")
+                kind[node.name] = pending.pop() if pending else ("mean" if match.family.takes_mean else "sum")
     return None
 
 

@@ -16,6 +16,7 @@ from autopar.errors import AutoparError, PlanError
 from autopar.record.grad_sync import GradSync
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.spec import ShardingSpec
+from autopar.sharding_spec.strategy import Family
 from autopar.solver.diff import diff as diff_plans
 from autopar.solver.explain import axis_roles, explain as explain_plan
 
@@ -68,12 +69,15 @@ class NodePlan:
     name: str
     target: str
     layer: str | None
-    family: str
+    family: Family
     inputs: list  # ShardingSpec | None per node input
     output: object  # ShardingSpec | tuple | None
     compute_s: float
     memory_bytes: float
     peak_bytes: float = 0.0  # the part of memory_bytes held only at the forward's peak, once per stage
+
+    def __post_init__(self):
+        self.family = Family(self.family)
 
 
 @dataclasses.dataclass
@@ -121,12 +125,15 @@ class ParamPlan:
     name: str  # canonical fqn
     node: str
     storage: ShardingSpec
-    family: str  # replicated | sharded | zero2 | sharded+zero2
+    family: Family  # replicated | sharded | zero2 | sharded+zero2
     grad_sync: GradSync | None  # how its gradient is synchronised each step, or None
     grad_sync_s: float
     aliases: tuple[str, ...] = ()
     buffer: bool = False
     accumulate_s: float = 0.0  # adding its gradient up, per run of the graph (``cost_model.step.accumulate_s``)
+
+    def __post_init__(self):
+        self.family = Family(self.family)
 
 
 @dataclasses.dataclass

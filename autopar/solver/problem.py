@@ -34,7 +34,7 @@ from autopar.record.grad_sync import ZERO2_SUMS, GradSync
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.rules import strategies_for
-from autopar.sharding_spec.strategy import OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep
+from autopar.sharding_spec.strategy import ZERO2, Family, OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep
 from autopar.solver.ilp import OnceCost, Problem
 from autopar.solver.plan import EdgePlan, StepPlan
 from autopar.solver.reshard_search import plan_reshard, reshard_costs_from
@@ -160,7 +160,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
     for spec in enumerate_specs(meta.shape, mesh):
         repl = tuple(a for a in act if a not in spec.used_axes)
         local = local_bytes(spec, mesh.shape, itemsize)
-        family = "replicated" if spec.is_replicated else "sharded"
+        family = Family.of("replicated" if spec.is_replicated else "sharded")
         grad = local * grad_scale
         if repl:
             cost = bucketed_collective_time("all_reduce", grad, mesh, repl, bucket_bytes, total_bytes)
@@ -188,7 +188,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
             cost_z, sum_by = min(((sums[k] + local_sum_time(k, grad, ways, cluster) + gather
                                    + zero2_fresh_s(grad, k, zero2_bytes, saved, local, ways, cluster, bucket_bytes), k)
                                   for k in ZERO2_SUMS), key=lambda priced: priced[0])  # the first on a tie
-            strategies.append(Strategy((), spec, "zero2" if spec.is_replicated else "sharded+zero2", 1.0))
+            strategies.append(Strategy((), spec, Family.of(*family.parts[spec.is_replicated:], ZERO2), 1.0))
             opt.append(optimizer_s(local / math.prod(mesh.shape[a] for a in repl)))
             costs.append(cost_z)
             mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl,

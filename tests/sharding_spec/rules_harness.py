@@ -159,7 +159,7 @@ def check_op(target, args, kwargs=None, values=None, meshes=MESHES_2D, *, min_st
         assert len(strategies) >= min_strategies, f"{target} on {mesh}: {[str(s) for s in strategies]}"
         for s in strategies:
             if families is not None:
-                assert all(p in families for p in s.family.split("+")), f"unexpected family {s.family} in {s}"
+                assert all(p in families for p in s.family.parts), f"unexpected family {s.family} in {s}"
             if needs_lowering(s.family):
                 continue
             check_strategy(node, s, values, expected, mesh)

@@ -9,7 +9,6 @@ import autopar
 from autopar import models
 from autopar.ir import trace
 
-RING = {"ring", "ring(causal)"}
 
 
 def _llama(seq: int):
@@ -19,15 +18,15 @@ def _llama(seq: int):
 
 def _attention_forms(plan) -> set[str]:
     """The forms the plan's attention ops run in."""
-    fams = [n.family.split("+") for n in plan.nodes.values() if "scaled_dot_product" in n.target]
-    return {"ring" if RING & set(f) else "all-to-all" if "heads" in f else "other" for f in fams}
+    fams = [n.family for n in plan.nodes.values() if "scaled_dot_product" in n.target]
+    return {"ring" if f.ring else "all-to-all" if f.has("heads") else "other" for f in fams}
 
 
 def _forced(model, inputs, mesh, form: str):
     """The plan with every attention op forced to ``form`` (the rest free)."""
     graph = trace(model, inputs)
-    want = (lambda s: bool(RING & set(s.family.split("+")))) if form == "ring" else \
-        (lambda s: "heads" in s.family.split("+") and not RING & set(s.family.split("+")))
+    want = (lambda s: bool(s.family.ring)) if form == "ring" else \
+        (lambda s: s.family.has("heads") and not s.family.ring)
     force = {n.name: want for n in graph.nodes.values() if n.target == "aten.scaled_dot_product_attention.default"}
     return autopar.plan(model, mesh, inputs, pipeline=False, force=force, idle_axes=())
 
@@ -63,7 +62,7 @@ def test_a_layout_leaves_the_axes_named_idle_to_repeat_its_work():
     mesh = autopar.Mesh((2, 2))
     plan = autopar.plan(model, mesh, inputs, pipeline=False, force=autopar.Layout(cp=2), idle_axes=(0,))
     assert plan.idle_axes == (0,)
-    rings = [n for n in plan.nodes.values() if RING & set(n.family.split("+"))]
+    rings = [n for n in plan.nodes.values() if n.family.ring]
     assert rings and all(tuple(n.output.dim_axes[2]) == (1,) for n in rings)
     with pytest.raises(autopar.ConfigError, match="needs a mesh"):
         autopar.plan(model, mesh, inputs, pipeline=False, force=autopar.Layout(cp=2))

@@ -24,10 +24,9 @@ is linear, so no pending sum. Parts join with "+" in the order dp, heads, sp (or
 from __future__ import annotations
 
 from autopar.sharding_spec.rules._common import input_pos, is_tensor_meta, letter_choices, out_metas
-from autopar.sharding_spec.strategy import OpContext, Strategy, register
+from autopar.sharding_spec.strategy import RING, RING_CAUSAL, Family, OpContext, Strategy, register
 
 SDPA = "aten.scaled_dot_product_attention.default"
-RING, RING_CAUSAL = "ring", "ring(causal)"
 
 # target -> (positional index of is_causal, of the mask (None: keyword only), the mask's keyword,
 #            log-sum-exp layout: "per-query" (B.., H, L), "padded" (L rounded up), None (no lse))
@@ -39,7 +38,7 @@ VARIANTS = {
 }
 
 
-def _family(assign, batch_letters, sequence: str = "sp") -> str:
+def _family(assign, batch_letters, sequence: str = "sp") -> Family:
     parts = []
     if any(ch in assign for ch in batch_letters):
         parts.append("dp")
@@ -47,12 +46,7 @@ def _family(assign, batch_letters, sequence: str = "sp") -> str:
         parts.append("heads")
     if "l" in assign:
         parts.append(sequence)
-    return "+".join(parts) or "replicate"
-
-
-def ring_family(family: str) -> str | None:
-    """The ring part of a strategy family ("ring" or "ring(causal)"), or None."""
-    return next((p for p in family.split("+") if p in (RING, RING_CAUSAL)), None)
+    return Family.of(*parts)
 
 
 def ring_axes(output) -> tuple[int, ...]:
@@ -64,7 +58,7 @@ def ring_axes(output) -> tuple[int, ...]:
 def ring_blocks(strategy, mesh) -> int:
     """How many blocks of its local shapes a strategy's op computes: n for ring attention over n
     ranks (its key/value blocks go round), 1 for any other."""
-    if strategy is None or ring_family(strategy.family) is None:
+    if strategy is None or strategy.family.ring is None:
         return 1
     return mesh.axes_size(ring_axes(strategy.output))
 

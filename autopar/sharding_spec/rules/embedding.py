@@ -22,12 +22,11 @@ embedding-vocab-parallel. ``padding_idx`` only affects gradients and is kept as 
 from __future__ import annotations
 
 from autopar.sharding_spec.rules._common import is_tensor_meta, letter_choices, letters_for
-from autopar.sharding_spec.strategy import OpContext, Strategy, register
-
-VOCAB_PARALLEL = "embedding-vocab-parallel"
+from autopar.sharding_spec.strategy import VOCAB_EMBEDDING as VOCAB_PARALLEL, Family, OpContext, Strategy, register
 
 
-def embedding_family(assign: dict, idx_letters: tuple[str, ...]) -> str:
+
+def embedding_family(assign: dict, idx_letters: tuple[str, ...]) -> Family:
     parts = []
     if idx_letters and idx_letters[0] in assign:
         parts.append("dp")
@@ -37,7 +36,7 @@ def embedding_family(assign: dict, idx_letters: tuple[str, ...]) -> str:
         parts.append("embedding-hidden")
     if "v" in assign:
         parts.append(VOCAB_PARALLEL)
-    return "+".join(parts) or "replicate"
+    return Family.of(*parts)
 
 
 @register("aten.embedding.default")

@@ -37,10 +37,8 @@ from autopar.sharding_spec.rules._common import (
     letters_for,
     out_metas,
 )
-from autopar.sharding_spec.strategy import OpContext, Strategy, register
+from autopar.sharding_spec.strategy import MEAN_SPLIT, VOCAB_LOSS as VOCAB_PARALLEL, Family, OpContext, Strategy, register
 
-MEAN_SPLIT = "loss-batch-split(mean)"
-VOCAB_PARALLEL = "loss-vocab-parallel"
 NONE, MEAN, SUM = 0, 1, 2
 _REDUCTION_NAMES = {"none": NONE, "mean": MEAN, "sum": SUM}
 
@@ -49,13 +47,13 @@ def _reduction(value) -> int:
     return _REDUCTION_NAMES[value] if isinstance(value, str) else int(value)
 
 
-def _family(batch_split: bool, vocab_split: bool, reduction: int) -> str:
+def _family(batch_split: bool, vocab_split: bool, reduction: int) -> Family:
     parts = []
     if batch_split:
         parts.append(MEAN_SPLIT if reduction == MEAN else "dp")
     if vocab_split:
         parts.append(VOCAB_PARALLEL)
-    return "+".join(parts) or "replicate"
+    return Family.of(*parts)
 
 
 def _class_loss(ctx: OpContext, reduction: int, *, weight_pos, allow_vocab: bool) -> list[Strategy]:

@@ -17,7 +17,7 @@ import math
 import string
 
 from autopar.sharding_spec.spec import ShardingSpec
-from autopar.sharding_spec.strategy import OpContext, Strategy, axis_assignments, register
+from autopar.sharding_spec.strategy import Family, OpContext, Strategy, axis_assignments, register
 
 
 def _roles(inputs: list[str], output: str) -> dict[str, str]:
@@ -38,7 +38,7 @@ def _roles(inputs: list[str], output: str) -> dict[str, str]:
     return roles
 
 
-def family_of(assign: dict[str, tuple[int, ...]], roles: dict[str, str], m_order: list[str]) -> str:
+def family_of(assign: dict[str, tuple[int, ...]], roles: dict[str, str], m_order: list[str]) -> Family:
     count = {"batch": 0, "m": 0, "n": 0, "k": 0}
     for ch, axes in assign.items():
         count[roles[ch]] += len(axes)
@@ -63,9 +63,7 @@ def family_of(assign: dict[str, tuple[int, ...]], roles: dict[str, str], m_order
         fam = "dp+sp" if lead and rest else ("dp" if lead else "sp")
     else:
         fam = "dp" if nb else "replicate"
-    if nb and fam not in ("dp", "replicate"):
-        fam = "dp+" + fam
-    return fam
+    return Family.of("dp", fam) if nb and fam not in ("dp", "replicate") else Family(fam)
 
 
 def einsum_strategies(
