@@ -191,7 +191,7 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
             return {"collective_overhead_s": statistics.median(parts)}
 
         shape = "x".join(map(str, groups.mesh.shape))
-        out.update(_cached(f"skew-mesh{shape}", device, directory, skew))
+        out.update(_cached(f"skew-v2-mesh{shape}", device, directory, skew))  # v2: the mean wait
     if device.type == "cuda":
         out["comm_overlap"] = 1.0
     else:
