@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from autopar.sharding_spec.spec import spec_str
+from autopar.sharding_spec.strategy import VOCAB_EMBEDDING, VOCAB_LOSS
 from autopar.solver.units import fmt_bytes, fmt_s
 
 _HIDE_TARGETS = ("output",)
@@ -341,11 +342,11 @@ def layout_words(plan) -> str:
     extras = []
     fam = Counter(n.family for p in stages for n in p.nodes.values() if n.layer is not None)
     if any(r == "tensor" for r in roles.values()):
-        col = sum(v for k, v in fam.items() if k in ("1d-col", "2d"))
-        row = sum(v for k, v in fam.items() if k in ("1d-row", "2d-mk"))
+        col = sum(v for k, v in fam.items() if k.has("1d-col") or k.has("2d"))
+        row = sum(v for k, v in fam.items() if k.has("1d-row") or k.has("2d-mk"))
         if col and row:
             extras.append("Megatron column/row in the blocks")
-        if any("heads" in k for k in fam):
+        if any(k.has("heads") for k in fam):
             extras.append("attention split by heads")
     if any(p.grad_sync is not None and p.grad_sync.split for q in stages for p in q.params.values() if not p.buffer):
         extras.append("ZeRO-2 (gradients and optimizer states sharded)")
@@ -358,9 +359,9 @@ def layout_words(plan) -> str:
     elif gathered:
         extras.append(f"{len(gathered)} parameter(s) gathered before use")
     all_fams = Counter(n.family for q in stages for n in q.nodes.values())
-    if any("embedding-vocab-parallel" in k for k in all_fams):
+    if any(k.has(VOCAB_EMBEDDING) for k in all_fams):
         extras.append("vocabulary-parallel embedding")
-    if any("loss-vocab-parallel" in k for k in all_fams):
+    if any(k.has(VOCAB_LOSS) for k in all_fams):
         extras.append("vocabulary-parallel loss")
     if plan.pipeline is not None:
         p = plan.pipeline
