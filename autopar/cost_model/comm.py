@@ -89,16 +89,22 @@ def mesh_collective_time(kind: str, nbytes: float, mesh, axes: Sequence[int], *,
             + (cluster.collective_overhead_s if n > 1 else 0.0))
 
 
-def ring_pass_time(nbytes: float, mesh, axes: Sequence[int]) -> float:
-    """Seconds for one step of a ring over the mesh's group on ``axes``: every rank sends
-    ``nbytes`` to the next and receives as many from the previous (point to point, both ways at
-    once): one alpha and the bytes once on the group's slowest link, and the per-call overhead."""
-    n = math.prod(mesh.shape[a] for a in axes)
-    if n <= 1 or nbytes <= 0:
+def send_time(nbytes: float, mesh, axes: Sequence[int]) -> float:
+    """Seconds for a point-to-point send of ``nbytes`` between ranks of the mesh's group on ``axes``
+    (a pipeline stage's activation to the next, a ring attention block to a neighbour): one alpha
+    and the bytes once on the group's slowest link, and the per-call overhead of a call reached
+    from compute. A rank sending and receiving at once pays it once."""
+    if math.prod(mesh.shape[a] for a in axes) <= 1:
         return 0.0
     links = mesh.links()
     link = group_link([links[a] for a in axes])
     return link.alpha + link.beta * nbytes + mesh.resolved_cluster().collective_overhead_s
+
+
+def ring_pass_time(nbytes: float, mesh, axes: Sequence[int]) -> float:
+    """Seconds for one step of a ring over the mesh's group on ``axes``: every rank sends
+    ``nbytes`` to the next and receives as many from the previous, both at once (``send_time``)."""
+    return send_time(nbytes, mesh, axes) if nbytes > 0 else 0.0
 
 
 def layout_copy_bytes(kind: str, nbytes: float, n: int, src_dim: int | None = None, dst_dim: int | None = None) -> float:

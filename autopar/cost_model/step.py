@@ -83,6 +83,12 @@ def zero2_totals(plan, mesh) -> tuple[float, float]:
     return sum(n for n, _ in zero2), zero2_saved_bytes(zero2)
 
 
+def optimizer_s(elements: float, tensors: float, cluster) -> float:
+    """Seconds of the optimizer's step over ``elements`` local elements in ``tensors`` tensors
+    (the profiled AdamW rates: per element and per tensor)."""
+    return elements * cluster.optimizer_s_per_element + tensors * cluster.optimizer_s_per_tensor
+
+
 def accumulate_s(nbytes: float, bucketed: bool, step_share: float, cluster) -> float:
     """Seconds per run of the graph (one microbatch) the runtime spends adding one parameter's
     local gradient (``nbytes``) into what holds it: memory-bound, three passes (read the sum, read
@@ -182,7 +188,7 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
                        for k in after)
     sync = sum(buckets)
     exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0
-    optimizer = elements * cluster.optimizer_s_per_element + tensors * cluster.optimizer_s_per_tensor
+    optimizer = optimizer_s(elements, tensors, cluster)
     total = compute + overhead + reshard + in_ops + exposed + gathers + fresh + optimizer + accumulate
     return {
         "compute_s": compute,

@@ -24,7 +24,7 @@ from autopar.cost_model import memory as memory_model
 from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time, packed_gather_bytes
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.ops import alias_roots
-from autopar.cost_model.step import accumulate_s, reshard_s, zero2_fresh_s, zero2_pool_bytes
+from autopar.cost_model.step import accumulate_s, optimizer_s, reshard_s, zero2_fresh_s, zero2_pool_bytes
 from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role, edge_itemsize, needs_grad
 from autopar.ir.losses import counted_from_inputs, unread_outputs
@@ -152,10 +152,6 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
     total_bytes = total_bytes * grad_scale if total_bytes else total_bytes
     act = active_axes(mesh)
     cluster = mesh.resolved_cluster()
-
-    def optimizer_s(nbytes):
-        return nbytes / itemsize * cluster.optimizer_s_per_element + cluster.optimizer_s_per_tensor
-
     strategies, opt, costs, mems, syncs, acc, hidden = [], [], [], [], [], [], []
     for spec in enumerate_specs(meta.shape, mesh):
         repl = tuple(a for a in act if a not in spec.used_axes)
@@ -168,7 +164,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
         else:
             cost, sync = 0.0, None
         strategies.append(Strategy((), spec, family, 1.0))
-        opt.append(optimizer_s(local))
+        opt.append(optimizer_s(local / itemsize, 1, cluster))
         costs.append(cost)
         hidden.append(cost)
         mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, precision=precision))
@@ -189,7 +185,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
                                    + zero2_fresh_s(grad, k, zero2_bytes, saved, local, ways, cluster, bucket_bytes), k)
                                   for k in ZERO2_SUMS), key=lambda priced: priced[0])  # the first on a tie
             strategies.append(Strategy((), spec, Family.of(*family.parts[spec.is_replicated:], ZERO2), 1.0))
-            opt.append(optimizer_s(local / math.prod(mesh.shape[a] for a in repl)))
+            opt.append(optimizer_s(local / itemsize / ways, 1, cluster))
             costs.append(cost_z)
             mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl,
                                                   precision=precision) + zero2_pool_bytes(grad, sum_by, zero2_bytes, saved, bucket_bytes))

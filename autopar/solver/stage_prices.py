@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from autopar.cost_model.comm import mesh_collective_time
+from autopar.cost_model.comm import mesh_collective_time, send_time
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.ops import is_view, local_nbytes
 from autopar.errors import ConfigError, PlanError
@@ -216,14 +216,12 @@ def stage_tables(variants, n_units: int, mesh: Mesh):
     mem_t = np.zeros_like(time_t)
     act_t = np.zeros_like(time_t)
     deferred_t = np.zeros_like(time_t)
-    link = mesh.links()[0]
-    call_s = mesh.resolved_cluster().collective_overhead_s  # a send reached from compute, as a collective
     for m, (rows, p) in enumerate(variants):
         per_unit = p.per_microbatch_s + p.per_step_s  # per-step prices are already 1 / count (plan(microbatches=))
         c_time, c_act = (np.concatenate([[0.0], np.cumsum(a)]) for a in (per_unit, p.activation_bytes))
         for i in range(n_units):
             # the activation entering the stage (forward) and its gradient leaving it (backward)
-            recv = 0.0 if i == 0 else 2 * (link.alpha + call_s + p.boundary_bytes[i] * link.beta)
+            recv = 0.0 if i == 0 else 2 * send_time(p.boundary_bytes[i], mesh, (0,))
             j = np.arange(i, n_units)
             time_t[i, i:, m] = c_time[j + 1] - c_time[i] + recv
             mem_t[i, i:, m] = [p.held_between(i, jj) + p.stage_extra_bytes for jj in j]
