@@ -251,12 +251,20 @@ def phase2(model_name, kw, rank, world, opts, ref, finalists: list[ht.HandConfig
 
 def alternate(variants: dict, info: dict, opts) -> None:
     """Time every variant in ``opts["rounds"]`` alternating rounds of ``opts["round_steps"]``
-    steps (the order rotating each round), close them all, and put each one's slowest-rank step
-    times and their median into ``info[name]``."""
+    steps (the order rotating each round), each round's steps after one untimed step, close them
+    all, and put each one's slowest-rank step times and their median into ``info[name]``.
+
+    The untimed step warms what the other variants' rounds let go cold, which a job training one
+    plan never does: without it the 2-D plans of ``fidelity.py`` measured 7-28% over their price
+    while LLaMA's dp2 x tp2 timed alone on fresh ranks measured 0.80 s/step against 0.79 priced
+    (0.95 in the rounds). Part of it is TCP's slow start on process groups that sat idle (Linux's
+    ``tcp_slow_start_after_idle``): with it off, the GPT's 2-D plans measured within 8% of their
+    price without the untimed step, the LLaMA's still 11-22% over; with the step, 5-9%."""
     names = list(variants)
     times = {n: [] for n in names}
     for r in range(opts["rounds"]):
         for n in names[r % len(names):] + names[: r % len(names)]:
+            timed_step(variants[n])
             times[n] += [timed_step(variants[n]) for _ in range(opts["round_steps"])]
     for v in variants.values():
         v.close()
