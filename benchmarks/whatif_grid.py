@@ -1,66 +1,90 @@
-"""GPT-3 175B on 1024 simulated A100s: autopar's plan against a grid of hand-written configurations,
+"""Published models on clusters: autopar's plan against a grid of hand-written configurations,
 every one priced by the same cost model (``autopar.compare``).
 
-    .venv/bin/python benchmarks/whatif_grid.py [--tp 2,4,8] [--pp 8,16,32] [--mb 96,192] [--zero 0,1]
+    .venv/bin/python benchmarks/whatif_grid.py [--cases gpt3-175b,llama3-8b] [--zero 0,1,3] [--recompute 0,1]
 
-Prints the plan, then each configuration's predicted step time against the plan's (those that do
-not fit 80 GB say so), and lists the ones predicted faster than the plan: the planner's search
-should leave none. Writes ``results/whatif_grid.json``. About 6 s per configuration on 2 cores.
+Cases (``CASES``): GPT-3 175B on 1024 simulated A100s (128 x 8) and Llama 3 8B on 64 simulated H100s
+(8 x 8), each at its published batch, in Megatron's recipe (``precision="bf16"``: bf16 compute over
+fp32 masters), 80 GB a device. The grid is ``compare.config_grid`` over the mesh's divisors: tp (at
+most a node's 8) x pp (at most the layers) x dp, each ZeRO stage of ``--zero`` where dp > 1, the
+vocabulary-parallel loss on and off where tp > 1, the case's microbatch counts that split the batch
+over dp (without a pipeline: gradient accumulation), and recomputation none / full. Prints the
+plan, each configuration's predicted step time against the plan's (those that do not fit say by
+how much), and lists those predicted faster than the plan that fit: the planner's search should
+leave none. Writes ``results/whatif_grid.json``. 2-6 s per configuration on 2 cores.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import time
 import warnings
 
 import torch
 
+import autopar
 from autopar import models
-from autopar.solver.compare import compare
-from gpt3_pipeline import GPT3, PRECISION, plan_gpt3
+from autopar.solver.compare import compare, config_grid
+from autopar.solver.explain import layout_words
 from hybrid import RESULTS
 
+PRECISION = "bf16"  # Megatron's recipe
+BUDGET = "80GB"
+# name -> (mesh shape, cluster preset, microbatch counts the grid tries)
+CASES = {
+    "gpt3-175b": ((128, 8), "a100-80g", (1, 16, 64, 192)),
+    "llama3-8b": ((8, 8), "h100-80g", (1, 8, 32)),
+}
 
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def run_case(name: str, zero, recompute) -> dict:
+    shape, cluster, microbatches = CASES[name]
+    model, inputs = models.build(name)
+    cfg = models.config(name)
+    mesh = autopar.Mesh(shape, cluster=cluster)
+    t0 = time.perf_counter()
+    plan = autopar.plan(model, mesh, inputs, memory_budget=BUDGET, precision=PRECISION)
+    planned_s = time.perf_counter() - t0
+    best = plan.predicted["step_time_s"]
+    s = plan.summary()
+    pipe = s.get("pipeline") or {}
+    words = layout_words(plan)
+    print(f"{name} on {'x'.join(map(str, shape))} {cluster}: autopar {words}: {best:.3f} s, "
+          f"{s['memory_bytes_per_device'] / 2**30:.1f} GiB (planned in {planned_s:.1f} s)", flush=True)
+    configs = config_grid(mesh.size, layers=cfg.layers, batch=cfg.batch, tp_max=shape[-1], microbatches=microbatches,
+                          zero=zero, recompute=recompute)
+    rows, t0 = [], time.perf_counter()
+    for config in configs:
+        r = compare(model, mesh, inputs, [config], memory_budget=BUDGET, precision=PRECISION)[0]
+        ratio = None if r.step_time_s is None else r.step_time_s / best
+        rows.append(dict(config=config, step_time_s=r.step_time_s, memory_bytes=r.memory_bytes, fits=r.fits,
+                         vs_plan=ratio, note=r.note))
+        print(f"  {config:<52} {'-' if ratio is None else f'{r.step_time_s:.3f} s {ratio:.3f}x'}  {r.note}", flush=True)
+    faster = [r for r in rows if r["fits"] and r["vs_plan"] is not None and r["vs_plan"] < 1 - 1e-9]
+    fitting = sum(1 for r in rows if r["fits"] and r["step_time_s"] is not None)
+    print(f"{name}: {len(rows)} configurations in {time.perf_counter() - t0:.0f} s, {fitting} fit; predicted faster "
+          f"than the plan and fitting: {[(r['config'], round(r['vs_plan'], 4)) for r in faster] or 'none'}", flush=True)
+    return dict(mesh=list(shape), cluster=cluster,
+                plan=dict(step_time_s=best, layout=words, schedule=pipe.get("schedule"),
+                          microbatches=pipe.get("microbatches"), planned_s=planned_s,
+                          memory_bytes=s["memory_bytes_per_device"]),
+                configs=rows, fitting=fitting, faster=[r["config"] for r in faster])
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tp", default="2,4,8")
-    p.add_argument("--pp", default="8,16,32")
-    p.add_argument("--mb", default="96,192")
-    p.add_argument("--zero", default="0,1")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--zero", default="0,1,3", help="ZeRO stages the grid tries")
+    p.add_argument("--recompute", default="0,1", help="0: none, 1: full")
     a = p.parse_args()
     warnings.simplefilter("ignore")
-    plan, seconds, mfu = plan_gpt3()
-    s = plan.summary()
-    best = plan.predicted["step_time_s"]
-    print(f"autopar: tp {s['tp']} sp {s['sp']} pp {s['pp']} dp {s['dp']}, {s['pipeline']['schedule']}, "
-          f"{s['pipeline']['microbatches']} microbatches: {best:.3f} s, {s['memory_bytes_per_device'] / 2**30:.1f} GiB "
-          f"(planned in {seconds:.1f} s)", flush=True)
-    model, inputs = models.build("gpt", device="meta", dtype=torch.bfloat16, **GPT3)
-    configs = [f"tp={tp},pp={pp},dp={1024 // (tp * pp)},mb={mb},zero={z}"
-               for tp, pp, mb, z in itertools.product(ints(a.tp), ints(a.pp), ints(a.mb), ints(a.zero))
-               if 1024 % (tp * pp) == 0 and (z == 0 or 1024 // (tp * pp) > 1)
-               and GPT3["batch"] % mb == 0 and (GPT3["batch"] // mb) % (1024 // (tp * pp)) == 0]
-    rows, t0 = [], time.perf_counter()
-    for config in configs:
-        r = compare(model, plan.mesh_obj, inputs, [config], memory_budget="80GB", precision=PRECISION)[0]
-        ratio = None if r.step_time_s is None else r.step_time_s / best
-        rows.append(dict(config=config, step_time_s=r.step_time_s, memory_bytes=r.memory_bytes, fits=r.fits,
-                         vs_plan=ratio, note=r.note))
-        print(f"  {config:<32} {'-' if ratio is None else f'{r.step_time_s:.3f} s {ratio:.3f}x'}  {r.note}", flush=True)
-    faster = [r for r in rows if r["fits"] and r["vs_plan"] is not None and r["vs_plan"] < 1 - 1e-9]
-    print(f"{len(rows)} configurations in {time.perf_counter() - t0:.0f} s; predicted faster than the plan and "
-          f"fitting: {[(r['config'], round(r['vs_plan'], 4)) for r in faster] or 'none'}")
+    out = {name: run_case(name, ints(a.zero), ints(a.recompute)) for name in a.cases.split(",") if name}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "whatif_grid.json").write_text(json.dumps(dict(
-        plan=dict(step_time_s=best, summary={k: s[k] for k in ("tp", "sp", "pp", "dp")}, schedule=s["pipeline"]["schedule"],
-                  microbatches=s["pipeline"]["microbatches"], planned_s=seconds, mfu=mfu),
-        configs=rows, faster=[r["config"] for r in faster], torch=torch.__version__), indent=1))
+    (RESULTS / "whatif_grid.json").write_text(json.dumps(dict(cases=out, torch=torch.__version__), indent=1))
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def config_grid(devices: int, *, layers: int | None = None, batch: int | None = 
                 microbatches=(1, 2, 4, 8), zero=(0, 1, 2, 3), recompute=(0, 1)) -> list[str]:
     """Every hand-written configuration of ``devices``: tp x pp x dp over the divisors (pp at most
     ``layers``, tp at most ``tp_max``), each ZeRO stage where dp > 1, the vocabulary-parallel loss
-    on or off where tp > 1, each of ``microbatches`` that splits ``batch`` evenly over dp (with
+    on or off where tp > 1, the whole batch where dp splits it and each of ``microbatches`` that
+    splits ``batch`` evenly over dp (with
     pp > 1 at least pp, what torch's 1F1B runs; without a pipeline, more than one is gradient
     accumulation), and each of ``recompute`` (none, full)."""
     def divisors(n):
@@ -88,7 +89,7 @@ def config_grid(devices: int, *, layers: int | None = None, batch: int | None = 
             if layers is not None and pp > layers:
                 continue
             if pp == 1:
-                mbs = [None] + [m for m in microbatches if m > 1 and splits(m, dp)]
+                mbs = ([None] if splits(1, dp) else []) + [m for m in microbatches if m > 1 and splits(m, dp)]
             else:
                 mbs = [m for m in microbatches if m >= pp and splits(m, dp)]
             for z in zero:
@@ -153,7 +154,9 @@ def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memo
         layout = Layout(dp=dp, tp=tp, zero=c.get("zero", 0), vocab_parallel=None if vocab is None else bool(vocab))
         accumulates = pp > 1 or "mb" in c or "recompute" in c  # a pipeline (of one stage: accumulation)
         recompute = None if "recompute" not in c else bool(c["recompute"])
-        pipeline = Pipeline(stages=pp, microbatches=c.get("mb"), recompute=recompute) if accumulates else None
+        # without mb, one stage runs the batch whole (recomputed or not); a pipeline's count is searched
+        microbatches = c.get("mb", 1 if pp == 1 else None)
+        pipeline = Pipeline(stages=pp, microbatches=microbatches, recompute=recompute) if accumulates else None
         config_of_plan = PlanConfig.of(plan_config, **options).replace(memory_budget=None, force=layout, pipeline=pipeline)
         plan = make_plan(model, mesh, example_inputs, example_kwargs=example_kwargs, config=config_of_plan)
     except (PlanError, ConfigError) as err:

@@ -168,13 +168,24 @@ def test_what_ifs_say_accumulation_and_recomputation_without_a_pipeline():
     plain, acc, rc, both = compare(model, mesh, inputs, ["dp=4", "dp=4,mb=4", "dp=4,recompute=full",
                                                                   "dp=4,mb=4,recompute=full"])
     assert plain.plan.pipeline is None
-    for r, mb, recompute in ((acc, 4, False), (rc, None, True), (both, 4, True)):
+    for r, mb, recompute in ((acc, 4, False), (rc, 1, True), (both, 4, True)):  # no mb: the batch whole
         pipe = r.plan.pipeline
         assert pipe is not None and len(pipe.stages) == 1, r.name
-        assert (mb is None or pipe.microbatches == mb) and bool(pipe.stages[0].recompute) == recompute, r.name
+        assert pipe.microbatches == mb and bool(pipe.stages[0].recompute) == recompute, r.name
         assert r.memory_bytes < plain.memory_bytes, r.name
     assert both.memory_bytes < acc.memory_bytes and both.memory_bytes < rc.memory_bytes
     assert rc.step_time_s > plain.step_time_s and both.step_time_s > acc.step_time_s
+
+
+def test_the_grid_holds_only_layouts_whose_data_parallel_splits_the_batch():
+    """``config_grid``: a layout without microbatches only where dp divides the batch (GPT-3's 1536
+    sequences on dp=1024 cannot be run), with them only where dp x mb does."""
+    from autopar.solver.compare import config_grid, parse_config
+
+    grid = [parse_config(c) for c in config_grid(8, layers=4, batch=12)]
+    assert grid and all(12 % (c["dp"] * c.get("mb", 1)) == 0 for c in grid)
+    assert not any(c["dp"] == 8 for c in grid)
+    assert any(c["dp"] == 4 and "mb" not in c for c in grid) and any(c["dp"] == 2 and c.get("mb") == 2 for c in grid)
 
 
 def test_the_auto_plans_own_configuration_prices_the_same(gpt):
