@@ -83,6 +83,26 @@ def zero2_totals(plan, mesh) -> tuple[float, float]:
     return sum(n for n, _ in zero2), zero2_saved_bytes(zero2)
 
 
+def op_overheads_s(node, grad, cluster) -> tuple[float, float]:
+    """(forward, backward) framework seconds of one traced op run eagerly: every op pays the
+    forward's; only an op a gradient flows through (an input in ``grad``: ``ir.graph.needs_grad``)
+    runs a backward."""
+    backward = cluster.backward_op_overhead_s if any(i in grad for i in node.inputs) else 0.0
+    return cluster.op_overhead_s, backward
+
+
+def in_op_comm_s(node_plan, graph, mesh, identical=()) -> float:
+    """Seconds of the collectives a lowered family runs inside its op, forward and backward
+    (``cost_model.lowered``), on a plan whose gradients are whole on the ``identical`` axes; 0 for
+    the families run as the plain local op."""
+    if not needs_lowering(node_plan.family):
+        return 0.0
+    node = graph.nodes[node_plan.name]
+    return lowered_comm_s(node_plan.target, node_plan.family, node_plan.inputs, node_plan.output, mesh,
+                          identical=identical, counted_locally=counted_from_inputs(graph, node),
+                          compute_s=node_plan.compute_s, value_itemsize=getattr(node.meta, "itemsize", 4))
+
+
 def optimizer_s(elements: float, tensors: float, cluster) -> float:
     """Seconds of the optimizer's step over ``elements`` local elements in ``tensors`` tensors
     (the profiled AdamW rates: per element and per tensor)."""
@@ -128,24 +148,20 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
 
     cluster = mesh.resolved_cluster()
     grad = needs_grad(graph)
-    compute = fwd_ops = bwd_ops = 0
+    compute = overhead = 0.0
     backward_compute = 0.0
     for name, n in plan.nodes.items():
         node = graph.nodes.get(name)
         if node is None or node.op != "call_function":
             continue
         compute += n.compute_s
-        fwd_ops += 1
+        forward_s, backward_s = op_overheads_s(node, grad, cluster)
+        overhead += forward_s + backward_s
         if any(i in grad for i in node.inputs):
-            bwd_ops += 1
             backward_compute += n.compute_s * 2 / 3  # node compute is forward + backward (x2)
-    overhead = fwd_ops * cluster.op_overhead_s + bwd_ops * cluster.backward_op_overhead_s
     identical = plan.identical_axes
     reshard = reshard_s(graph, plan.edges, mesh, identical)
-    in_ops = sum(lowered_comm_s(n.target, n.family, n.inputs, n.output, mesh, identical=identical,
-                                counted_locally=counted_from_inputs(graph, graph.nodes[n.name]), compute_s=n.compute_s,
-                                value_itemsize=getattr(graph.nodes[n.name].meta, "itemsize", 4))
-                 for n in plan.nodes.values() if needs_lowering(n.family))
+    in_ops = sum(in_op_comm_s(n, graph, mesh, identical) for n in plan.nodes.values())
     in_ops += grad_sum_s(plan, graph, mesh, identical)
 
     first_use = first_reads(graph)

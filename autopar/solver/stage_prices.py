@@ -24,15 +24,14 @@ import math
 import numpy as np
 
 from autopar.cost_model.comm import mesh_collective_time, send_time
-from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.ops import is_view, local_nbytes
+from autopar.cost_model.step import in_op_comm_s, op_overheads_s
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import node_readers, unit_of_nodes
-from autopar.ir.graph import Role
-from autopar.ir.losses import counted_from_inputs, unread_outputs
+from autopar.ir.graph import Role, needs_grad
+from autopar.ir.losses import unread_outputs
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
-from autopar.sharding_spec.strategy import needs_lowering
 from autopar.solver.layout import param_source
 
 MEMORY_VARIANTS = (0.25,)  # leaner ILP solutions per sub-mesh, as fractions of the fastest's memory
@@ -97,6 +96,7 @@ class UnitPrices:
 def unit_prices(plan, graph, mesh) -> UnitPrices:
     """Attribute a whole-graph intra-op plan's prices to the units (see the module docstring)."""
     cluster = mesh.resolved_cluster()
+    grad = needs_grad(graph)
     unit = unit_of_nodes(graph)
     n = len(graph.layers)
     micro, step, static, act, boundary, forward, peak, weight_grads, tail = (np.zeros(n) for _ in range(9))
@@ -123,17 +123,14 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
                 step[uu] += np_.compute_s - acc  # the optimizer's share
                 micro[uu] += acc  # its gradient added up, every microbatch
         elif node.op == "call_function":
-            micro[u] += np_.compute_s + cluster.op_overhead_s + cluster.backward_op_overhead_s
-            forward[u] += np_.compute_s / 3 + cluster.op_overhead_s  # node compute is forward + 2x backward
+            forward_s, backward_s = op_overheads_s(node, grad, cluster)
+            micro[u] += np_.compute_s + forward_s + backward_s + in_op_comm_s(np_, graph, mesh, plan.identical_axes)
+            forward[u] += np_.compute_s / 3 + forward_s  # node compute is forward + 2x backward
             act[u] += np_.memory_bytes - np_.peak_bytes
             peak[u] += np_.peak_bytes
             if not is_view(node.target) and any(param_source(graph, i) is not None for i in node.inputs):
                 weight_grads[u] += local_nbytes(node.meta, np_.output, mesh)
                 last_weight_op[u] = max(last_weight_op.get(u, -1), position[name])
-            if needs_lowering(np_.family):
-                micro[u] += lowered_comm_s(np_.target, np_.family, np_.inputs, np_.output, mesh,
-                                           counted_locally=counted_from_inputs(graph, node), compute_s=np_.compute_s,
-                                           value_itemsize=getattr(node.meta, "itemsize", 4))
     for e in plan.edges:
         if e.dst in unit and (e.dst, e.position) not in unread:
             micro[unit[e.dst]] += e.cost_s

@@ -137,9 +137,14 @@ def test_units_and_attribution():
     prices = unit_prices(plan, graph, mesh)
     compute = sum(n.compute_s for name, n in plan.nodes.items() if graph.nodes[name].op == "call_function")
     cluster = mesh.resolved_cluster()
-    n_ops = sum(1 for name in plan.nodes if graph.nodes[name].op == "call_function")
+    ops = [graph.nodes[name] for name in plan.nodes if graph.nodes[name].op == "call_function"]
+    grad = ir.graph.needs_grad(graph)
+    with_backward = sum(1 for n in ops if any(i in grad for i in n.inputs))  # the step model's overheads, too
+    assert 0 < with_backward < len(ops)
     edges = sum(e.cost_s for e in plan.edges)
-    assert prices.per_microbatch_s.sum() >= compute + edges + n_ops * (cluster.op_overhead_s + cluster.backward_op_overhead_s) - 1e-12
+    overheads = len(ops) * cluster.op_overhead_s + with_backward * cluster.backward_op_overhead_s
+    assert overheads == pytest.approx(plan.predicted["overhead_s"], rel=1e-12)
+    assert prices.per_microbatch_s.sum() >= compute + edges + overheads - 1e-12
     # every parameter is held by some unit; the tied embedding by the first and the last
     params = sum(n.memory_bytes for name, n in plan.nodes.items() if graph.nodes[name].role == ir.Role.PARAMETER)
     wte = plan.nodes[graph.params["transformer.wte.weight"]].memory_bytes
