@@ -29,10 +29,14 @@ def step_time(schedule: str | Schedule, stage_times: Sequence[float], count: int
     return simulate_shared(stage_times, [1] * len(stage_times), count, schedule, math.inf)
 
 
-def fill_drain_time(stage_times, microbatches: int) -> float:
+def fill_drain_time(stage_times, microbatches: int, ranks: int | None = None) -> float:
     """GPipe / 1F1B step time from per-microbatch stage times: the pipeline fill and drain, then the
-    slowest stage once per remaining microbatch (Alpa's objective, Zheng et al., OSDI'22)."""
-    return float(sum(stage_times) + (microbatches - 1) * max(stage_times))
+    slowest stage once per remaining microbatch (Alpa's objective, Zheng et al., OSDI'22). With
+    ``ranks`` (fewer than the stages: stage i on rank i mod ``ranks``, each running its stages in
+    turn, as a pipelined module's call does) the busiest rank's stages in place of the slowest."""
+    ranks = ranks or len(stage_times)
+    busiest = max(sum(stage_times[b::ranks]) for b in range(ranks))
+    return float(sum(stage_times) + (microbatches - 1) * busiest)
 
 
 def interleaved_time(stage_times, ranks: int, virtual: int, count: int) -> float:

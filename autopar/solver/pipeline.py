@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from autopar.cost_model.schedules import simulate_shared, step_time
+from autopar.cost_model.schedules import fill_drain_time, simulate_shared, step_time
 from autopar.record.schedules import SEARCHED, Schedule, schedule_named
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir import trace as trace_graph
@@ -95,7 +95,7 @@ class PipelineChoice:
         times = [s.time_per_microbatch_s for s in p.stages]
         blocks = max(1, len(times) // p.virtual_stages)
         m = p.microbatches
-        gpipe = sum(times) + (m - 1) * max(sum(times[b::blocks]) for b in range(blocks))
+        gpipe = fill_drain_time(times, m, blocks)
         schedule = schedule_named(p.schedule)
         if schedule.simulated:  # the simulated step, as the plan's bubble gives it
             core = m * max(times) / max(1e-12, 1.0 - p.bubble_fraction)

@@ -123,3 +123,12 @@ def test_only_a_split_backward_defers_weight_halves():
     zb = schedule_named("zero-bubble")
     assert [zb.deferred(s, 4, 4) for s in range(4)] == [0, 2, 3, 4]
     assert [zb.deferred(s, 4, 2) for s in range(4)] == [0, 2, 2, 2]
+
+
+def test_fill_drain_with_fewer_ranks_than_stages_waits_on_the_busiest_rank():
+    """A pipelined module's call runs GPipe's order, each rank its stages in turn (stage i on rank
+    i mod ranks): fill and drain through every stage, then the busiest rank per microbatch."""
+    times = [1.0, 2.0, 3.0, 4.0]
+    assert fill_drain_time(times, 3) == 10.0 + 2 * 4.0
+    assert fill_drain_time(times, 3, ranks=2) == 10.0 + 2 * (2.0 + 4.0)
+    assert fill_drain_time(times, 1, ranks=2) == 10.0
