@@ -33,9 +33,8 @@ from autopar.errors import PlanError
 from autopar.ir.graph import call_arg
 from autopar.ir.losses import CLASS_LOSSES
 from autopar.sharding_spec.rules import attention as attention_rule
-from autopar.sharding_spec.rules import embedding as emb_rule
 from autopar.sharding_spec.rules import loss as loss_rule
-from autopar.sharding_spec.strategy import MEAN_PARTIAL
+from autopar.sharding_spec.strategy import MEAN_PARTIAL, MEAN_SPLIT, VOCAB_EMBEDDING, VOCAB_LOSS
 
 SUM = 2
 CROSS_ENTROPY = "aten.cross_entropy_loss.default"
@@ -249,12 +248,12 @@ def lowering(node, node_plan, graph, identical=()):
     is "direct" (``fn(*args, **kwargs, **extra)``) or "packed" (``fn(op, args, kwargs, **extra)``)."""
     lowered = node_plan.family.lowered
     target = node.target
-    if emb_rule.VOCAB_PARALLEL in lowered and target == "aten.embedding.default":
+    if VOCAB_EMBEDDING in lowered and target == "aten.embedding.default":
         if call_arg(node.args, node.kwargs, 3, "scale_grad_by_freq", False) or call_arg(node.args, node.kwargs, 4, "sparse", False):
             raise PlanError(f"node {node.name}: vocabulary-parallel embedding with scale_grad_by_freq or sparse is not supported")
         axes = node_plan.inputs[0].dim_axes[0]
         return autopar_vocab_parallel_embedding, {"vocab_axes": tuple(axes)}, "direct"
-    if loss_rule.VOCAB_PARALLEL in lowered and target == "aten.cross_entropy_loss.default":
+    if VOCAB_LOSS in lowered and target == "aten.cross_entropy_loss.default":
         x_spec = node_plan.inputs[0]
         cdim = 1 if x_spec.ndim >= 2 else 0
         class_axes = tuple(x_spec.dim_axes[cdim])
@@ -270,7 +269,7 @@ def lowering(node, node_plan, graph, identical=()):
         dim = call_arg(node.args, node.kwargs, 1, "dim") if target == "aten.mean.dim" else None
         dims = range(len(shape)) if dim is None else [d % len(shape) for d in ([dim] if isinstance(dim, int) else dim)]
         return autopar_mean_as_sum, {"count": math.prod(shape[d] for d in dims)}, "packed"
-    if lowered == {loss_rule.MEAN_SPLIT} and target in REDUCTION_POS:
+    if lowered == {MEAN_SPLIT} and target in REDUCTION_POS:
         out = node_plan.output[0] if isinstance(node_plan.output, tuple) else node_plan.output
         extra = {"batch_axes": tuple(out.partial)}
         metas = [graph.nodes[i].meta for i in node.inputs]

@@ -27,7 +27,7 @@ from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_colle
 from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s
 from autopar.record.gradients import whole_on
 from autopar.cost_model.lowered import lowered_comm_s
-from autopar.ir.graph import edge_itemsize
+from autopar.ir.graph import edge_itemsize, runs_backward
 from autopar.ir.losses import counted_from_inputs
 from autopar.record.buckets import (
     DEFAULT_BUCKET_BYTES, assign_buckets, first_reads, pooled_buffers, zero2_in_use_bytes, zero2_pool_cap,
@@ -36,6 +36,7 @@ from autopar.record.buckets import (
 from autopar.record.gathers import param_gather_groups
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
+
 
 def zero2_pool_kept(kind: str, zero2_bytes: float, saved_bytes: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
     """Bytes the reducer's pool keeps from step to step for the rank's ZeRO-2 gradients
@@ -87,7 +88,7 @@ def op_overheads_s(node, grad, cluster) -> tuple[float, float]:
     """(forward, backward) framework seconds of one traced op run eagerly: every op pays the
     forward's; only an op a gradient flows through (an input in ``grad``: ``ir.graph.needs_grad``)
     runs a backward."""
-    backward = cluster.backward_op_overhead_s if any(i in grad for i in node.inputs) else 0.0
+    backward = cluster.backward_op_overhead_s if runs_backward(node, grad) else 0.0
     return cluster.op_overhead_s, backward
 
 
@@ -157,7 +158,7 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         compute += n.compute_s
         forward_s, backward_s = op_overheads_s(node, grad, cluster)
         overhead += forward_s + backward_s
-        if any(i in grad for i in node.inputs):
+        if runs_backward(node, grad):
             backward_compute += n.compute_s * 2 / 3  # node compute is forward + backward (x2)
     identical = plan.identical_axes
     reshard = reshard_s(graph, plan.edges, mesh, identical)

@@ -193,6 +193,12 @@ def needs_grad(graph) -> frozenset[str]:
     return frozenset(out)
 
 
+def runs_backward(node, grad) -> bool:
+    """Whether backward runs through ``node``: a gradient flows to one of its inputs (one in
+    ``grad``, ``needs_grad`` of its graph)."""
+    return any(i in grad for i in node.inputs)
+
+
 class Graph:
     """A traced model. Build one with ``autopar.ir.trace``."""
 

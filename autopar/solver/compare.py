@@ -71,9 +71,8 @@ def config_grid(devices: int, *, layers: int | None = None, batch: int | None = 
     """Every hand-written configuration of ``devices``: tp x pp x dp over the divisors (pp at most
     ``layers``, tp at most ``tp_max``), each ZeRO stage where dp > 1, the vocabulary-parallel loss
     on or off where tp > 1, the whole batch where dp splits it and each of ``microbatches`` that
-    splits ``batch`` evenly over dp (with
-    pp > 1 at least pp, what torch's 1F1B runs; without a pipeline, more than one is gradient
-    accumulation), and each of ``recompute`` (none, full)."""
+    splits ``batch`` evenly over dp (with pp > 1 at least pp, what torch's 1F1B runs; without a
+    pipeline, more than one is gradient accumulation), and each of ``recompute`` (none, full)."""
     def divisors(n):
         return [d for d in range(1, n + 1) if n % d == 0]
 

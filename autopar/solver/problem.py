@@ -26,7 +26,7 @@ from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.ops import alias_roots
 from autopar.cost_model.step import accumulate_s, optimizer_s, reshard_s, zero2_fresh_s, zero2_pool_bytes
 from autopar.ir.aliasing import in_place_reads
-from autopar.ir.graph import NodeRef, Role, edge_itemsize, needs_grad
+from autopar.ir.graph import NodeRef, Role, edge_itemsize, needs_grad, runs_backward
 from autopar.ir.losses import counted_from_inputs, unread_outputs
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES, bucket_count, zero2_saved_bytes
 from autopar.record.gradients import output_whole_axes
@@ -88,7 +88,7 @@ class Overlap:
         cover = {}
         for v, c in choices.items():
             node = graph.nodes[v]
-            if node.op == "call_function" and any(i in grad for i in node.inputs):
+            if node.op == "call_function" and runs_backward(node, grad):
                 cover[v] = cluster.comm_overlap * step_share * c.compute_s * 2 / 3  # forward + 2x backward
         grad_scale = precision.reduce_dtype.itemsize / precision.param_dtype.itemsize if precision is not None else 1.0
         share = min(1.0, bucket_bytes / max(1.0, graph.param_bytes() * grad_scale))
@@ -184,7 +184,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
             cost_z, sum_by = min(((sums[k] + local_sum_time(k, grad, ways, cluster) + gather
                                    + zero2_fresh_s(grad, k, zero2_bytes, saved, local, ways, cluster, bucket_bytes), k)
                                   for k in ZERO2_SUMS), key=lambda priced: priced[0])  # the first on a tie
-            strategies.append(Strategy((), spec, Family.of(*family.parts[spec.is_replicated:], ZERO2), 1.0))
+            strategies.append(Strategy((), spec, Family.of(ZERO2) if spec.is_replicated else Family.of("sharded", ZERO2), 1.0))
             opt.append(optimizer_s(local / itemsize / ways, 1, cluster))
             costs.append(cost_z)
             mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl,

@@ -22,8 +22,7 @@ embedding-vocab-parallel. ``padding_idx`` only affects gradients and is kept as 
 from __future__ import annotations
 
 from autopar.sharding_spec.rules._common import is_tensor_meta, letter_choices, letters_for
-from autopar.sharding_spec.strategy import VOCAB_EMBEDDING as VOCAB_PARALLEL, Family, OpContext, Strategy, register
-
+from autopar.sharding_spec.strategy import VOCAB_EMBEDDING, Family, OpContext, Strategy, register
 
 
 def embedding_family(assign: dict, idx_letters: tuple[str, ...]) -> Family:
@@ -35,7 +34,7 @@ def embedding_family(assign: dict, idx_letters: tuple[str, ...]) -> Family:
     if "h" in assign:
         parts.append("embedding-hidden")
     if "v" in assign:
-        parts.append(VOCAB_PARALLEL)
+        parts.append(VOCAB_EMBEDDING)
     return Family.of(*parts)
 
 

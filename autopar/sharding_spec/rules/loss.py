@@ -37,7 +37,7 @@ from autopar.sharding_spec.rules._common import (
     letters_for,
     out_metas,
 )
-from autopar.sharding_spec.strategy import MEAN_SPLIT, VOCAB_LOSS as VOCAB_PARALLEL, Family, OpContext, Strategy, register
+from autopar.sharding_spec.strategy import MEAN_SPLIT, VOCAB_LOSS, Family, OpContext, Strategy, register
 
 NONE, MEAN, SUM = 0, 1, 2
 _REDUCTION_NAMES = {"none": NONE, "mean": MEAN, "sum": SUM}
@@ -52,7 +52,7 @@ def _family(batch_split: bool, vocab_split: bool, reduction: int) -> Family:
     if batch_split:
         parts.append(MEAN_SPLIT if reduction == MEAN else "dp")
     if vocab_split:
-        parts.append(VOCAB_PARALLEL)
+        parts.append(VOCAB_LOSS)
     return Family.of(*parts)
 
 
