@@ -1,5 +1,5 @@
 """The seconds the gradient conventions of ``autopar.record.gradients`` move in backward: a reshard's
-backward under either convention (``backward_reshard_s``) and the sums of identical-gradient axes
+backward under either convention (``backward_reshard_s``, ``backward_route_s``) and the sums of identical-gradient axes
 (``grad_sum_s``)."""
 from __future__ import annotations
 
@@ -12,14 +12,20 @@ from autopar.sharding_spec.reshard import local_bytes, spec_after
 
 
 def backward_reshard_s(edge, mesh, identical, itemsize: int = 4) -> float:
-    """Seconds of the backward of ``edge``'s steps (of ``itemsize``-byte elements): a slice's pads the
-    gradient back to its input's size, or under the identical convention all-gathers it; every other
-    step's dual is priced as its forward, except under the identical convention, where a gather's,
-    an all-reduce's and a to_partial's backward are local."""
+    """Seconds of the backward of ``edge``'s steps (``backward_route_s``); 0 where none runs."""
     if not edge.backward:
         return 0.0
-    total, spec = 0.0, edge.src_spec
-    for s in edge.steps:
+    return backward_route_s(edge.src_spec, edge.steps, [s.cost_s for s in edge.steps], mesh, identical, itemsize)
+
+
+def backward_route_s(src_spec, steps, costs, mesh, identical, itemsize: int = 4) -> float:
+    """Seconds of the backward of a route of reshard ``steps`` (each forward priced ``costs``) from
+    ``src_spec``, of ``itemsize``-byte elements: a slice's pads the gradient back to its input's
+    size, or under the identical convention all-gathers it; every other step's dual is priced as
+    its forward, except under the identical convention, where a gather's, an all-reduce's and a
+    to_partial's backward are local. The ILP's edge prices and the step model both read it."""
+    total, spec = 0.0, src_spec
+    for s, cost in zip(steps, costs):
         after = spec_after(spec, s)
         whole = whole_on(s.axes, identical)
         if s.kind == "slice":
@@ -27,7 +33,7 @@ def backward_reshard_s(edge, mesh, identical, itemsize: int = 4) -> float:
             total += (mesh_collective_time("all_gather", nbytes, mesh, s.axes) if whole else
                       slice_backward_time(nbytes, math.prod(mesh.shape[a] for a in s.axes), mesh.resolved_cluster()))
         elif not whole or s.kind in ("reduce_scatter", "all_to_all"):
-            total += s.cost_s
+            total += cost
         spec = after
     return total
 

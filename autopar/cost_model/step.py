@@ -1,11 +1,13 @@
 """One training step of a chosen plan, priced the way the runtime runs it.
 
-The ILP adds per-node and per-edge prices; the runtime runs more than that sum: every op pays a
-framework overhead (views included), parameters stored split (ZeRO-3) are gathered a layer at a
-time (``param_gather_groups``), gradients are synchronised in buckets (``GradReducer``: flat
-buckets per (collective, axes), launched during backward, waited once at its end), ZeRO-2
-parameters are all-gathered in the same buckets before the next forward, and the optimizer steps
-every local shard. ``step_time`` prices exactly these, per rank:
+The runtime runs more than the ops' compute and their reshards: every op pays a framework overhead
+(views included), parameters stored split (ZeRO-3) are gathered a layer at a time
+(``param_gather_groups``), gradients are synchronised in buckets (``GradReducer``: flat buckets per
+group of syncs alike, launched during backward, waited once at its end; priced by
+``cost_model.grad_sync``), ZeRO-2 parameters are all-gathered in the same buckets before the next
+forward, and the optimizer steps every local shard. ``step_time`` prices exactly these, per rank,
+with the formulas the ILP's coefficients are made of (its objective is this price of the plan it
+chooses):
 
     step = compute + op overheads + reshard collectives (forward and their backward duals)
          + collectives inside lowered ops (vocabulary-parallel loss) + gradient sums of
@@ -13,7 +15,7 @@ every local shard. ``step_time`` prices exactly these, per rank:
            (``accumulate_s``) + exposed gradient sync + ZeRO-2 parameter gathers + the pages of
            ZeRO-2 buffers its pool does not keep (``zero2_fresh_s``) + optimizer
 
-    exposed sync = max(the last bucket's collective, sync - comm_overlap * backward compute)
+    exposed sync = max(the last bucket, sync - comm_overlap * backward compute)
 
 (the last bucket is ready only when backward ends, so it is never hidden; ``comm_overlap`` from
 the cluster: 1 where a copy engine or a spare core runs collectives beside compute, 0 where ranks
@@ -23,57 +25,17 @@ from __future__ import annotations
 
 import math
 
-from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time, packed_gather_bytes
+from autopar.cost_model.comm import layout_copy_time, mesh_collective_time, packed_gather_bytes
 from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s
 from autopar.record.gradients import whole_on
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.graph import edge_itemsize, runs_backward
 from autopar.ir.losses import counted_from_inputs
-from autopar.record.buckets import (
-    DEFAULT_BUCKET_BYTES, assign_buckets, first_reads, pooled_buffers, zero2_in_use_bytes, zero2_pool_cap,
-    zero2_saved_bytes,
-)
+from autopar.cost_model.grad_sync import group_latencies, sync_price
+from autopar.record.buckets import DEFAULT_BUCKET_BYTES, bucket_count, zero2_saved_bytes
 from autopar.record.gathers import param_gather_groups
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
-
-
-def zero2_pool_kept(kind: str, zero2_bytes: float, saved_bytes: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
-    """Bytes the reducer's pool keeps from step to step for the rank's ZeRO-2 gradients
-    (``zero2_bytes`` whole, ``saved_bytes`` freed: ``zero2_saved_bytes``): whole buckets' buffers
-    (``pooled_buffers`` of a full bucket each) up to ``zero2_pool_cap``."""
-    bucket = pooled_buffers(kind) * min(zero2_bytes, bucket_bytes)
-    if bucket <= 0:
-        return 0.0
-    return float(zero2_pool_cap(kind, saved_bytes, bucket_bytes) // bucket * bucket)
-
-
-def zero2_pool_bytes(grad_bytes: float, kind: str, zero2_bytes: float, saved_bytes: float,
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
-    """Bytes a ZeRO-2 gradient of ``grad_bytes`` (in its reduction dtype) adds to the reducer's
-    pool: its share of what the pool keeps (``zero2_pool_kept``)."""
-    zero2_bytes = zero2_bytes or grad_bytes
-    if not zero2_bytes:
-        return 0.0
-    return grad_bytes * zero2_pool_kept(kind, zero2_bytes, saved_bytes, bucket_bytes) / zero2_bytes
-
-
-def zero2_fresh_s(grad_bytes: float, kind: str, zero2_bytes: float, saved_bytes: float, gathered_bytes: float,
-                  ways: int, cluster, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
-    """Seconds a step spends faulting in the pages of the ZeRO-2 buffers the pool does not keep
-    (``zero2_pool_kept``) for a gradient of ``grad_bytes``: its share of the buffers the sum takes
-    (``pooled_buffers``) and the gather after the step (the chunk and the whole, ``gathered_bytes``
-    in the working dtype), made anew each use, written at ``fresh_write_bandwidth`` instead of the
-    sustained rate (none where the allocator keeps its blocks, as a GPU's does)."""
-    zero2_bytes = zero2_bytes or grad_bytes
-    per_byte = max(0.0, 1.0 / cluster.fresh_write_bandwidth - 1.0 / cluster.sustained_memory_bandwidth)
-    if not zero2_bytes or not per_byte:
-        return 0.0
-    buffers = pooled_buffers(kind)
-    wanted = min(buffers * zero2_bytes, zero2_in_use_bytes(kind, bucket_bytes))
-    fresh = 1.0 - min(1.0, zero2_pool_kept(kind, zero2_bytes, saved_bytes, bucket_bytes) / wanted)
-    taken = buffers * grad_bytes + gathered_bytes * (1 + 1 / ways)
-    return fresh * taken * per_byte
 
 
 def zero2_totals(plan, mesh) -> tuple[float, float]:
@@ -90,6 +52,15 @@ def op_overheads_s(node, grad, cluster) -> tuple[float, float]:
     runs a backward."""
     backward = cluster.backward_op_overhead_s if runs_backward(node, grad) else 0.0
     return cluster.op_overhead_s, backward
+
+
+def graph_overheads_s(graph, cluster) -> float:
+    """Framework seconds of every op of ``graph`` run eagerly (``op_overheads_s``), forward and
+    backward: the same whatever the plan, so the ILP adds them to its objective as a constant."""
+    from autopar.ir.graph import needs_grad
+
+    grad = needs_grad(graph)
+    return sum(sum(op_overheads_s(n, grad, cluster)) for n in graph.nodes.values() if n.op == "call_function")
 
 
 def in_op_comm_s(node_plan, graph, mesh, identical=()) -> float:
@@ -142,12 +113,15 @@ def reshard_s(graph, edges, mesh, identical=()) -> float:
     return total
 
 
-def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_total_bytes: float | None = None) -> dict:
     """Seconds of one training step per rank under ``plan`` (see the module docstring), by part.
-    ``mesh``: the mesh the plan was priced on (its cluster gives links, overheads and overlap)."""
+    ``mesh``: the mesh the plan was priced on (its cluster gives links, overheads and overlap);
+    ``grad_total_bytes``: the model's gradients as the reducer sums them
+    (``cost_model.grad_sync.grad_bytes_total``; default: the graph's parameter bytes)."""
     from autopar.ir.graph import needs_grad
 
     cluster = mesh.resolved_cluster()
+    grad_total_bytes = graph.param_bytes() if grad_total_bytes is None else grad_total_bytes
     grad = needs_grad(graph)
     compute = overhead = 0.0
     backward_compute = 0.0
@@ -165,13 +139,10 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
     in_ops = sum(in_op_comm_s(n, graph, mesh, identical) for n in plan.nodes.values())
     in_ops += grad_sum_s(plan, graph, mesh, identical)
 
-    first_use = first_reads(graph)
-    # (first use, (collective, axes, dtype, ZeRO-2's all-gathers after the step, their bytes per
-    # synced byte: a gradient summed in a wider dtype than the working copy gathered), bytes)
-    synced = []
+    # gradient syncs priced per group of the reducer's buckets (``cost_model.grad_sync``)
+    prices, synced = [], {}
     elements = tensors = 0
-    accumulate = fresh = 0.0
-    zero2_bytes, saved = zero2_totals(plan, mesh)
+    accumulate = 0.0
     for p in plan.params.values():
         if p.buffer:
             continue
@@ -179,32 +150,19 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         meta = graph.nodes[p.node].meta
         local = local_bytes(p.storage, mesh.shape, meta.itemsize)  # (a gradient may be synced in a wider dtype)
         if p.grad_sync is not None:
-            sync = p.grad_sync
-            first, *rest = sync.collectives
-            key = (first, sync.axes, str(meta.dtype), tuple(rest), round(local / sync.nbytes, 6) if sync.nbytes else 1.0)
-            synced.append((first_use.get(p.node, 0), key, int(sync.nbytes)))
-            if sync.split:
-                ways = math.prod(mesh.shape[a] for a in sync.axes)
-                fresh += zero2_fresh_s(sync.nbytes, sync.sum_by, zero2_bytes, saved, local, ways, cluster, bucket_bytes)
-                local = local / ways
+            prices.append(sync_price(p.grad_sync, local, meta.dtype, mesh, total_bytes=grad_total_bytes, bucket_bytes=bucket_bytes))
+            synced[prices[-1].group] = synced.get(prices[-1].group, 0) + p.grad_sync.nbytes
+            if p.grad_sync.split:
+                local = local / math.prod(mesh.shape[a] for a in p.grad_sync.axes)
         elements += local / meta.itemsize
         tensors += 1
-    # the reducer's buckets (``assign_buckets``), in backward's order; ZeRO-2's updated chunks are
-    # all-gathered in the same buckets before the next forward
-    synced.sort(key=lambda x: -x[0])
-    buckets, gathers = [], 0.0
-    priced: dict = {}
-    for (kind, axes, _, after, gathered), _, nbytes in assign_buckets([(key, n) for _, key, n in synced], bucket_bytes):
-        ways = math.prod(mesh.shape[a] for a in axes)
-        for k, n in ((kind, nbytes), *((a, int(nbytes * gathered)) for a in after)):
-            if (k, axes, n) not in priced:
-                priced[(k, axes, n)] = mesh_collective_time(k, n, mesh, axes) + local_sum_time(k, n, ways, cluster)
-        buckets.append(priced[(kind, axes, nbytes)])
-        # each all-gather after the step packs the chunk and unpacks the whole into the working copies
-        gathers += sum(priced[(k, axes, int(nbytes * gathered))] + layout_copy_time(packed_gather_bytes(nbytes * gathered, ways), cluster)
-                       for k in after)
-    sync = sum(buckets)
-    exposed = max(max(buckets, default=0.0), sync - cluster.comm_overlap * backward_compute) if buckets else 0.0
+    latencies = group_latencies(prices).values()
+    first = sum(s for s, _ in latencies)
+    sync = first + sum(q.sum_s for q in prices)
+    last = first + sum(q.floor_s for q in prices)  # never hidden: ready only when backward ends
+    exposed = max(last, sync - cluster.comm_overlap * backward_compute) if prices else 0.0
+    gathers = sum(a for _, a in latencies) + sum(q.gather_s for q in prices)
+    fresh = sum(q.fresh_s for q in prices)
     optimizer = optimizer_s(elements, tensors, cluster)
     total = compute + overhead + reshard + in_ops + exposed + gathers + fresh + optimizer + accumulate
     return {
@@ -220,5 +178,5 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
         "grad_accumulate_s": accumulate,
         "comm_s": reshard + in_ops + exposed + gathers + fresh,
         "step_time_s": total,
-        "buckets": len(buckets),
+        "buckets": sum(bucket_count(n, bucket_bytes) for n in synced.values()),
     }

@@ -111,7 +111,8 @@ class PlanConfig:
     optimizer_sharding: allow ZeRO-2 choices.
     microbatches: how many times a step runs the traced graph (gradient sync and the optimizer are
         priced at 1 / microbatches of a run).
-    objective_cutoff_s: a plan whose ILP objective is above this is of no use:
+    objective_cutoff_s: a plan whose objective (a run of the graph priced, op overheads included) is
+        above this is of no use:
         ``ilp.NoCheaperPlan`` instead, found quickly.
     """
 

@@ -14,7 +14,9 @@ import time
 
 from autopar.cost_model import memory as memory_model
 from autopar.record.gradients import identical_ok, param_sync_axes
-from autopar.cost_model.step import step_time, zero2_pool_bytes, zero2_totals
+from autopar.cost_model.grad_sync import grad_bytes_total, sync_price, with_group_shares, zero2_pool_bytes
+from autopar.cost_model.step import graph_overheads_s, step_time, zero2_totals
+from autopar.sharding_spec.reshard import local_bytes
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES
 from autopar.errors import ConfigError, PlanError
 from autopar.ir import trace
@@ -25,8 +27,7 @@ import autopar.solver.ilp as ilp
 from autopar.solver.config import PlanConfig
 from autopar.solver.layout import Layout, layout_force
 from autopar.solver.plan import NodePlan, ParamPlan, Plan
-from autopar.solver.problem import (Overlap, build_problem, bucketed_collective_time, gather_correction, node_choices,
-                                    planned_edges)
+from autopar.solver.problem import Overlap, build_problem, node_choices, planned_edges
 from autopar.solver.simplify import block_ties, eliminate, prune, recover
 from autopar.solver.units import parse_bytes
 
@@ -126,33 +127,38 @@ def one_stage(graph, mesh, call: dict, budget, budget_from, config: PlanConfig) 
     idle, solved = best
     stats = dict(trace_s=t_trace - t0, memory_budget=budget, memory_budget_from=budget_from,
                  layout=layout.name if layout is not None else None, call=call_facts(**call, notes=graph.notes, graph=graph))
-    best_plan = _made(graph, mesh, solved, idle, config.identical_axes, config.bucket_bytes, config.precision,
-                      total_s=time.perf_counter() - t0, **stats)
+    best_plan = _made(graph, mesh, solved, idle, config, total_s=time.perf_counter() - t0, **stats)
     log.info("planned %s on %s: objective %.3g s, %d ILP variables (%.1f s)", graph.model_name, mesh,
              best_plan.solver["objective_s"], best_plan.solver.get("ilp_variables", 0), best_plan.solver["total_s"])
     return best_plan
 
 
-def _made(graph, mesh, solved, idle, identical_axes, bucket_bytes, precision=None, **stats) -> Plan:
+def _made(graph, mesh, solved, idle, config: PlanConfig, **stats) -> Plan:
     """The Plan of one ``_plan_on`` answer on ``mesh`` with ``idle`` axes unused, ``stats`` added
-    to its solver figures, gradients kept whole on ``identical_axes`` (see ``with_identical_axes``)."""
+    to its solver figures, gradients kept whole on the config's ``identical_axes`` (see
+    ``with_identical_axes``)."""
     view, built, full, solver_stats, memory = solved
     solver_stats.update(idle_axes=list(idle), **stats)
-    plan = make_plan(graph, view, built, full, memory, solver_stats, real_mesh=mesh, idle_axes=idle, bucket_bytes=bucket_bytes,
-                     precision=precision)
-    return with_identical_axes(plan, graph, view, identical_axes, bucket_bytes)
+    plan = make_plan(graph, view, built, full, memory, solver_stats, real_mesh=mesh, idle_axes=idle,
+                     bucket_bytes=config.bucket_bytes, precision=config.precision, step_share=1.0 / config.microbatches)
+    return with_identical_axes(plan, graph, view, config.identical_axes, config.bucket_bytes, config.precision,
+                               1.0 / config.microbatches)
 
 
-def with_identical_axes(plan: Plan, graph, mesh: Mesh, identical_axes="auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+def with_identical_axes(plan: Plan, graph, mesh: Mesh, identical_axes="auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                        precision=None, step_share: float = 1.0) -> Plan:
     """``plan`` with gradients whole on ``identical_axes`` (a tuple), or on the set of active axes
     that prices cheapest (``"auto"``; none when no set beats the dual convention). ``mesh``: the
     mesh the plan was priced on."""
+    def redone(axes):
+        return _identical_plan(plan, graph, mesh, axes, bucket_bytes, precision, step_share)
+
     if identical_axes == "auto":
         act = active_axes(mesh)
         best = plan
         for k in range(1, len(act) + 1):
             for axes in itertools.combinations(act, k):
-                cand = _identical_plan(plan, graph, mesh, axes, bucket_bytes)
+                cand = redone(axes)
                 # A tie keeps the dual convention: its sums wait in buckets for the end of backward,
                 # while a whole axis's sums block mid-backward, where ranks sharing cores have drifted
                 # apart (measured: 15 ms per sum on 4 ranks of 2 cores; the model prices a mean skew).
@@ -162,13 +168,13 @@ def with_identical_axes(plan: Plan, graph, mesh: Mesh, identical_axes="auto", bu
     axes = tuple(sorted(mesh.axis(a) for a in (identical_axes or ())))
     if not axes:
         return plan
-    cand = _identical_plan(plan, graph, mesh, axes, bucket_bytes)
+    cand = redone(axes)
     if isinstance(cand, str):
         raise PlanError(f"this plan cannot keep gradients whole on axes {axes}: {cand}")
     return cand
 
 
-def _identical_plan(plan: Plan, graph, mesh: Mesh, axes, bucket_bytes: int) -> Plan | str:
+def _identical_plan(plan: Plan, graph, mesh: Mesh, axes, bucket_bytes: int, precision, step_share: float) -> Plan | str:
     """The plan with gradients whole on ``axes``, its parameter syncs and prediction redone; or
     why it cannot run that way."""
     sync = param_sync_axes(plan, graph, axes)
@@ -176,18 +182,32 @@ def _identical_plan(plan: Plan, graph, mesh: Mesh, axes, bucket_bytes: int) -> P
     if why is not None:
         return why
     params = {}
-    total = graph.param_bytes()
     for fqn, p in plan.params.items():
         if fqn in sync and tuple(sync[fqn]) != p.grad_sync.axes:  # (a ZeRO-2 sync keeps its axes: identical_ok)
-            if sync[fqn]:
-                p = dataclasses.replace(p, grad_sync=p.grad_sync.on(sync[fqn]), grad_sync_s=bucketed_collective_time(
-                    p.grad_sync.sum_by, p.grad_sync.nbytes, mesh, sync[fqn], bucket_bytes, total))
-            else:
-                p = dataclasses.replace(p, grad_sync=None, grad_sync_s=0.0)
+            p = dataclasses.replace(p, grad_sync=p.grad_sync.on(sync[fqn]) if sync[fqn] else None)
         params[fqn] = p
+    total = grad_bytes_total(graph, precision)
+    params = with_sync_seconds(params, graph, mesh, bucket_bytes, total, step_share)
     new = dataclasses.replace(plan, params=params, identical_axes=tuple(axes), predicted=dict(plan.predicted))
-    new.predicted.update(step_time(new, graph, mesh, bucket_bytes=bucket_bytes))
+    new.predicted.update(step_time(new, graph, mesh, bucket_bytes=bucket_bytes, grad_total_bytes=total))
     return new
+
+
+def with_sync_seconds(params: dict[str, ParamPlan], graph, mesh: Mesh, bucket_bytes: int, total_bytes: float,
+                      step_share: float) -> dict[str, ParamPlan]:
+    """``params`` with each ``grad_sync_s`` its sync's seconds per run (``step_share`` of a step),
+    its share of its group's first calls included (``cost_model.grad_sync.with_group_shares``): they
+    add up to what the ILP paid for the syncs."""
+    synced = [(fqn, p) for fqn, p in params.items() if p.grad_sync is not None and not p.buffer]
+    prices = []
+    for _, p in synced:
+        meta = graph.nodes[p.node].meta
+        prices.append(sync_price(p.grad_sync, local_bytes(p.storage, mesh.shape, meta.itemsize), meta.dtype, mesh,
+                                 total_bytes=total_bytes, bucket_bytes=bucket_bytes))
+    out = {fqn: dataclasses.replace(p, grad_sync_s=0.0) if p.grad_sync is None else p for fqn, p in params.items()}
+    for (fqn, p), seconds in zip(synced, with_group_shares(prices)):
+        out[fqn] = dataclasses.replace(p, grad_sync_s=seconds * step_share)
+    return out
 
 
 def _replicated_compute_s(graph, mesh, op_table) -> float:
@@ -229,14 +249,18 @@ def _plan_on(graph, mesh, budget, force, config: PlanConfig):
                            step_share=1.0 / config.microbatches, precision=config.precision)
     t_build = time.perf_counter()
     log.info("strategies of %d nodes on %s priced; solving", len(choices), mesh)
-    built = build_problem(graph, mesh, memory_budget=budget, optimizer=config.optimizer, choices=choices)
-    overlap = (Overlap.of(graph, choices, built.requires_grad, mesh, 1.0 / config.microbatches, config.bucket_bytes,
-                          config.precision) if config.hide_syncs else None)
-    attempt, overlap_stats = _solve_overlapped(graph, built.problem, overlap, choices, config)
-    # the ILP prices a layer's gather call as latency plus its parts' bytes; the step model as one
-    # call of their sum (equal but for the profile's curvature): the objective is the step model's
+    built = build_problem(graph, mesh, memory_budget=budget, optimizer=config.optimizer, choices=choices,
+                          step_share=1.0 / config.microbatches)
+    overlap = Overlap.of(graph, choices, built.requires_grad, mesh, 1.0 / config.microbatches) if config.hide_syncs else None
+    # the op overheads are the same for every choice: out of the ILP, in the objective (a step's price)
+    overheads = graph_overheads_s(graph, mesh.resolved_cluster())
+    cutoff = config.objective_cutoff_s
+    attempt, overlap_stats = _solve_overlapped(graph, built.problem, overlap, choices,
+                                               config if cutoff is None else config.replace(objective_cutoff_s=cutoff - overheads))
     tie, period, full, solution, objective, memory, reduced, small = attempt
-    objective += gather_correction(graph, built, full, mesh)
+    objective += overheads
+    if "objective_bound_s" in overlap_stats:
+        overlap_stats["objective_bound_s"] += overheads
     problem = built.problem
     problem.tie = tie
     stats = {
@@ -281,26 +305,27 @@ def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: 
 
     def split(attempt):  # (b, r) of an attempt's assignment
         full = attempt[2]
-        hidable = overlap.total(overlap.sync, full) - overlap.floor(full)
+        hidable = overlap.total(overlap.sync, full) - overlap.total(overlap.spread, full)
         return ilp.evaluate(problem, full)[0] - hidable, hidable - overlap.total(overlap.cover, full)
+
 
     def priced(attempt):  # the attempt with the step as its objective
         b, r = split(attempt)
         return (*attempt[:4], b + max(0.0, r), *attempt[5:])
 
-    def at(lam):  # (costs, once-paid floors) of b + l r
+    def at(lam):  # (costs, once-paid costs) of b + l r: the groups' first calls are never hidden
         costs = {v: c - (1 - lam) * (overlap.sync.get(v, 0.0) - overlap.spread.get(v, 0.0)) - lam * overlap.cover.get(v, 0.0)
                  for v, c in problem.costs.items()}
-        return costs, overlap.floor_costs(1 - lam)
+        return costs, ()
 
     hidden = run(*at(0.0))
     b0, r0 = split(hidden)
     if r0 <= 0:
-        return priced(hidden), {"sync_hidden": "all", "sync_floor_s": overlap.floor(hidden[2])}
+        return priced(hidden), {"sync_hidden": "all", "sync_floor_s": overlap.last_bucket(hidden[2])}
     paid = run(*at(1.0))
     b1, r1 = split(paid)
     if r1 >= 0:
-        return priced(paid), {"sync_hidden": "in part", "sync_floor_s": overlap.floor(paid[2])}
+        return priced(paid), {"sync_hidden": "in part", "sync_floor_s": overlap.last_bucket(paid[2])}
     best = min((priced(hidden), priced(paid)), key=lambda a: a[4])
     bound = max(b0, b1 + r1)
     for _ in range(DUAL_STEPS):
@@ -322,7 +347,7 @@ def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: 
             b1, r1 = b, r
         else:
             break
-    floor = overlap.floor(best[2])
+    floor = overlap.last_bucket(best[2])
     if best[4] <= bound * (1 + 1e-9):
         return best, {"sync_hidden": "balanced", "sync_floor_s": floor}
     return best, {"sync_hidden": "bounded", "sync_floor_s": floor, "objective_bound_s": bound}
@@ -373,7 +398,7 @@ def _solve(problem, simplify: bool, time_limit_s: float, solver, cutoff_s=None):
 
 
 def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: dict, *, real_mesh=None,
-              idle_axes=(), bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision=None) -> Plan:
+              idle_axes=(), bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision=None, step_share: float = 1.0) -> Plan:
     """The Plan of a solved problem. ``mesh`` is the mesh the problem was priced on (a view with
     idle axes at size 1); the Plan records ``real_mesh`` and the idle axes (and ``precision``, a
     ``MixedPrecision``, its recipe)."""
@@ -405,12 +430,14 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
             tuple(graph.param_aliases.get(fqn, (fqn,))), is_buffer,
             0.0 if c.accumulate_s is None else float(c.accumulate_s[i]),
         )
+    total = grad_bytes_total(graph, precision)
+    params = with_sync_seconds(params, graph, mesh, bucket_bytes, total, step_share)
     real_mesh = real_mesh or mesh
     plan = Plan(graph.model_name, graph.fingerprint(), real_mesh.to_dict(), nodes, edges, params, {}, stats,
                 idle_axes=tuple(idle_axes), precision=precision.to_dict() if precision is not None else None)
     # The ILP's objective ranks plans; the prediction prices what the runtime runs (buckets,
     # overheads, optimizer): see autopar.cost_model.step.
-    plan.predicted = dict(step_time(plan, graph, mesh, bucket_bytes=bucket_bytes), memory_bytes_per_device=memory,
+    plan.predicted = dict(step_time(plan, graph, mesh, bucket_bytes=bucket_bytes, grad_total_bytes=total), memory_bytes_per_device=memory,
                           memory_parts=memory_parts(plan, graph, mesh, memory, precision, bucket_bytes))
     return plan
 

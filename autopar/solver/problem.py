@@ -21,14 +21,16 @@ import numpy as np
 
 from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
-from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time, packed_gather_bytes
+from autopar.cost_model.gradients import backward_route_s
+from autopar.cost_model.comm import layout_copy_time, mesh_collective_time, packed_gather_bytes
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.ops import alias_roots
-from autopar.cost_model.step import accumulate_s, optimizer_s, reshard_s, zero2_fresh_s, zero2_pool_bytes
+from autopar.cost_model.grad_sync import grad_bytes_total, sync_price, zero2_pool_bytes
+from autopar.cost_model.step import accumulate_s, optimizer_s
 from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role, edge_itemsize, needs_grad, runs_backward
 from autopar.ir.losses import counted_from_inputs, unread_outputs
-from autopar.record.buckets import DEFAULT_BUCKET_BYTES, bucket_count, zero2_saved_bytes
+from autopar.record.buckets import DEFAULT_BUCKET_BYTES, zero2_saved_bytes
 from autopar.record.gradients import output_whole_axes
 from autopar.record.grad_sync import ZERO2_SUMS, GradSync
 from autopar.sharding_spec.reshard import local_bytes
@@ -55,34 +57,39 @@ class NodeChoices:
     grad_sync: list
     accumulate_s: np.ndarray | None = None
     peak_memory: np.ndarray | None = None  # the part of ``memory`` held only at the forward's peak
-    # the part of ``comm_s`` a gradient sync's collective takes, which backward compute may hide
-    sync_s: np.ndarray | None = None
+    # a parameter's gradient sync priced per choice (``cost_model.grad_sync.SyncPrice``, or None)
+    sync_prices: list | None = None
+
+    def sync_part(self, field: str, step_share: float) -> np.ndarray | None:
+        """Seconds per run of each choice's ``SyncPrice`` ``field`` (None where none syncs)."""
+        if not self.sync_prices or all(p is None for p in self.sync_prices):
+            return None
+        return np.asarray([getattr(p, field) * step_share if p is not None else 0.0 for p in self.sync_prices], float)
 
 
 @dataclasses.dataclass
 class Overlap:
     """Gradient syncs hidden behind backward, as the step model prices them: a step exposes
-    max(its largest bucket, sync - comm_overlap x backward compute) of its syncs' collectives
+    max(its last bucket, sync - comm_overlap x backward compute) of its syncs
     (``cost_model.step``). Per node, per choice, in seconds per run of the graph: ``sync`` (a
-    parameter's collective, part of its cost) and ``cover`` (``comm_overlap`` x an op's backward
-    compute). The largest bucket (the floor) is, per group of syncs alike (collective, axes), its
-    call's latency paid once if any choice syncs there (``floors``: seconds and the choices), and
-    its bytes as each sync's share of one bucket of the model's gradients (``spread``), as the ILP
-    prices a bucket's latency. The syncs cost floor + max(0, sync - floor - cover):
+    parameter's part of the sums: ``SyncPrice.sum_s``), ``spread`` (its part in the last bucket:
+    ``floor_s``) and ``cover`` (``comm_overlap`` x an op's backward compute). The groups' first
+    calls (once-paid costs of the problem) are in both the sync and the last bucket, so they are
+    never hidden. The syncs cost the last bucket + max(0, sync - last bucket - cover):
     ``intra_op._solve_overlapped``."""
 
     sync: dict[str, np.ndarray]
     cover: dict[str, np.ndarray]
     spread: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # each group's first sum (seconds per run, the choices that sync in it), for ``last_bucket``
     floors: list[tuple[float, list[tuple[str, np.ndarray]]]] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def of(cls, graph, choices: dict[str, NodeChoices], grad, mesh, step_share: float = 1.0,
-           bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision=None) -> "Overlap | None":
+    def of(cls, graph, choices: dict[str, NodeChoices], grad, mesh, step_share: float = 1.0) -> "Overlap | None":
         """None where nothing overlaps (``comm_overlap`` 0, or no gradient sync). The sync runs
         once a step, beside the backward of its last run (``step_share`` of a step)."""
         cluster = mesh.resolved_cluster()
-        sync = {v: c.sync_s for v, c in choices.items() if c.sync_s is not None and c.sync_s.any()}
+        sync = {v: a for v, c in choices.items() if (a := c.sync_part("sum_s", step_share)) is not None and a.any()}
         if not cluster.comm_overlap or not sync:
             return None
         cover = {}
@@ -90,38 +97,36 @@ class Overlap:
             node = graph.nodes[v]
             if node.op == "call_function" and runs_backward(node, grad):
                 cover[v] = cluster.comm_overlap * step_share * c.compute_s * 2 / 3  # forward + 2x backward
-        grad_scale = precision.reduce_dtype.itemsize / precision.param_dtype.itemsize if precision is not None else 1.0
-        share = min(1.0, bucket_bytes / max(1.0, graph.param_bytes() * grad_scale))
+        spread = {v: choices[v].sync_part("floor_s", step_share) for v in sync}
         groups: dict = {}
-        spread = {}
         for v in sync:
-            c = choices[v]
-            spread[v] = np.zeros(len(c.grad_sync))
-            for i, gs in enumerate(c.grad_sync):
-                if gs is None:
-                    continue
-                kind = gs.collectives[0]
-                latency = mesh_collective_time(kind, 0, mesh, gs.axes, alone=False)
-                ways = math.prod(mesh.shape[a] for a in gs.axes)
-                spread[v][i] = (mesh_collective_time(kind, gs.nbytes, mesh, gs.axes, alone=False) - latency
-                                + local_sum_time(kind, gs.nbytes, ways, cluster)) * share * step_share
-                group = groups.setdefault((kind, gs.axes), [latency * step_share, {}])
-                group[1].setdefault(v, np.zeros(len(c.grad_sync), bool))[i] = True
-        floors = [(seconds, list(members.items())) for seconds, members in groups.values()]
-        return cls(sync, cover, spread, floors)
+            for i, p in enumerate(choices[v].sync_prices):
+                if p is not None:
+                    group = groups.setdefault(p.group, [p.latency_s * step_share, {}])
+                    group[1].setdefault(v, np.zeros(len(choices[v].sync_prices), bool))[i] = True
+        return cls(sync, cover, spread, [(s, list(members.items())) for s, members in groups.values()])
 
     def total(self, part: dict, pick: dict[str, int]) -> float:
         """Seconds per run of ``part`` (``sync``, ``cover`` or ``spread``) under an assignment."""
         return sum(float(a[pick[v]]) for v, a in part.items())
 
-    def floor(self, pick: dict[str, int]) -> float:
-        """Seconds per run of an assignment's largest bucket, as priced here."""
-        once = sum(s for s, members in self.floors if any(m[pick[v]] for v, m in members))
-        return once + self.total(self.spread, pick)
+    def last_bucket(self, pick: dict[str, int]) -> float:
+        """Seconds per run of the syncs backward never hides under an assignment: the first sum
+        of every group it syncs in and its parts of the last bucket."""
+        return sum(s for s, members in self.floors if any(m[pick[v]] for v, m in members)) + self.total(self.spread, pick)
 
-    def floor_costs(self, scale: float) -> list[OnceCost]:
-        """The floors' latencies as once-paid costs of the ILP, ``scale`` of each."""
-        return [OnceCost(s * scale, [(v, v, m) for v, m in members]) for s, members in self.floors if s * scale]
+
+def sync_group_costs(choices: dict[str, NodeChoices], step_share: float = 1.0) -> list[OnceCost]:
+    """The first calls of each group of gradient syncs (``cost_model.grad_sync``), paid once per
+    run's share of a step when any parameter's choice syncs in the group."""
+    groups: dict = {}
+    for v, c in choices.items():
+        for i, p in enumerate(c.sync_prices or ()):
+            if p is None:
+                continue
+            group = groups.setdefault(p.group, [(p.latency_s + p.after_latency_s) * step_share, {}])
+            group[1].setdefault(v, np.zeros(len(c.strategies), bool))[i] = True
+    return [OnceCost(seconds, [(v, v, m) for v, m in members.items()]) for seconds, members in groups.values() if seconds]
 
 
 @dataclasses.dataclass
@@ -134,81 +139,62 @@ class Built:
 
 
 def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, total_bytes: int | None = None, step_share: float = 1.0,
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, total_bytes: float | None = None, step_share: float = 1.0,
                    precision=None) -> tuple[list[Strategy], list, list, list, list, list, list]:
     """A parameter's storage choices: (strategies, seconds per run of the graph, sync seconds per
-    run, memory, sync, accumulation seconds per run, the seconds per run of the sync's collective
-    that backward may hide: ``Overlap``). A run pays ``step_share`` of what the
-    parameter pays once per step (its optimizer, its gradient sync) and all of adding its gradient
-    up (``accumulate_s``, also part of the first list). The gradient sync is priced as the
-    runtime's reducer runs it: in shared buckets, so a parameter pays its bytes and its share of the
-    buckets' latencies (``bucketed_collective_time``; ``total_bytes``: the model's parameter
-    bytes); ZeRO-2 adds the all-gather of the updated parameter, in the same buckets. Under a
-    ``precision``, gradients are summed in its reduction dtype and ZeRO-2 gathers the working copy
-    (``runtime.reducer``)."""
+    run, memory, sync, accumulation seconds per run, the sync's price: ``SyncPrice``). A run pays
+    ``step_share`` of what the parameter pays once per step (its optimizer, its gradient sync) and
+    all of adding its gradient up (``accumulate_s``, also part of the first list). The gradient
+    sync is priced as the runtime's reducer runs it (``cost_model.grad_sync``: ``total_bytes``,
+    the model's gradient bytes as summed, fill the buckets); its group's first calls are paid once
+    per group (``build_problem``). ZeRO-2 adds the all-gather of the updated parameter, in the
+    same buckets. Under a ``precision``, gradients are summed in its reduction dtype and ZeRO-2
+    gathers the working copy (``runtime.reducer``)."""
     meta = node.meta
     itemsize = meta.itemsize
     grad_scale = precision.reduce_dtype.itemsize / itemsize if precision is not None else 1.0
-    total_bytes = total_bytes * grad_scale if total_bytes else total_bytes
+    total_bytes = total_bytes or meta.nbytes * grad_scale
     act = active_axes(mesh)
     cluster = mesh.resolved_cluster()
-    strategies, opt, costs, mems, syncs, acc, hidden = [], [], [], [], [], [], []
+    strategies, opt, costs, mems, syncs, acc, prices = [], [], [], [], [], [], []
+
+    def priced(sync, local):
+        return sync_price(sync, local, meta.dtype, mesh, total_bytes=total_bytes, bucket_bytes=bucket_bytes)
+
     for spec in enumerate_specs(meta.shape, mesh):
         repl = tuple(a for a in act if a not in spec.used_axes)
         local = local_bytes(spec, mesh.shape, itemsize)
         family = Family.of("replicated" if spec.is_replicated else "sharded")
         grad = local * grad_scale
-        if repl:
-            cost = bucketed_collective_time("all_reduce", grad, mesh, repl, bucket_bytes, total_bytes)
-            sync = GradSync.all_reduce(repl, grad)
-        else:
-            cost, sync = 0.0, None
+        sync = GradSync.all_reduce(repl, grad) if repl else None
+        price = priced(sync, local) if sync is not None else None
         strategies.append(Strategy((), spec, family, 1.0))
         opt.append(optimizer_s(local / itemsize, 1, cluster))
-        costs.append(cost)
-        hidden.append(cost)
+        costs.append(price.per_tensor_s if price is not None else 0.0)
+        prices.append(price)
         mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, precision=precision))
         syncs.append(sync)
         acc.append(accumulate_s(grad, sync is not None, step_share, cluster))
         if repl and optimizer_sharding:
             # ZeRO-2: sum and split the gradient (a reduce-scatter, an all-reduce keeping this rank's
-            # chunk or an all-to-all and a sum: the cheapest), update a shard, all-gather the new parameter.
+            # chunk or an all-to-all and a sum: the cheapest, its group's first calls at this
+            # gradient's share of the model's), update a shard, all-gather the new parameter.
             ways = math.prod(mesh.shape[a] for a in repl)
-            # the updated chunk packed and the whole unpacked into the working copy (``runtime.reducer``)
-            gather = (bucketed_collective_time("all_gather", local, mesh, repl, bucket_bytes, total_bytes)
-                      + layout_copy_time(packed_gather_bytes(local, ways), cluster))
-            # the rank's ZeRO-2 gradients are not known here: priced as if all were, split as this one
-            zero2_bytes = total_bytes or grad
-            saved = zero2_saved_bytes([(zero2_bytes, ways)])
-            sums = {k: bucketed_collective_time(k, grad, mesh, repl, bucket_bytes, total_bytes) for k in ZERO2_SUMS}
-            cost_z, sum_by = min(((sums[k] + local_sum_time(k, grad, ways, cluster) + gather
-                                   + zero2_fresh_s(grad, k, zero2_bytes, saved, local, ways, cluster, bucket_bytes), k)
-                                  for k in ZERO2_SUMS), key=lambda priced: priced[0])  # the first on a tie
+            options = [(priced(GradSync.zero2(k, repl, grad), local), k) for k in ZERO2_SUMS]
+            price, sum_by = min(options, key=lambda o: o[0].per_tensor_s
+                                + (o[0].latency_s + o[0].after_latency_s) * min(1.0, grad / total_bytes))  # the first on a tie
             strategies.append(Strategy((), spec, Family.of(ZERO2) if spec.is_replicated else Family.of("sharded", ZERO2), 1.0))
             opt.append(optimizer_s(local / itemsize / ways, 1, cluster))
-            costs.append(cost_z)
+            costs.append(price.per_tensor_s)
+            prices.append(price)
+            # the rank's ZeRO-2 gradients are not known here: its pool share as if all were, split as this one
             mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl,
-                                                  precision=precision) + zero2_pool_bytes(grad, sum_by, zero2_bytes, saved, bucket_bytes))
+                                                  precision=precision)
+                        + zero2_pool_bytes(grad, sum_by, total_bytes, zero2_saved_bytes([(total_bytes, ways)]), bucket_bytes))
             syncs.append(GradSync.zero2(sum_by, repl, grad))
             acc.append(accumulate_s(grad, True, step_share, cluster))
-            hidden.append(sums[sum_by])
     comp = [o * step_share + a for o, a in zip(opt, acc)]
-    return strategies, comp, [c * step_share for c in costs], mems, syncs, acc, [h * step_share for h in hidden]
-
-
-def bucketed_collective_time(kind: str, nbytes: float, mesh, axes, bucket_bytes: int, total_bytes: int | None = None) -> float:
-    """One tensor's share of a bucketed collective: its bytes, and its share of the calls'
-    latencies. The reducer fills ``bucket_sizes(total_bytes)`` buckets (a small first one, then
-    ``bucket_bytes`` each), each paying a whole latency however little it holds: a tensor pays
-    ``nbytes / total_bytes`` of them (at most one), so a model's tensors together pay every bucket
-    (a 118k-parameter GPT fills 2 buckets of 25 MiB to 2%: priced at 2% of one latency, its data
-    parallel plan looked cheaper than replicating it, and ran 1.5x slower). Without
-    ``total_bytes``, its share of one full bucket."""
-    latency = mesh_collective_time(kind, 0, mesh, axes, alone=False)
-    share = nbytes / bucket_bytes
-    if total_bytes:
-        share = nbytes * bucket_count(int(total_bytes), bucket_bytes) / total_bytes
-    return mesh_collective_time(kind, nbytes, mesh, axes, alone=False) - latency + latency * min(1.0, share)
+    return strategies, comp, [c * step_share for c in costs], mems, syncs, acc, prices
 
 
 def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimizer_sharding: bool = True,
@@ -223,7 +209,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
     candidates (see ``restrict``)."""
     saved = memory_model.saved_for_backward(graph)
     peak = memory_model.forward_peak(graph)
-    total = graph.param_bytes()
+    total = grad_bytes_total(graph, precision)
     out = {}
     memo: dict = {}  # repeated blocks repeat nodes: enumerate and price each kind once
     for node in graph.nodes.values():
@@ -231,9 +217,9 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
         if sig is not None and sig in memo:
             out[node.name] = dataclasses.replace(memo[sig], name=node.name)
             continue
-        syncs = acc = peak_mem = hidden = None
+        syncs = acc = peak_mem = prices = None
         if node.op == "placeholder" and node.role == Role.PARAMETER:
-            strategies, comp, comm, mem, syncs, acc, hidden = _param_choices(
+            strategies, comp, comm, mem, syncs, acc, prices = _param_choices(
                 node, mesh, optimizer, optimizer_sharding, bucket_bytes, total, step_share, precision)
         elif node.op == "placeholder":
             strategies = [Strategy((), spec, "input" if node.role == Role.INPUT else "buffer", 1.0) for spec in _placeholder_specs(node, mesh)]
@@ -261,7 +247,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
         out[node.name] = NodeChoices(
             node.name, strategies, np.asarray(comp, float), np.asarray(comm, float), np.asarray(mem, float),
             syncs if syncs is not None else [None] * n, None if acc is None else np.asarray(acc, float), peak_mem,
-            None if hidden is None else np.asarray(hidden, float),
+            prices,
         )
         if sig is not None:
             memo[sig] = out[node.name]
@@ -310,7 +296,7 @@ def restrict(choices: dict[str, NodeChoices], name: str, want) -> NodeChoices:
     return NodeChoices(
         c.name, [c.strategies[i] for i in keep], c.compute_s[keep], c.comm_s[keep], c.memory[keep], [c.grad_sync[i] for i in keep],
         None if c.accumulate_s is None else c.accumulate_s[keep], None if c.peak_memory is None else c.peak_memory[keep],
-        None if c.sync_s is None else c.sync_s[keep],
+        None if c.sync_prices is None else [c.sync_prices[i] for i in keep],
     )
 
 
@@ -415,14 +401,16 @@ def returned_spec(graph, output: str, position: int, made):
 
 
 def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backward: bool) -> np.ndarray:
-    factor = 2.0 if with_backward else 1.0
+    """Seconds of every (producer strategy, consumer strategy) pair's reshard, and with
+    ``with_backward`` of its route's backward as the step model prices it
+    (``cost_model.gradients.backward_route_s`` under the dual convention)."""
     consumer = graph.nodes[cons.name]
-    if consumer.op == "output":  # one strategy; what it reads depends on what is made
+    if consumer.op == "output":  # one strategy; what it reads depends on what is made (no backward: seeded whole)
         made = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
         ids, keys = _index(made)
         col = [0.0 if m is None else reshard_costs_from(m, [returned_spec(graph, cons.name, position, m)], mesh, itemsize)[0]
                for m in keys]
-        return factor * np.asarray(col, float)[ids][:, None]
+        return np.asarray(col, float)[ids][:, None]
     # Many strategies share specs: price each distinct (source, target) pair once.
     srcs, dsts = _pair_specs(graph, prod, cons, position)
     src_ids, src_keys = _index(srcs)
@@ -432,7 +420,12 @@ def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backwa
     for a, src in enumerate(src_keys):
         if src is not None and real:
             table[a, real] = reshard_costs_from(src, [dst_keys[b] for b in real], mesh, itemsize)
-    return factor * table[np.ix_(src_ids, dst_ids)]
+            if with_backward:
+                for b in real:
+                    if dst_keys[b] != src and math.isfinite(table[a, b]):
+                        route = plan_reshard(src, dst_keys[b], mesh, itemsize)
+                        table[a, b] += backward_route_s(src, route.steps, route.costs, mesh, (), itemsize)
+    return table[np.ix_(src_ids, dst_ids)]
 
 
 def _index(items):
@@ -442,7 +435,7 @@ def _index(items):
 
 
 def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", op_table=None, choices=None,
-                  memo: dict | None = None) -> Built:
+                  memo: dict | None = None, step_share: float = 1.0) -> Built:
     """The ILP of ``graph`` on ``mesh``. A split-stored parameter read whole is gathered with the
     rest of its layer's in one call (``cost_model.step.param_gather_groups``), once for every op of
     the layer that reads it whole: its bytes are a cost paid once per (parameter, layer, axes) when
@@ -508,7 +501,8 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
         budget=None if memory_budget is not None and most <= memory_budget else memory_budget,
         edge_memory=held,
         once=[OnceCost(latency, members) for latency, members in calls.values()]
-        + [OnceCost(seconds, members) for seconds, members in gathers_of.values()],
+        + [OnceCost(seconds, members) for seconds, members in gathers_of.values()]
+        + sync_group_costs(choices, step_share),
     )
     return Built(problem, choices, edge_list, grad)
 
@@ -559,16 +553,3 @@ def planned_edges(graph, built: Built, full: dict[str, int], mesh, sources=None)
         output_only = graph.nodes[dst].op == "output" and bool(output_whole_axes(rp.steps))
         edges.append(EdgePlan(src, dst, pos, s_spec, d_spec, steps, src in built.requires_grad and not output_only))
     return edges
-
-
-def gather_correction(graph, built: Built, full: dict[str, int], mesh) -> float:
-    """Seconds to add to the ILP's objective of solution ``full`` so that its parameters' reshards
-    cost what the step model prices (``cost_model.step.reshard_s``: one all-gather and one
-    reduce-scatter of a layer's summed bytes per group). The ILP charged each gathered edge its
-    share of the calls' bytes and each group the calls' latency once (``OnceCost``): the same
-    where a collective's time is linear in its bytes; what is left is a profile's curvature."""
-    params = {n for n in built.choices if graph.nodes[n].op == "placeholder" and graph.nodes[n].role == Role.PARAMETER}
-    edges = planned_edges(graph, built, full, mesh, params)
-    charged = sum(float(built.problem.edges[(u, v)][full[u], full[v]]) for u, v in {(e.src, e.dst) for e in edges})
-    charged += sum(oc.cost for oc in built.problem.once if oc.paid(full))
-    return reshard_s(graph, edges, mesh) - charged

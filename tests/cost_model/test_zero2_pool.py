@@ -3,7 +3,7 @@
 the buckets in use at once and half the gradient bytes ZeRO-2 frees."""
 import pytest
 
-from autopar.cost_model.step import zero2_pool_bytes, zero2_pool_kept
+from autopar.cost_model.grad_sync import zero2_pool_bytes, zero2_pool_kept
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES, zero2_pool_cap, zero2_saved_bytes
 
 MiB = 1 << 20

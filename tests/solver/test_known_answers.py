@@ -188,24 +188,26 @@ def test_a_data_parallel_classifier_sums_its_loss_rather_than_gathering_its_logi
 
 
 def test_gradient_buckets_charge_their_whole_latency_to_the_tensors_in_them():
-    # the reducer fills bucket_sizes(total) buckets, each paying a whole latency: tensors that
-    # together fill them pay every latency between them (a 118k-parameter model's 2 buckets of
-    # 25 MiB are 2% full: priced at 2% of one latency, its data parallel plan looked cheaper than
-    # replicating it and ran 1.5x slower); a tensor never pays more than one
+    # the reducer fills bucket_sizes(total) buckets of a group, each paying a whole latency: the
+    # group pays its first call once and every byte its share of one call per full bucket, within
+    # one call of the runtime's count (a 118k-parameter model's 2 buckets of 25 MiB are 2% full:
+    # priced at 2% of one latency, its data parallel plan looked cheaper than replicating it and
+    # ran 1.5x slower)
+    import torch
+
+    from autopar.cost_model.grad_sync import sync_price
     from autopar.record.buckets import DEFAULT_BUCKET_BYTES, bucket_sizes
-    from autopar.solver.problem import bucketed_collective_time
+    from autopar.record.grad_sync import GradSync
 
     mesh = autopar.Mesh((4,), cluster=PRESETS["cpu-gloo"].with_axis_links([Link(1e-3, 0.0)]))
     latency = mesh_collective_time("all_reduce", 0, mesh, (0,), alone=False)
     for sizes in ([4 * 1024] * 100, [3 << 20] * 40, [30 << 20, 1 << 10]):
         total = sum(sizes)
-        paid = sum(bucketed_collective_time("all_reduce", b, mesh, (0,), DEFAULT_BUCKET_BYTES, total) for b in sizes)
-        buckets = len(bucket_sizes(total, DEFAULT_BUCKET_BYTES))
-        assert paid <= buckets * latency + 1e-12
-        if max(sizes) * buckets <= total:  # no tensor capped at one latency
-            assert paid == pytest.approx(buckets * latency)
-    # without the model's total: a share of one full bucket, as before
-    assert bucketed_collective_time("all_reduce", 1 << 20, mesh, (0,), 4 << 20) == pytest.approx(latency / 4)
+        prices = [sync_price(GradSync.all_reduce((0,), b), b, torch.float32, mesh, total_bytes=total) for b in sizes]
+        assert len({p.group for p in prices}) == 1 and prices[0].latency_s == pytest.approx(latency)
+        paid = prices[0].latency_s + sum(p.sum_s for p in prices)
+        assert paid == pytest.approx(latency * (1 + total / DEFAULT_BUCKET_BYTES))
+        assert abs(paid / latency - len(bucket_sizes(total, DEFAULT_BUCKET_BYTES))) <= 1
 
 
 def test_a_model_too_small_to_split_is_replicated_where_its_buckets_cost_more_than_it_saves():

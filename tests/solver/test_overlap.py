@@ -10,7 +10,7 @@ import pytest
 import autopar
 from autopar import models
 from autopar.solver.config import PlanConfig
-from autopar.solver.ilp import Problem, evaluate
+from autopar.solver.ilp import OnceCost, Problem, evaluate
 from autopar.solver.intra_op import _solve_overlapped
 from autopar.solver.problem import Overlap
 
@@ -35,19 +35,21 @@ def _random_problem(rng, n_params: int, n_ops: int):
         o = ops[int(rng.integers(n_ops))]
         edges[(p, o)] = rng.uniform(0.0, 1.0, (2, len(costs[o])))
     memory = {v: np.zeros(len(c)) for v, c in costs.items()}
-    # the params' first choices sync in one group or two, each paying its largest bucket once
+    # the params' first choices sync in one group or two, each paying its first call once (never
+    # hidden), and a share of each sync is in the last bucket (never hidden either)
     groups = [[], []]
     for p in sync:
-        groups[int(rng.integers(2))].append((p, np.array([True, False])))
-    floors = [(float(rng.uniform(0.1, 0.6)), members) for members in groups if members]
-    return Problem(costs, memory, edges), Overlap(sync, cover, floors=floors)
+        groups[int(rng.integers(2))].append((p, p, np.array([True, False])))
+    once = [OnceCost(float(rng.uniform(0.1, 0.6)), members) for members in groups if members]
+    spread = {p: s * rng.uniform(0.05, 0.3) for p, s in sync.items()}
+    floors = [(oc.cost, [(u, m) for u, _, m in oc.members]) for oc in once]
+    return Problem(costs, memory, edges, once=once), Overlap(sync, cover, spread, floors)
 
 
 def _step(problem, overlap, pick):
-    """The rest, the floors and what the cover leaves of the syncs past them."""
-    synced = overlap.total(overlap.sync, pick)
-    floor = overlap.floor(pick)
-    return evaluate(problem, pick)[0] - synced + floor + max(0.0, synced - floor - overlap.total(overlap.cover, pick))
+    """The rest, the last bucket and what the cover leaves of the syncs past it."""
+    hidable = overlap.total(overlap.sync, pick) - overlap.total(overlap.spread, pick)
+    return evaluate(problem, pick)[0] - hidable + max(0.0, hidable - overlap.total(overlap.cover, pick))
 
 
 @pytest.mark.parametrize("simplify", [True, False])
@@ -91,8 +93,7 @@ def test_no_overlap_no_change():
 def test_a_gpu_plan_prices_its_syncs_as_the_step_model_hides_them():
     """On H100s (comm_overlap 1) a LLaMA's data-parallel syncs hide behind backward but for the
     last bucket. Charged in full, the ILP took ZeRO-3 and a data-parallel what-if was predicted
-    4.7% faster than the plan; now the objective is the step model's step (less the op overheads,
-    the same for every choice; the largest bucket as its share of the syncs) and no data-parallel
+    4.7% faster than the plan; now the objective is the step model's step and no data-parallel
     or 2-D layout beats the plan."""
     from autopar.solver.compare import compare
 
@@ -101,11 +102,9 @@ def test_a_gpu_plan_prices_its_syncs_as_the_step_model_hides_them():
     mesh = autopar.Mesh((4, 4), cluster="h100-80g")
     plan = autopar.plan(model, mesh, inputs, pipeline=False)
     p = plan.predicted
-    assert plan.solver["sync_hidden"] == "all" and p["exposed_sync_s"] < p["grad_sync_s"] / 4
-    # the objective's largest bucket is each sync's share of it, the step model's the bucket itself
-    floor = plan.solver["sync_floor_s"]
-    assert floor == pytest.approx(p["exposed_sync_s"], rel=0.25)
-    assert plan.solver["objective_s"] + p["overhead_s"] - floor + p["exposed_sync_s"] == pytest.approx(
-        p["step_time_s"], rel=1e-6)
+    assert plan.solver["sync_hidden"] != "in part" and p["exposed_sync_s"] < p["grad_sync_s"] / 4
+    assert plan.solver["objective_s"] <= plan.solver.get("objective_bound_s", plan.solver["objective_s"]) * 1.001
+    assert plan.solver["sync_floor_s"] == pytest.approx(p["exposed_sync_s"], rel=1e-9)
+    assert plan.solver["objective_s"] == pytest.approx(p["step_time_s"], rel=1e-9)
     rows = compare(model, mesh, inputs, ["dp=16", "dp=16,zero=3", "tp=2,dp=8", "tp=4,dp=4"])
     assert all(r.step_time_s >= p["step_time_s"] * (1 - 1e-9) for r in rows), [(r.name, r.step_time_s) for r in rows]
