@@ -8,33 +8,30 @@ import math
 from autopar.cost_model.comm import mesh_collective_time, slice_backward_time
 from autopar.ir.graph import edge_itemsize
 from autopar.record.gradients import grad_sum_reads, whole_on
-from autopar.sharding_spec.reshard import local_bytes, spec_after
+from autopar.sharding_spec.reshard import local_bytes
 
 
-def backward_reshard_s(edge, mesh, identical, itemsize: int = 4) -> float:
+def backward_reshard_s(edge, mesh, identical) -> float:
     """Seconds of the backward of ``edge``'s steps (``backward_route_s``); 0 where none runs."""
     if not edge.backward:
         return 0.0
-    return backward_route_s(edge.src_spec, edge.steps, [s.cost_s for s in edge.steps], mesh, identical, itemsize)
+    return backward_route_s(edge.steps, [s.cost_s for s in edge.steps], mesh, identical)
 
 
-def backward_route_s(src_spec, steps, costs, mesh, identical, itemsize: int = 4) -> float:
-    """Seconds of the backward of a route of reshard ``steps`` (each forward priced ``costs``) from
-    ``src_spec``, of ``itemsize``-byte elements: a slice's pads the gradient back to its input's
-    size, or under the identical convention all-gathers it; every other step's dual is priced as
-    its forward, except under the identical convention, where a gather's, an all-reduce's and a
-    to_partial's backward are local. The ILP's edge prices and the step model both read it."""
-    total, spec = 0.0, src_spec
+def backward_route_s(steps, costs, mesh, identical) -> float:
+    """Seconds of the backward of a route of reshard ``steps`` (each forward priced ``costs``): a
+    slice's pads the gradient back to its input's size (the step's bytes), or under the identical
+    convention all-gathers it; every other step's dual is priced as its forward, except under the
+    identical convention, where a gather's, an all-reduce's and a to_partial's backward are local.
+    The ILP's edge prices and the step model both read it."""
+    total = 0.0
     for s, cost in zip(steps, costs):
-        after = spec_after(spec, s)
         whole = whole_on(s.axes, identical)
         if s.kind == "slice":
-            nbytes = local_bytes(spec, mesh.shape, itemsize)
-            total += (mesh_collective_time("all_gather", nbytes, mesh, s.axes) if whole else
-                      slice_backward_time(nbytes, math.prod(mesh.shape[a] for a in s.axes), mesh.resolved_cluster()))
+            total += (mesh_collective_time("all_gather", s.nbytes, mesh, s.axes) if whole else
+                      slice_backward_time(s.nbytes, math.prod(mesh.shape[a] for a in s.axes), mesh.resolved_cluster()))
         elif not whole or s.kind in ("reduce_scatter", "all_to_all"):
             total += cost
-        spec = after
     return total
 
 

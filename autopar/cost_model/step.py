@@ -29,7 +29,7 @@ from autopar.cost_model.comm import layout_copy_time, mesh_collective_time, pack
 from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s
 from autopar.record.gradients import whole_on
 from autopar.cost_model.lowered import lowered_comm_s
-from autopar.ir.graph import edge_itemsize, runs_backward
+from autopar.ir.graph import runs_backward
 from autopar.ir.losses import counted_from_inputs
 from autopar.cost_model.grad_sync import group_latencies, sync_price
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES, bucket_count, zero2_saved_bytes
@@ -100,7 +100,7 @@ def reshard_s(graph, edges, mesh, identical=()) -> float:
     parameter once, one reduce-scatter back), every other edge its steps and their duals. The
     step model prices a plan's edges with it, and the ILP's objective is corrected to it."""
     groups, grouped = param_gather_groups(graph, edges, least=1)
-    total = sum(e.forward_s + backward_reshard_s(e, mesh, identical, edge_itemsize(graph.nodes[e.src].meta, graph.nodes[e.dst]))
+    total = sum(e.forward_s + backward_reshard_s(e, mesh, identical)
                 for e in edges if (e.dst, e.position) not in grouped)
     cluster = mesh.resolved_cluster()
     for (_, axes), members in groups.items():  # one gather per group, one reduce-scatter back

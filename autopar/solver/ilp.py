@@ -116,6 +116,7 @@ class Problem:
                     members.append((ru, rv, m))
                 else:
                     members.append((rv, ru, m.T))
+            members = _distinct_members(members)
             key = tuple(sorted((u, v, m.tobytes()) for u, v, m in members))
             if key in merged:
                 merged[key].cost += oc.cost
@@ -343,6 +344,20 @@ def _run_cbc(prog: _Program, time_limit_s: float, msg: bool, cutoff_s: float | N
         status = lp.solve(pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s, gapRel=MIP_GAP))
     values = [v.value() for v in x]
     return pulp.LpStatus[status], None if any(v is None for v in values) else np.asarray(values, dtype=float)
+
+
+def _distinct_members(members: list) -> list:
+    """``members`` of one once-paid cost without repeats: a node's own masks joined into one (the
+    cost is paid when its choice is in any), an edge's identical masks kept once (tied copies of a
+    repeated block map onto one representative, a parameter's sync group onto its copies)."""
+    own: dict = {}
+    pairs: dict = {}
+    for u, v, m in members:
+        if u == v:
+            own[u] = own[u] | m if u in own else m.copy()
+        else:
+            pairs.setdefault((u, v, m.tobytes()), (u, v, m))
+    return [(u, u, m) for u, m in own.items()] + list(pairs.values())
 
 
 def _member_terms(s, pairs, u, v, mask) -> tuple[list[int], bool]:

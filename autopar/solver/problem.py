@@ -21,7 +21,6 @@ import numpy as np
 
 from autopar.cost_model import compute as compute_model
 from autopar.cost_model import memory as memory_model
-from autopar.cost_model.gradients import backward_route_s
 from autopar.cost_model.comm import layout_copy_time, mesh_collective_time, packed_gather_bytes
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.ops import alias_roots
@@ -347,7 +346,8 @@ def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh
     return table
 
 
-def gather_masks(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh) -> dict[tuple, tuple]:
+def gather_masks(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool = False
+                 ) -> dict[tuple, tuple]:
     """Mesh axes -> (mask, bytes): the (producer strategy, consumer strategy) pairs whose reshard
     is one all-gather over those axes, and its bytes: a parameter stored split and read whole,
     which the runtime gathers in one call with the rest of its layer's
@@ -363,7 +363,7 @@ def gather_masks(graph, prod: NodeChoices, cons: NodeChoices, position: int, mes
         for b, dst in enumerate(dst_keys):
             if src is None or dst is None or src == dst or not src.is_even(mesh.shape):
                 continue
-            steps = plan_reshard(src, dst, mesh, itemsize).steps
+            steps = plan_reshard(src, dst, mesh, itemsize, with_backward=with_backward).steps
             if len(steps) == 1 and steps[0].kind == "all_gather":
                 axes_of[a, b], nbytes[a, b] = tuple(steps[0].axes), steps[0].nbytes
     axes_of, nbytes = axes_of[np.ix_(src_ids, dst_ids)], nbytes[np.ix_(src_ids, dst_ids)]
@@ -402,8 +402,8 @@ def returned_spec(graph, output: str, position: int, made):
 
 def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backward: bool) -> np.ndarray:
     """Seconds of every (producer strategy, consumer strategy) pair's reshard, and with
-    ``with_backward`` of its route's backward as the step model prices it
-    (``cost_model.gradients.backward_route_s`` under the dual convention)."""
+    ``with_backward`` of its route's backward as the step model prices it (the route cheapest
+    both ways: ``reshard_search``)."""
     consumer = graph.nodes[cons.name]
     if consumer.op == "output":  # one strategy; what it reads depends on what is made (no backward: seeded whole)
         made = [produced_spec(ps, consumer, position, graph) for ps in prod.strategies]
@@ -419,12 +419,7 @@ def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backwa
     real = [b for b, d in enumerate(dst_keys) if d is not None]
     for a, src in enumerate(src_keys):
         if src is not None and real:
-            table[a, real] = reshard_costs_from(src, [dst_keys[b] for b in real], mesh, itemsize)
-            if with_backward:
-                for b in real:
-                    if dst_keys[b] != src and math.isfinite(table[a, b]):
-                        route = plan_reshard(src, dst_keys[b], mesh, itemsize)
-                        table[a, b] += backward_route_s(src, route.steps, route.costs, mesh, (), itemsize)
+            table[a, real] = reshard_costs_from(src, [dst_keys[b] for b in real], mesh, itemsize, with_backward=with_backward)
     return table[np.ix_(src_ids, dst_ids)]
 
 
@@ -520,7 +515,7 @@ def _edge_prices(graph, prod, cons, pos, mesh, backward: bool, in_place: bool, p
     kinds = ("all_gather", "reduce_scatter") if backward else ("all_gather",)
     calls = {}
     cluster = mesh.resolved_cluster()
-    for axes, (mask, nbytes) in gather_masks(graph, prod, cons, pos, mesh).items():
+    for axes, (mask, nbytes) in gather_masks(graph, prod, cons, pos, mesh, backward).items():
         latency = sum(mesh_collective_time(k, 0, mesh, axes) for k in kinds)
         group = math.prod(mesh.shape[a] for a in axes)
         by_bytes = {}
@@ -546,7 +541,8 @@ def planned_edges(graph, built: Built, full: dict[str, int], mesh, sources=None)
             d_spec = returned_spec(graph, dst, pos, s_spec)
         if s_spec is None or d_spec is None:
             continue
-        rp = plan_reshard(s_spec, d_spec, mesh, edge_itemsize(graph.nodes[src].meta, graph.nodes[dst]))
+        backward = src in built.requires_grad and graph.nodes[dst].op != "output"  # as build_problem priced it
+        rp = plan_reshard(s_spec, d_spec, mesh, edge_itemsize(graph.nodes[src].meta, graph.nodes[dst]), with_backward=backward)
         steps = [StepPlan(st.kind, tuple(st.axes), int(st.nbytes), float(cost), st.src_dim, st.dst_dim)
                  for st, cost in zip(rp.steps, rp.costs)]
         # an output's gathers and all-reduces run no backward collective (codegen seeds it whole)

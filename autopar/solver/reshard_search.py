@@ -3,8 +3,11 @@
 The steps and what they do are ``autopar.sharding_spec.reshard``'s; here each is priced by
 ``cost_model.comm`` (a local step costs its copies and a tie-break constant, so among equal-cost
 routes the shorter wins) and Dijkstra over the specs finds the cheapest route. One search from a source prices every
-target; small state spaces get every pair at once (Floyd-Warshall). Searches and routes are cached
-per (source, target, mesh, itemsize).
+target; small state spaces get every pair at once (Floyd-Warshall). A value that gradients flow
+back through runs its route's backward too: ``with_backward`` routes minimise forward and backward
+together (a step's backward as ``cost_model.gradients.backward_route_s`` prices it under the dual
+convention; a slice's is not its forward). Searches and routes are cached per (source, target,
+mesh, itemsize, with_backward).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import math
 import numpy as np
 
 from autopar.cost_model.comm import layout_copy_bytes, layout_copy_time, mesh_collective_time
+from autopar.cost_model.gradients import backward_route_s
 from autopar.errors import ReshardError
 from autopar.sharding_spec.reshard import ReshardPlan, Step, neighbours
 from autopar.sharding_spec.spec import ShardingSpec
@@ -51,20 +55,22 @@ def priced(route: ReshardPlan, mesh) -> PricedReshard:
     return PricedReshard(route.src, route.dst, route.steps, tuple(step_cost(s, mesh) for s in route.steps))
 
 
-def plan_reshard(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) -> PricedReshard:
-    """The cheapest plan from ``src`` to ``dst`` on ``mesh`` for elements of ``itemsize`` bytes."""
+def plan_reshard(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4, *, with_backward: bool = False
+                 ) -> PricedReshard:
+    """The cheapest plan from ``src`` to ``dst`` on ``mesh`` for elements of ``itemsize`` bytes
+    (``with_backward``: forward and backward together); each step priced forward."""
     for name, spec in (("source", src), ("target", dst)):
         spec.check_even(mesh)
     if src.shape != dst.shape:
         raise ReshardError(f"cannot reshard between shapes {src.shape} and {dst.shape}; resharding keeps the global shape")
-    return _plan_cached(src, dst, mesh, int(itemsize))
+    return _plan_cached(src, dst, mesh, int(itemsize), bool(with_backward))
 
 
 @functools.lru_cache(maxsize=65536)
-def _plan_cached(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int) -> PricedReshard:
+def _plan_cached(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int, with_backward: bool = False) -> PricedReshard:
     if src == dst:
         return PricedReshard(src, dst, (), ())
-    dist, prev = _search_from(src, mesh, itemsize)
+    dist, prev = _search_from(src, mesh, itemsize, with_backward)
     if dst not in dist:
         raise ReshardError(f"no sequence of collectives turns {src} into {dst} on {mesh}")
     steps, costs = [], []
@@ -85,16 +91,17 @@ def reshard_cost(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) 
     return reshard_costs_from(src, [dst], mesh, itemsize)[0]
 
 
-def reshard_costs_from(src: ShardingSpec, dsts, mesh, itemsize: int = 4) -> list[float]:
-    """``reshard_cost`` from one source to many targets (one search, no per-target overhead)."""
+def reshard_costs_from(src: ShardingSpec, dsts, mesh, itemsize: int = 4, *, with_backward: bool = False) -> list[float]:
+    """``reshard_cost`` from one source to many targets (one search, no per-target overhead);
+    ``with_backward``: the cheapest route's forward and backward together."""
     if not src.is_even(mesh.shape):
         return [math.inf] * len(dsts)
-    table = _all_pairs(ShardingSpec.replicate(src.shape, src.mesh_ndim), mesh, int(itemsize))
+    table = _all_pairs(ShardingSpec.replicate(src.shape, src.mesh_ndim), mesh, int(itemsize), bool(with_backward))
     if table is not None:
         index, dist = table
         row = dist[index[src]]
         return [float(row[index[d]]) if d in index else math.inf for d in dsts]
-    dist = _search_from(src, mesh, int(itemsize))[0]
+    dist = _search_from(src, mesh, int(itemsize), bool(with_backward))[0]
     return [dist.get(d, math.inf) for d in dsts]
 
 
@@ -103,7 +110,7 @@ ALL_PAIRS_MAX_STATES = 600
 
 
 @functools.lru_cache(maxsize=1024)
-def _all_pairs(replicated: ShardingSpec, mesh, itemsize: int):
+def _all_pairs(replicated: ShardingSpec, mesh, itemsize: int, with_backward: bool = False):
     """Every even spec of one shape (all reachable from replicated) and the cost between every
     pair, by Floyd-Warshall in numpy; None when there are too many states."""
     index = {replicated: 0}
@@ -122,7 +129,7 @@ def _all_pairs(replicated: ShardingSpec, mesh, itemsize: int):
     dist = np.full((n, n), math.inf)
     np.fill_diagonal(dist, 0.0)
     for spec, i in index.items():
-        for step, cost in _priced_neighbours(spec, mesh, itemsize):
+        for step, _, cost in _weighted_neighbours(spec, mesh, itemsize, with_backward):
             j = index[step.after]
             dist[i, j] = min(dist[i, j], cost)
     for k in range(n):
@@ -131,8 +138,9 @@ def _all_pairs(replicated: ShardingSpec, mesh, itemsize: int):
 
 
 @functools.lru_cache(maxsize=8192)
-def _search_from(src: ShardingSpec, mesh, itemsize: int):
-    """Dijkstra from ``src`` over every reachable spec: (cost per spec, (last step, its cost) per spec)."""
+def _search_from(src: ShardingSpec, mesh, itemsize: int, with_backward: bool = False):
+    """Dijkstra from ``src`` over every reachable spec: (cost per spec, (last step, its forward
+    cost) per spec)."""
     best = {src: 0.0}
     prev: dict[ShardingSpec, tuple[Step, float]] = {}
     done = set()
@@ -143,8 +151,8 @@ def _search_from(src: ShardingSpec, mesh, itemsize: int):
         if spec in done:
             continue
         done.add(spec)
-        for step, step_s in _priced_neighbours(spec, mesh, itemsize):
-            c = cost + step_s
+        for step, step_s, weight in _weighted_neighbours(spec, mesh, itemsize, with_backward):
+            c = cost + weight
             if c < best.get(step.after, math.inf):
                 best[step.after] = c
                 prev[step.after] = (step, step_s)
@@ -156,3 +164,11 @@ def _search_from(src: ShardingSpec, mesh, itemsize: int):
 def _priced_neighbours(spec: ShardingSpec, mesh, itemsize: int) -> tuple[tuple[Step, float], ...]:
     # Searches from different sources expand the same states: build and price each state's steps once.
     return tuple((step, step_cost(step, mesh)) for step in neighbours(spec, mesh, itemsize))
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _weighted_neighbours(spec: ShardingSpec, mesh, itemsize: int, with_backward: bool
+                         ) -> tuple[tuple[Step, float, float], ...]:
+    """(step, its forward seconds, the seconds the search weighs it by: with its backward)."""
+    return tuple((step, cost, cost + backward_route_s((step,), (cost,), mesh, ()) if with_backward else cost)
+                 for step, cost in _priced_neighbours(spec, mesh, itemsize))

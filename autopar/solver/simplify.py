@@ -76,9 +76,14 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
         adj[v].add(u)
     records: list[Elimination] = []
     once = [OnceCost(oc.cost, list(oc.members)) for oc in problem.once]  # members change as leaves fold
+    reads_of: dict[str, set[tuple[int, int]]] = {}  # node -> (cost, member) positions that read it
+    for g, oc in enumerate(once):
+        for t, (a, b, _) in enumerate(oc.members):
+            for x in {a, b}:
+                reads_of.setdefault(x, set()).add((g, t))
 
     def kept() -> set[str]:
-        return {x for oc in once for x in oc.nodes()}
+        return {x for x, reads in reads_of.items() if reads}
 
     def mat(u, v):  # R oriented u -> v
         return edges[(u, v)] if (u, v) in edges else edges[(v, u)].T
@@ -120,7 +125,7 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
         if len(adj[v]) != 1 or not memory_fixed(v):
             return False
         (w,) = adj[v]
-        reads = [(g, t) for g, oc in enumerate(once) for t, (a, b, _) in enumerate(oc.members) if v in (a, b)]
+        reads = sorted(reads_of.get(v, ()))
         if any(once[g].members[t][:2] not in ((v, w), (w, v), (v, v)) for g, t in reads):
             return False
         r = costs[v][:, None] + mat(v, w)  # (j, k)
@@ -140,6 +145,9 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
             table[lab] = np.argmin(cand, axis=0)
             folded[lab] = np.min(cand, axis=0)
         for n, (g, t) in enumerate(reads):
+            for x in once[g].members[t][:2]:
+                if x != v:
+                    reads_of[x].discard((g, t))
             once[g].members[t] = (v, v, np.array([bits[n] for bits in labels], dtype=bool))
         records.append(Elimination(v, (v, w), table))
         edges.pop((w, v), None)
@@ -158,7 +166,7 @@ def eliminate(problem: Problem) -> tuple[Problem, list[Elimination]]:
         protected = kept()
         for v in list(costs):
             if v in protected and v in costs and len(adj[v]) == 1 and fold_into_labels(v):
-                protected = kept()
+                protected = {x for x in protected if reads_of[x]}
                 changed = True
         for v in list(costs):
             if v not in costs or not removable(v):
