@@ -31,7 +31,7 @@ Each kind is a ``torch.autograd.Function`` whose backward applies the row above.
 of one rank are identities and skip communication.
 
 On the axes a plan makes *identical* (``Plan.identical_axes``, Megatron's tensor-parallel
-convention; see ``autopar.cost_model.gradients``) a replicated value's gradient is whole on every
+convention; see ``autopar.record.gradients``) a replicated value's gradient is whole on every
 rank instead, and the steps over those axes take the other backward:
 
     all_gather        S -> R    backward: this rank's chunk of the whole gradient (local)   R -> S

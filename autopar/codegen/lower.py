@@ -116,7 +116,7 @@ class _Emitter:
         self.gathered: dict = {}
         self.origin: str | None = None  # the traced node being lowered
         # gradients whole on these axes (Megatron's convention): steps take that backward, and reads
-        # an op splits get their gradient summed (``autopar.cost_model.gradients``)
+        # an op splits get their gradient summed (``autopar.record.gradients``)
         self.identical = tuple(plan.identical_axes)
         self.sums = grad_sum_reads(plan, graph, self.identical)
         self.summed: dict = {}  # (value node name, axes) -> its grad_sum node

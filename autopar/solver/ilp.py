@@ -197,7 +197,8 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
         raise PlanError("solver 'highs' needs the highspy package: pip install 'autopar[highs]'")
     with _quiet(not msg):
         status_name, x = run(program, time_limit_s, msg, cutoff_s)
-    found = x is not None and _has_solution(s, x)
+    # (CBC hands back its last point even where it proved the program infeasible)
+    found = x is not None and status_name != "Infeasible" and _has_solution(s, x)
     if cutoff_s is not None and (not found or evaluate(problem, _picked(problem, s, x))[0] > cutoff_s):
         raise NoCheaperPlan(f"no assignment costs under the cutoff of {cutoff_s:.3g} s")
     if not found:
@@ -417,10 +418,12 @@ class NoCheaperPlan(PlanError):
 
 
 def _budget_error(problem: Problem) -> PlanError:
-    return PlanError(
-        f"no plan fits the memory budget of {fmt_bytes(problem.budget)} per device; the smallest plan needs "
-        f"{fmt_bytes(min_memory(problem))} per device. Raise the budget, use more devices, or a smaller model/batch."
-    )
+    least = min_memory(problem)
+    # the per-node least is a bound: the choices that reach it may not go together
+    needs = (f"the smallest plan needs {fmt_bytes(least)} per device" if least > problem.budget else
+             f"no plan needs less than {fmt_bytes(least)} per device, but those that come near it do not go together")
+    return PlanError(f"no plan fits the memory budget of {fmt_bytes(problem.budget)} per device; {needs}. "
+                     "Raise the budget, use more devices, or a smaller model/batch.")
 
 
 def min_memory(problem: Problem) -> float:

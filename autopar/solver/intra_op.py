@@ -283,8 +283,8 @@ def _plan_on(graph, mesh, budget, force, config: PlanConfig):
 
 def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: PlanConfig):
     """``_solve_tied`` with the gradient syncs that backward hides left out of the objective: the
-    step is b + max(0, r) (``Overlap``: b the rest and the floors, r the syncs less their floors
-    and cover), which no sum over choices gives. For every l in [0, 1], min b + l r is a sum the
+    step is b + max(0, r) (``Overlap``: b the rest and the last bucket, r the syncs past the
+    last bucket less their cover), which no sum over choices gives. For every l in [0, 1], min b + l r is a sum the
     ILP minimises and a lower bound of the step. At l = 0 (every
     sync hidden) the minimiser is optimal if its syncs stay hidden (r <= 0); at l = 1 (every sync
     paid less its cover) if they do not (r >= 0). Otherwise the two bracket the answer, and l
@@ -294,8 +294,8 @@ def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: 
     its objective; stats, with the bound where unproven)."""
     periods = (1, 2) if config.reuse_blocks else (0,)
 
-    def run(costs, once=(), cutoff=None):
-        variant = dataclasses.replace(problem, costs=costs, tie={}, once=problem.once + list(once))
+    def run(costs, cutoff=None):
+        variant = dataclasses.replace(problem, costs=costs, tie={})
         cutoffs = [c for c in (cutoff, config.objective_cutoff_s) if c is not None]
         return _solve_tied(graph, variant, periods, choices, config.simplify, config.time_limit_s, config.solver,
                            min(cutoffs) if cutoffs else None)
@@ -313,16 +313,15 @@ def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: 
         b, r = split(attempt)
         return (*attempt[:4], b + max(0.0, r), *attempt[5:])
 
-    def at(lam):  # (costs, once-paid costs) of b + l r: the groups' first calls are never hidden
-        costs = {v: c - (1 - lam) * (overlap.sync.get(v, 0.0) - overlap.spread.get(v, 0.0)) - lam * overlap.cover.get(v, 0.0)
-                 for v, c in problem.costs.items()}
-        return costs, ()
+    def at(lam):  # the costs of b + l r (the groups' first calls, once-paid, are never hidden)
+        return {v: c - (1 - lam) * (overlap.sync.get(v, 0.0) - overlap.spread.get(v, 0.0)) - lam * overlap.cover.get(v, 0.0)
+                for v, c in problem.costs.items()}
 
-    hidden = run(*at(0.0))
+    hidden = run(at(0.0))
     b0, r0 = split(hidden)
     if r0 <= 0:
         return priced(hidden), {"sync_hidden": "all", "sync_floor_s": overlap.last_bucket(hidden[2])}
-    paid = run(*at(1.0))
+    paid = run(at(1.0))
     b1, r1 = split(paid)
     if r1 >= 0:
         return priced(paid), {"sync_hidden": "in part", "sync_floor_s": overlap.last_bucket(paid[2])}
@@ -333,8 +332,7 @@ def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: 
             break
         lam = (b1 - b0) / (r0 - r1)  # where the bracket ends' sums meet
         try:
-            costs, once = at(lam)
-            found = run(costs, cutoff=b0 + lam * r0, once=once)
+            found = run(at(lam), cutoff=b0 + lam * r0)
         except ilp.NoCheaperPlan:  # the dual's maximum: nothing below the ends' meeting point
             bound = max(bound, b0 + lam * r0)
             break

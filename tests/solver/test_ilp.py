@@ -111,6 +111,13 @@ def test_infeasible_budget_names_the_smallest_memory():
     assert min_memory(p) == 5.0
     with pytest.raises(PlanError, match=r"smallest plan needs 5 B per device"):
         solve(p)
+    # each node's least memory adds up under the budget, but those choices cannot go together:
+    # the message says so instead of naming an unreachable "smallest plan"
+    apart = Problem(costs, memory, {("a", "b"): np.array([[0.0, 0.0], [0.0, np.inf]])}, budget=6.0)
+    assert min_memory(apart) == 5.0
+    for solver in ("highs", "cbc") if _highs() else ("cbc",):
+        with pytest.raises(PlanError, match=r"no plan needs less than 5 B per device, but those that come near it do not go together"):
+            solve(apart, solver=solver)
 
 
 def test_budget_forces_the_small_choice():
@@ -266,3 +273,11 @@ def test_a_leaf_read_by_once_paid_costs_folds_into_labels_exactly(seed):
     assert sum(map(len, small.costs.values())) < sum(map(len, p.costs.values()))
     choice = recover(solve(small).choice, records)
     assert evaluate(p, choice)[0] == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def _highs() -> bool:
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        return False
+    return True
