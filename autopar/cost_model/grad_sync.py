@@ -2,10 +2,11 @@
 step model.
 
 The reducer (``runtime.reducer``) sums gradients in flat buckets, one run of buckets per group of
-gradients synchronised alike (``SyncPrice.group``: collective, axes, dtype). A group holding ``T``
-bytes pays its collective's latency ``1 + T / bucket_bytes`` times (its first bucket, whatever it
-holds, and a share of one more per ``bucket_bytes``; the runtime's count is the ceiling, within one
-call of this) and every byte once. So a parameter's price is linear in its bytes but for one
+gradients synchronised alike (``SyncPrice.group``: collective, axes, dtype). A group pays its
+collective's latency once for its first bucket, whatever it holds, and each gradient its share of
+one more call (its bytes over ``bucket_bytes``, at most one: the reducer never splits a gradient,
+so one past a bucket's size is a bucket of its own); the runtime's count is within one call of
+this. Every byte is paid once. So a parameter's price is linear in its bytes but for one
 latency per group paid when any parameter syncs there: the ILP charges that as a once-paid cost
 (``ilp.OnceCost``), the step model per group it finds.
 
@@ -72,12 +73,13 @@ def sync_price(sync, working_bytes: float, dtype, mesh, *, total_bytes: float,
     nbytes = sync.nbytes
     latency = mesh_collective_time(kind, 0, mesh, sync.axes, alone=False)
     per_byte = mesh_collective_time(kind, nbytes, mesh, sync.axes, alone=False) - latency + local_sum_time(kind, nbytes, ways, cluster)
-    sum_s = per_byte + latency * nbytes / bucket_bytes
+    share = min(1.0, nbytes / bucket_bytes)  # a gradient past a bucket's size is a bucket of its own
+    sum_s = per_byte + latency * share
     after_latency = gather = fresh = 0.0
     for k in after:  # ZeRO-2's all-gather of the updated chunk, in the same buckets
         lat = mesh_collective_time(k, 0, mesh, sync.axes, alone=False)
         after_latency += lat
-        gather += (mesh_collective_time(k, working_bytes, mesh, sync.axes, alone=False) - lat + lat * nbytes / bucket_bytes
+        gather += (mesh_collective_time(k, working_bytes, mesh, sync.axes, alone=False) - lat + lat * share
                    + layout_copy_time(packed_gather_bytes(working_bytes, ways), cluster))
     if sync.split:
         # the rank's ZeRO-2 gradients are priced as if all were, split as this one

@@ -32,7 +32,7 @@ from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.graph import runs_backward
 from autopar.ir.losses import counted_from_inputs
 from autopar.cost_model.grad_sync import group_latencies, sync_price
-from autopar.record.buckets import DEFAULT_BUCKET_BYTES, bucket_count, zero2_saved_bytes
+from autopar.record.buckets import DEFAULT_BUCKET_BYTES, assign_buckets, first_reads, zero2_saved_bytes
 from autopar.record.gathers import param_gather_groups
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
@@ -140,7 +140,8 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, gr
     in_ops += grad_sum_s(plan, graph, mesh, identical)
 
     # gradient syncs priced per group of the reducer's buckets (``cost_model.grad_sync``)
-    prices, synced = [], {}
+    prices, synced = [], []  # synced: (first read, bucket key, bytes) of the reducer's buckets
+    first_use = first_reads(graph)
     elements = tensors = 0
     accumulate = 0.0
     for p in plan.params.values():
@@ -151,7 +152,7 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, gr
         local = local_bytes(p.storage, mesh.shape, meta.itemsize)  # (a gradient may be synced in a wider dtype)
         if p.grad_sync is not None:
             prices.append(sync_price(p.grad_sync, local, meta.dtype, mesh, total_bytes=grad_total_bytes, bucket_bytes=bucket_bytes))
-            synced[prices[-1].group] = synced.get(prices[-1].group, 0) + p.grad_sync.nbytes
+            synced.append((first_use.get(p.node, 0), prices[-1].group, int(p.grad_sync.nbytes)))
             if p.grad_sync.split:
                 local = local / math.prod(mesh.shape[a] for a in p.grad_sync.axes)
         elements += local / meta.itemsize
@@ -178,5 +179,6 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, gr
         "grad_accumulate_s": accumulate,
         "comm_s": reshard + in_ops + exposed + gathers + fresh,
         "step_time_s": total,
-        "buckets": sum(bucket_count(n, bucket_bytes) for n in synced.values()),
+        # as many as the reducer makes (``assign_buckets``, in backward's order)
+        "buckets": len(assign_buckets([(key, n) for _, key, n in sorted(synced, key=lambda x: -x[0])], bucket_bytes)),
     }

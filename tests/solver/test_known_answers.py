@@ -189,14 +189,14 @@ def test_a_data_parallel_classifier_sums_its_loss_rather_than_gathering_its_logi
 
 def test_gradient_buckets_charge_their_whole_latency_to_the_tensors_in_them():
     # the reducer fills bucket_sizes(total) buckets of a group, each paying a whole latency: the
-    # group pays its first call once and every byte its share of one call per full bucket, within
-    # one call of the runtime's count (a 118k-parameter model's 2 buckets of 25 MiB are 2% full:
+    # group pays its first call once and every byte its share of one call per full bucket (a
+    # tensor past a bucket's size one call), within one call of the runtime's count (a 118k-parameter model's 2 buckets of 25 MiB are 2% full:
     # priced at 2% of one latency, its data parallel plan looked cheaper than replicating it and
     # ran 1.5x slower)
     import torch
 
     from autopar.cost_model.grad_sync import sync_price
-    from autopar.record.buckets import DEFAULT_BUCKET_BYTES, bucket_sizes
+    from autopar.record.buckets import DEFAULT_BUCKET_BYTES, assign_buckets, bucket_sizes
     from autopar.record.grad_sync import GradSync
 
     mesh = autopar.Mesh((4,), cluster=PRESETS["cpu-gloo"].with_axis_links([Link(1e-3, 0.0)]))
@@ -206,8 +206,14 @@ def test_gradient_buckets_charge_their_whole_latency_to_the_tensors_in_them():
         prices = [sync_price(GradSync.all_reduce((0,), b), b, torch.float32, mesh, total_bytes=total) for b in sizes]
         assert len({p.group for p in prices}) == 1 and prices[0].latency_s == pytest.approx(latency)
         paid = prices[0].latency_s + sum(p.sum_s for p in prices)
-        assert paid == pytest.approx(latency * (1 + total / DEFAULT_BUCKET_BYTES))
+        assert paid == pytest.approx(latency * (1 + sum(min(1.0, b / DEFAULT_BUCKET_BYTES) for b in sizes)))
         assert abs(paid / latency - len(bucket_sizes(total, DEFAULT_BUCKET_BYTES))) <= 1
+    # buckets smaller than the gradients: the reducer makes one per gradient (it never splits one)
+    sizes, tiny = [4096] * 22, 1024
+    prices = [sync_price(GradSync.all_reduce((0,), b), b, torch.float32, mesh, total_bytes=sum(sizes), bucket_bytes=tiny)
+              for b in sizes]
+    made = assign_buckets([(prices[0].group, b) for b in sizes], tiny)
+    assert len(made) == 22 and prices[0].latency_s + sum(p.sum_s for p in prices) == pytest.approx(23 * latency)
 
 
 def test_a_model_too_small_to_split_is_replicated_where_its_buckets_cost_more_than_it_saves():
