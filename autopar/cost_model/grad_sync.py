@@ -97,15 +97,14 @@ def group_latencies(prices) -> dict[tuple, tuple[float, float]]:
 def with_group_shares(prices) -> list[float]:
     """Each price's seconds with its share (by ``sum_s``) of its group's first calls, so that they
     add up to what the syncs cost together: a plan's per-parameter figure."""
-    totals: dict = {}
+    totals: dict = {}  # group -> (its prices' sum_s, how many)
     for p in prices:
-        totals[p.group] = totals.get(p.group, 0.0) + p.sum_s
-    counts: dict = {}
-    for p in prices:
-        counts[p.group] = counts.get(p.group, 0) + 1
+        total, count = totals.get(p.group, (0.0, 0))
+        totals[p.group] = (total + p.sum_s, count + 1)
     out = []
     for p in prices:
-        weight = p.sum_s / totals[p.group] if totals[p.group] > 0 else 1.0 / counts[p.group]
+        total, count = totals[p.group]
+        weight = p.sum_s / total if total > 0 else 1.0 / count
         out.append(p.per_tensor_s + (p.latency_s + p.after_latency_s) * weight)
     return out
 

@@ -97,13 +97,7 @@ class Overlap:
             if node.op == "call_function" and runs_backward(node, grad):
                 cover[v] = cluster.comm_overlap * step_share * c.compute_s * 2 / 3  # forward + 2x backward
         spread = {v: choices[v].sync_part("floor_s", step_share) for v in sync}
-        groups: dict = {}
-        for v in sync:
-            for i, p in enumerate(choices[v].sync_prices):
-                if p is not None:
-                    group = groups.setdefault(p.group, [p.latency_s * step_share, {}])
-                    group[1].setdefault(v, np.zeros(len(choices[v].sync_prices), bool))[i] = True
-        return cls(sync, cover, spread, [(s, list(members.items())) for s, members in groups.values()])
+        return cls(sync, cover, spread, _sync_groups(choices, lambda p: p.latency_s * step_share))
 
     def total(self, part: dict, pick: dict[str, int]) -> float:
         """Seconds per run of ``part`` (``sync``, ``cover`` or ``spread``) under an assignment."""
@@ -118,14 +112,20 @@ class Overlap:
 def sync_group_costs(choices: dict[str, NodeChoices], step_share: float = 1.0) -> list[OnceCost]:
     """The first calls of each group of gradient syncs (``cost_model.grad_sync``), paid once per
     run's share of a step when any parameter's choice syncs in the group."""
+    groups = _sync_groups(choices, lambda p: (p.latency_s + p.after_latency_s) * step_share)
+    return [OnceCost(seconds, [(v, v, m) for v, m in members]) for seconds, members in groups if seconds]
+
+
+def _sync_groups(choices: dict[str, NodeChoices], seconds_of) -> list[tuple[float, list[tuple[str, np.ndarray]]]]:
+    """Per group of gradient syncs (``SyncPrice.group``): (``seconds_of`` its price, the choices of
+    each node that sync in it)."""
     groups: dict = {}
     for v, c in choices.items():
         for i, p in enumerate(c.sync_prices or ()):
-            if p is None:
-                continue
-            group = groups.setdefault(p.group, [(p.latency_s + p.after_latency_s) * step_share, {}])
-            group[1].setdefault(v, np.zeros(len(c.strategies), bool))[i] = True
-    return [OnceCost(seconds, [(v, v, m) for v, m in members.items()]) for seconds, members in groups.values() if seconds]
+            if p is not None:
+                group = groups.setdefault(p.group, [seconds_of(p), {}])
+                group[1].setdefault(v, np.zeros(len(c.strategies), bool))[i] = True
+    return [(seconds, list(members.items())) for seconds, members in groups.values()]
 
 
 @dataclasses.dataclass
