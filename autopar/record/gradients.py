@@ -13,16 +13,18 @@ Per mesh axis a plan's backward follows one of two conventions for a value repli
                           needs none in backward, a gather's backward is a local slice, and a
                           parameter replicated on the axis whose readers do not split it (layer
                           norms, biases added after a row-parallel all-reduce) needs no gradient
-                          sync there.
+                          sync there. A parameter whose every read splits the axis may keep its
+                          gradient pending there instead (its sync's axes include the axis), so
+                          the reducer sums it with the rest, bucketed.
 
-``identical_axes`` is a plan's set of such axes. This module answers, for a plan and that set,
-where the sums go (``grad_sum_reads``), which parameter syncs remain (``param_sync_axes``) and
-whether the set can run at all (``identical_ok``). Codegen emits from these answers; the cost model
+``identical_axes`` is a plan's set of such axes; the planner prices each set it tries in its ILP
+(``solver.problem``). This module answers, for a plan and that set, where the sums go
+(``grad_sum_reads``) and whether the plan can run so (``identical_ok``). Codegen emits from these answers; the cost model
 prices the same ones (``autopar.cost_model.gradients``).
 """
 from __future__ import annotations
 
-from autopar.ir.graph import Role, needs_grad
+from autopar.ir.graph import needs_grad
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import VOCAB_LOSS
 
@@ -55,101 +57,67 @@ def _edge_axes(edge) -> set[int]:
     return {a for s in edge.steps for a in s.axes} if edge is not None else set()
 
 
-def _is_param(graph, name: str) -> bool:
-    node = graph.nodes.get(name)
-    return node is not None and node.op == "placeholder" and node.role == Role.PARAMETER
+def partial_read_axes(op_plan, position: int, identical) -> tuple[int, ...]:
+    """The identical axes on which an op (a NodePlan or a Strategy) leaves its input
+    ``position`` a partial gradient: it splits the axis and reads the input replicated there."""
+    if position >= len(op_plan.inputs):
+        return ()
+    spec = op_plan.inputs[position]
+    return tuple(a for a in split_axes(op_plan, identical) if _replicated_on(spec, a))
 
 
 def _partial_reads(plan, graph, identical, grad) -> dict[tuple[str, int], tuple[int, ...]]:
-    """(consumer, input position) -> identical axes on which that read's local backward leaves a
-    partial gradient: the input is replicated there and the op splits the axis."""
+    """(consumer, input position) -> ``partial_read_axes`` of every read of a value gradients
+    flow back through."""
     out = {}
     for name, np_ in plan.nodes.items():
         node = graph.nodes.get(name)
-        if node is None or node.op != "call_function":
-            continue
-        split = split_axes(np_, identical)
-        if not split:
+        if node is None or node.op != "call_function" or not split_axes(np_, identical):
             continue
         for pos, src in enumerate(node.inputs):
-            if src not in grad or pos >= len(np_.inputs):
-                continue
-            axes = tuple(a for a in split if _replicated_on(np_.inputs[pos], a))
-            if axes:
+            if src in grad and (axes := partial_read_axes(np_, pos, identical)):
                 out[(name, pos)] = axes
     return out
 
 
-def _param_reads(plan, graph) -> dict[str, list[tuple[str, int]]]:
-    reads: dict[str, list] = {}
-    for name, node in graph.nodes.items():
-        if name not in plan.nodes:
-            continue
-        for pos, src in enumerate(node.inputs):
-            if _is_param(graph, src):
-                reads.setdefault(src, []).append((name, pos))
-    return reads
-
-
-def _deferred(plan, graph, identical, partial, edges) -> dict[str, tuple[int, ...]]:
-    """Parameter node -> the identical axes on which its gradient is left a pending sum for the
-    reducer (no grad_sum): every read of it splits the axis and reads it with no step there. A
-    parameter read both ways gets sums on its splitting reads instead (a pending share and a whole
-    gradient cannot be added)."""
-    out = {}
-    for p, reads in _param_reads(plan, graph).items():
-        keep = []
-        for a in identical:
-            if all(a in partial.get(r, ()) and a not in _edge_axes(edges.get(r)) for r in reads):
-                keep.append(a)
-        out[p] = tuple(keep)
-    return out
-
-
-def _analysis(plan, graph, identical) -> tuple[dict, dict]:
-    """(``_partial_reads``, ``_deferred``) of the plan for ``identical`` (both empty without it)."""
-    if not identical:
-        return {}, {}
-    edges = {(e.dst, e.position): e for e in plan.edges}
-    partial = _partial_reads(plan, graph, identical, needs_grad(graph))
-    return partial, _deferred(plan, graph, identical, partial, edges)
+def pending_axes(plan, graph) -> dict[str, tuple[int, ...]]:
+    """Parameter node -> the axes its gradient is synchronised over (its plan's sync axes): on an
+    identical axis among them the parameter's gradient is left a pending share for the reducer
+    (the planner chooses so only where every read splits the axis and reads it replicated there:
+    ``solver.problem``), so its splitting reads take no sum."""
+    return {p.node: tuple(p.grad_sync.axes) for p in plan.params.values()
+            if not p.buffer and p.grad_sync is not None}
 
 
 def grad_sum_reads(plan, graph, identical) -> dict[tuple[str, int], tuple[int, ...]]:
     """(consumer, input position) -> the identical axes its input's gradient is all-reduced over
-    in backward (``autopar_grad_sum`` on that read)."""
-    partial, deferred = _analysis(plan, graph, tuple(identical))
+    in backward (``autopar_grad_sum`` on that read): the axes the op splits where it reads the
+    input replicated, but those on which a parameter's gradient stays pending."""
+    identical = tuple(identical)
+    if not identical:
+        return {}
+    pending = pending_axes(plan, graph)
     out = {}
-    for (name, pos), axes in partial.items():
+    for (name, pos), axes in _partial_reads(plan, graph, identical, needs_grad(graph)).items():
         src = graph.nodes[name].inputs[pos]
-        if _is_param(graph, src):
-            axes = tuple(a for a in axes if a not in deferred.get(src, ()))
+        axes = tuple(a for a in axes if a not in pending.get(src, ()))
         if axes:
             out[(name, pos)] = axes
     return out
 
 
-def param_sync_axes(plan, graph, identical) -> dict[str, tuple[int, ...]]:
-    """Parameter fqn -> the axes its gradient is still synchronised over: its planned sync axes,
-    less the identical axes on which its gradient comes out whole."""
-    identical = tuple(identical)
-    _, deferred = _analysis(plan, graph, identical)
-    out = {}
-    for fqn, p in plan.params.items():
-        if p.buffer or p.grad_sync is None:
-            continue
-        axes = tuple(a for a in p.grad_sync.axes if a not in identical or a in deferred.get(p.node, ()))
-        out[fqn] = axes
-    return out
-
-
-def identical_ok(plan, graph, identical, sync: dict) -> str | None:
-    """None when the plan can run with gradients identical on ``identical``; else why not.
-    ``sync``: ``param_sync_axes`` of that set."""
+def identical_ok(plan, graph, identical) -> str | None:
+    """None when the plan can run with gradients identical on ``identical``; else why not: a
+    reshard with a backward over identical and other axes together, a vocabulary-parallel loss
+    over such a mix, or a parameter left pending on an identical axis that one of its reads does
+    not split (or reaches through a step over it)."""
     identical = set(identical)
+    if not identical:
+        return None
+    edges = {(e.dst, e.position): e for e in plan.edges}
     for e in plan.edges:
-        if graph.nodes[e.dst].op == "output" and output_whole_axes(e.steps):
-            continue  # seeded whole on every axis of its steps: their backwards run no collective
+        if not e.backward:
+            continue  # (an output's gathers and all-reduces: seeded whole, their backwards run nothing)
         for s in e.steps:
             if identical & set(s.axes) and not set(s.axes) <= identical:
                 return f"edge {e.src} -> {e.dst} has a {s.kind} over axes {s.axes}, only partly identical"
@@ -160,9 +128,14 @@ def identical_ok(plan, graph, identical, sync: dict) -> str | None:
             classes = set(x.dim_axes[cdim])
             if identical & classes and not classes <= identical:
                 return f"{n.name}: class axes {sorted(classes)} only partly identical"
-    for fqn, p in plan.params.items():
-        if p.grad_sync is not None and p.grad_sync.split and tuple(sync[fqn]) != p.grad_sync.axes:
-            return f"{fqn}: a ZeRO-2 gradient would come out whole on axes {sorted(set(p.grad_sync.axes) - set(sync[fqn]))}"
+    partial = _partial_reads(plan, graph, tuple(identical), needs_grad(graph))
+    pending = pending_axes(plan, graph)
+    for name, reader in graph.nodes.items():
+        for pos, src in enumerate(reader.inputs):
+            for a in identical & set(pending.get(src, ())):
+                if name in plan.nodes and (a not in partial.get((name, pos), ()) or a in _edge_axes(edges.get((name, pos)))):
+                    return (f"{src}: its gradient is left pending on identical axis {a}, but {name} does not split "
+                            "that axis where it reads it")
     return None
 
 

@@ -93,8 +93,10 @@ class PlanConfig:
         and needs no gradient sync there): "auto" tries the candidates of ``idle_candidates`` and
         keeps the cheapest; a tuple fixes them (``()``: use every axis).
     identical_axes: mesh axes on which gradients of replicated values are kept whole on every rank
-        (Megatron's tensor-parallel convention; ``autopar.cost_model.gradients``): "auto" prices
-        every set the plan can run and keeps the cheapest; a tuple fixes it (``()``: none).
+        (Megatron's tensor-parallel convention; ``autopar.record.gradients``), each set priced in
+        its own ILP: "auto" solves the dual convention first, then every set of the axes its plan
+        reads parameters split on (tensor parallelism), and keeps the cheapest; a tuple fixes it
+        (``()``: none). Pipeline stages keep the dual convention.
     bucket_bytes: the gradient bucket size, priced and (in ``parallelize``) run.
     time_limit_s, solver: the ILP solver's time limit and name ("highs" / "cbc"; None: HiGHS
         where installed).

@@ -13,7 +13,6 @@ import math
 import time
 
 from autopar.cost_model import memory as memory_model
-from autopar.record.gradients import identical_ok, param_sync_axes
 from autopar.cost_model.grad_sync import grad_bytes_total, sync_price, with_group_shares, zero2_pool_bytes
 from autopar.cost_model.step import graph_overheads_s, step_time, zero2_totals
 from autopar.sharding_spec.reshard import local_bytes
@@ -32,7 +31,8 @@ from autopar.solver.simplify import block_ties, eliminate, prune, recover
 from autopar.solver.units import parse_bytes
 
 log = logging.getLogger(__name__)
-# Relative difference in predicted step time below which two gradient conventions tie.
+# Relative difference in predicted step time below which two gradient conventions tie (the
+# solvers' own tolerance: ``ilp.MIP_GAP`` on the objective, float sums beside it).
 TIE = 1e-6
 
 
@@ -135,62 +135,36 @@ def one_stage(graph, mesh, call: dict, budget, budget_from, config: PlanConfig) 
 
 def _made(graph, mesh, solved, idle, config: PlanConfig, **stats) -> Plan:
     """The Plan of one ``_plan_on`` answer on ``mesh`` with ``idle`` axes unused, ``stats`` added
-    to its solver figures, gradients kept whole on the config's ``identical_axes`` (see
-    ``with_identical_axes``)."""
+    to its solver figures."""
     view, built, full, solver_stats, memory = solved
     solver_stats.update(idle_axes=list(idle), **stats)
-    plan = make_plan(graph, view, built, full, memory, solver_stats, real_mesh=mesh, idle_axes=idle,
+    return make_plan(graph, view, built, full, memory, solver_stats, real_mesh=mesh, idle_axes=idle,
                      bucket_bytes=config.bucket_bytes, precision=config.precision, step_share=1.0 / config.microbatches)
-    return with_identical_axes(plan, graph, view, config.identical_axes, config.bucket_bytes, config.precision,
-                               1.0 / config.microbatches)
 
 
-def with_identical_axes(plan: Plan, graph, mesh: Mesh, identical_axes="auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                        precision=None, step_share: float = 1.0) -> Plan:
-    """``plan`` with gradients whole on ``identical_axes`` (a tuple), or on the set of active axes
-    that prices cheapest (``"auto"``; none when no set beats the dual convention). ``mesh``: the
-    mesh the plan was priced on."""
-    def redone(axes):
-        return _identical_plan(plan, graph, mesh, axes, bucket_bytes, precision, step_share)
-
-    if identical_axes == "auto":
-        act = active_axes(mesh)
-        best = plan
-        for k in range(1, len(act) + 1):
-            for axes in itertools.combinations(act, k):
-                cand = redone(axes)
-                # A tie keeps the dual convention: its sums wait in buckets for the end of backward,
-                # while a whole axis's sums block mid-backward, where ranks sharing cores have drifted
-                # apart (measured: 15 ms per sum on 4 ranks of 2 cores; the model prices a mean skew).
-                if isinstance(cand, Plan) and cand.predicted["step_time_s"] < best.predicted["step_time_s"] * (1 - TIE):
-                    best = cand
-        return best
-    axes = tuple(sorted(mesh.axis(a) for a in (identical_axes or ())))
-    if not axes:
-        return plan
-    cand = redone(axes)
-    if isinstance(cand, str):
-        raise PlanError(f"this plan cannot keep gradients whole on axes {axes}: {cand}")
-    return cand
+def identical_candidates(mesh: Mesh, axes) -> list[tuple[int, ...]]:
+    """Sets of ``axes`` (active ones) to keep gradients whole on (``record.gradients``): none (the
+    dual convention) first, then every non-empty set of them."""
+    act = [a for a in active_axes(mesh) if a in {mesh.axis(x) for x in (axes or ())}]
+    return [c for k in range(len(act) + 1) for c in itertools.combinations(act, k)]
 
 
-def _identical_plan(plan: Plan, graph, mesh: Mesh, axes, bucket_bytes: int, precision, step_share: float) -> Plan | str:
-    """The plan with gradients whole on ``axes``, its parameter syncs and prediction redone; or
-    why it cannot run that way."""
-    sync = param_sync_axes(plan, graph, axes)
-    why = identical_ok(plan, graph, axes, sync)
-    if why is not None:
-        return why
-    params = {}
-    for fqn, p in plan.params.items():
-        if fqn in sync and tuple(sync[fqn]) != p.grad_sync.axes:  # (a ZeRO-2 sync keeps its axes: identical_ok)
-            p = dataclasses.replace(p, grad_sync=p.grad_sync.on(sync[fqn]) if sync[fqn] else None)
-        params[fqn] = p
-    total = grad_bytes_total(graph, precision)
-    params = with_sync_seconds(params, graph, mesh, bucket_bytes, total, step_share)
-    new = dataclasses.replace(plan, params=params, identical_axes=tuple(axes), predicted=dict(plan.predicted))
-    new.predicted.update(step_time(new, graph, mesh, bucket_bytes=bucket_bytes, grad_total_bytes=total))
-    return new
+def tensor_parallel_axes(graph, built, full: dict[str, int]) -> tuple[int, ...]:
+    """The mesh axes on which a solution reads some parameter split (tensor parallelism):
+    ``identical_axes="auto"`` tries keeping gradients whole on these (Megatron's convention for
+    its tensor-parallel axis); on an axis only data parallelism uses, every parameter could leave
+    its gradient pending for the reducer as the dual convention does."""
+    axes = set()
+    for name, node in graph.nodes.items():
+        if name not in full or node.op != "call_function":
+            continue
+        strategy = built.choices[name].strategies[full[name]]
+        for pos, src in enumerate(node.inputs):
+            spec = strategy.inputs[pos] if pos < len(strategy.inputs) else None
+            if graph.nodes[src].op == "placeholder" and graph.nodes[src].role == Role.PARAMETER and spec is not None \
+                    and hasattr(spec, "used_axes"):
+                axes |= set(spec.used_axes)
+    return tuple(sorted(axes))
 
 
 def with_sync_seconds(params: dict[str, ParamPlan], graph, mesh: Mesh, bucket_bytes: int, total_bytes: float,
@@ -241,16 +215,50 @@ def view_mesh(mesh: Mesh, idle: tuple[int, ...]) -> Mesh:
 
 
 def _plan_on(graph, mesh, budget, force, config: PlanConfig):
-    """Solve on one (view of the) mesh, ``force`` being the config's as node restrictions: (mesh,
-    built problem, choice per node, stats, memory)."""
+    """Solve on one (view of the) mesh, ``force`` being the config's as node restrictions, under
+    each gradient convention tried (``identical_candidates``; each its own ILP, a later one with
+    the best objective so far as its cutoff): (mesh, built problem, choice per node, stats, memory)
+    of the cheapest. A tie keeps the earlier (fewer identical axes): its sums wait in buckets for
+    the end of backward, where a whole axis's block mid-backward."""
+    best, first_error = None, None
+    queue = [()] if config.identical_axes == "auto" else identical_candidates(mesh, config.identical_axes)[-1:]
+    while queue:
+        identical = queue.pop(0)
+        cutoff = config.objective_cutoff_s
+        if best is not None:
+            better = best[3]["objective_s"] * (1 - TIE)
+            cutoff = better if cutoff is None else min(cutoff, better)
+        try:
+            attempt = _plan_under(graph, mesh, budget, force, config.replace(objective_cutoff_s=cutoff), identical)
+        except ilp.NoCheaperPlan as err:
+            first_error = first_error or err
+            continue
+        except (PlanError, ConfigError) as err:
+            if config.identical_axes != "auto" and identical:
+                raise PlanError(f"this plan cannot keep gradients whole on axes {identical}: {err}") from err
+            if config.identical_axes != "auto" or not identical:
+                raise
+            first_error = first_error or err
+            continue
+        if best is None or attempt[3]["objective_s"] < best[3]["objective_s"] * (1 - TIE):
+            best = attempt
+        if config.identical_axes == "auto" and not identical:
+            queue += identical_candidates(mesh, tensor_parallel_axes(graph, attempt[1], attempt[2]))[1:]
+    if best is None:
+        raise first_error
+    return best
+
+
+def _plan_under(graph, mesh, budget, force, config: PlanConfig, identical: tuple[int, ...]):
+    """``_plan_on``'s solve under one gradient convention (``identical`` axes)."""
     t0 = time.perf_counter()
     choices = node_choices(graph, mesh, optimizer=config.optimizer, op_table=config.op_table,
                            optimizer_sharding=config.optimizer_sharding, force=force, bucket_bytes=config.bucket_bytes,
-                           step_share=1.0 / config.microbatches, precision=config.precision)
+                           step_share=1.0 / config.microbatches, precision=config.precision, identical=identical)
     t_build = time.perf_counter()
     log.info("strategies of %d nodes on %s priced; solving", len(choices), mesh)
     built = build_problem(graph, mesh, memory_budget=budget, optimizer=config.optimizer, choices=choices,
-                          step_share=1.0 / config.microbatches)
+                          step_share=1.0 / config.microbatches, identical=identical)
     overlap = Overlap.of(graph, choices, built.requires_grad, mesh, 1.0 / config.microbatches) if config.hide_syncs else None
     # the op overheads are the same for every choice: out of the ILP, in the objective (a step's price)
     overheads = graph_overheads_s(graph, mesh.resolved_cluster())
@@ -266,6 +274,7 @@ def _plan_on(graph, mesh, budget, force, config: PlanConfig):
     stats = {
         "status": solution.status,
         "objective_s": objective,
+        "identical_axes": list(identical),
         "graph_nodes": len(graph.nodes),
         "ilp_nodes_full": len(problem.costs),
         "ilp_nodes_after_block_reuse": len(reduced.costs),
@@ -432,7 +441,8 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
     params = with_sync_seconds(params, graph, mesh, bucket_bytes, total, step_share)
     real_mesh = real_mesh or mesh
     plan = Plan(graph.model_name, graph.fingerprint(), real_mesh.to_dict(), nodes, edges, params, {}, stats,
-                idle_axes=tuple(idle_axes), precision=precision.to_dict() if precision is not None else None)
+                idle_axes=tuple(idle_axes), identical_axes=tuple(built.identical),
+                precision=precision.to_dict() if precision is not None else None)
     # The ILP's objective ranks plans; the prediction prices what the runtime runs (buckets,
     # overheads, optimizer): see autopar.cost_model.step.
     plan.predicted = dict(step_time(plan, graph, mesh, bucket_bytes=bucket_bytes, grad_total_bytes=total), memory_bytes_per_device=memory,

@@ -7,14 +7,20 @@ those axes. User inputs may be split for free (every rank holds the full batch a
 The output node reads every returned tensor whole, but for those training does not read
 (``returned_spec``).
 
-Gradients follow the dual-layout convention (autopar/codegen/collectives.py): a tensor replicated
-over an axis gets a pending-sum gradient there, so every parameter stored replicated over an
-active axis pays one all-reduce of its gradient per step over those axes, and every resharding
-edge on the gradient path pays its dual in backward (priced equal to the forward plan).
+Gradients follow the dual-layout convention (autopar/codegen/collectives.py) on every axis but
+the problem's ``identical`` ones (``record.gradients``): a tensor replicated over a dual axis gets
+a pending-sum gradient there, so every parameter stored replicated over it pays one all-reduce
+of its gradient per step over those axes, and every resharding edge on the gradient path pays its
+dual in backward. On an identical axis a value's gradient is whole: an op that splits the axis
+reading a value replicated there sums that value's gradient at once (one all-reduce per value,
+spec and axes: a once-paid cost, or per read where a reshard comes between), and a parameter
+replicated there syncs nothing over it, unless it keeps its gradient pending there (a choice of
+its own, allowed only where every read splits the axis with no step over it).
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -30,12 +36,12 @@ from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role, edge_itemsize, needs_grad, runs_backward
 from autopar.ir.losses import counted_from_inputs, unread_outputs
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES, zero2_saved_bytes
-from autopar.record.gradients import output_whole_axes
+from autopar.record.gradients import output_whole_axes, partial_read_axes, whole_on
 from autopar.record.grad_sync import ZERO2_SUMS, GradSync
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.rules import strategies_for
-from autopar.sharding_spec.strategy import ZERO2, Family, OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep
+from autopar.sharding_spec.strategy import VOCAB_LOSS, ZERO2, Family, OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep
 from autopar.solver.ilp import OnceCost, Problem
 from autopar.solver.plan import EdgePlan, StepPlan
 from autopar.solver.reshard_search import plan_reshard, reshard_costs_from
@@ -135,11 +141,12 @@ class Built:
     # (producer, consumer, input position) for every tensor edge
     edge_list: list[tuple[str, str, int]]
     requires_grad: set[str]
+    identical: tuple = ()  # the axes gradients are whole on (``record.gradients``)
 
 
 def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, total_bytes: float | None = None, step_share: float = 1.0,
-                   precision=None) -> tuple[list[Strategy], list, list, list, list, list, list]:
+                   precision=None, identical=()) -> tuple[list[Strategy], list, list, list, list, list, list]:
     """A parameter's storage choices: (strategies, seconds per run of the graph, sync seconds per
     run, memory, sync, accumulation seconds per run, the sync's price: ``SyncPrice``). A run pays
     ``step_share`` of what the parameter pays once per step (its optimizer, its gradient sync) and
@@ -148,7 +155,8 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
     the model's gradient bytes as summed, fill the buckets); its group's first calls are paid once
     per group (``build_problem``). ZeRO-2 adds the all-gather of the updated parameter, in the
     same buckets. Under a ``precision``, gradients are summed in its reduction dtype and ZeRO-2
-    gathers the working copy (``runtime.reducer``)."""
+    gathers the working copy (``runtime.reducer``). On ``identical`` axes it is replicated on, the
+    gradient is whole (no sync there) or, a choice each, left pending for the sync."""
     meta = node.meta
     itemsize = meta.itemsize
     grad_scale = precision.reduce_dtype.itemsize / itemsize if precision is not None else 1.0
@@ -160,8 +168,7 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
     def priced(sync, local):
         return sync_price(sync, local, meta.dtype, mesh, total_bytes=total_bytes, bucket_bytes=bucket_bytes)
 
-    for spec in enumerate_specs(meta.shape, mesh):
-        repl = tuple(a for a in act if a not in spec.used_axes)
+    for spec, repl in _sync_axes_choices(meta.shape, mesh, act, identical):
         local = local_bytes(spec, mesh.shape, itemsize)
         family = Family.of("replicated" if spec.is_replicated else "sharded")
         grad = local * grad_scale
@@ -196,10 +203,24 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
     return strategies, comp, [c * step_share for c in costs], mems, syncs, acc, prices
 
 
+def _sync_axes_choices(shape, mesh, act, identical):
+    """(storage spec, the axes its gradient is synced over) per parameter choice: the active axes
+    it is replicated on, less the ``identical`` ones, plus any subset of those (left pending)."""
+    for spec in enumerate_specs(shape, mesh):
+        repl = [a for a in act if a not in spec.used_axes]
+        dual = tuple(a for a in repl if a not in identical)
+        whole = [a for a in repl if a in identical]
+        for k in range(len(whole) + 1):
+            for pending in itertools.combinations(whole, k):
+                yield spec, tuple(sorted(dual + pending))
+
+
 def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimizer_sharding: bool = True,
                  force=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, step_share: float = 1.0,
-                 precision=None) -> dict[str, NodeChoices]:
+                 precision=None, identical=()) -> dict[str, NodeChoices]:
     """Candidates of every node. ``optimizer_sharding=False`` drops the ZeRO-2 parameter choices.
+    ``identical``: the mesh axes gradients are whole on (``record.gradients``); an op's strategy
+    that needs them mixed with dual axes (a vocabulary-parallel loss over both) is dropped.
     ``precision``: the ``MixedPrecision`` the graph (traced in its working dtype) runs under.
     ``step_share``: the share of a step one run of the graph is (1 / microbatches when a step runs
     it on several microbatches): what a parameter pays once per step (gradient sync, optimizer) is
@@ -219,7 +240,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
         syncs = acc = peak_mem = prices = None
         if node.op == "placeholder" and node.role == Role.PARAMETER:
             strategies, comp, comm, mem, syncs, acc, prices = _param_choices(
-                node, mesh, optimizer, optimizer_sharding, bucket_bytes, total, step_share, precision)
+                node, mesh, optimizer, optimizer_sharding, bucket_bytes, total, step_share, precision, identical)
         elif node.op == "placeholder":
             strategies = [Strategy((), spec, "input" if node.role == Role.INPUT else "buffer", 1.0) for spec in _placeholder_specs(node, mesh)]
             comp = [0.0] * len(strategies)
@@ -231,12 +252,12 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
             comp, comm, mem = [0.0], [0.0], [0.0]
         else:
             ctx = OpContext(node, mesh, [graph.nodes[i].meta for i in node.inputs], graph)
-            strategies = strategies_for(ctx)
+            strategies = [s for s in strategies_for(ctx) if _runs_under(s, identical)]
             comp = [sum(compute_model.node_time(node, s, graph, mesh, op_table)) for s in strategies]
             counted = counted_from_inputs(graph, node)
             size = getattr(node.meta, "itemsize", 4)
             comm = [lowered_comm_s(node.target, s.family, s.inputs, s.output, mesh, counted_locally=counted,
-                                   compute_s=c, value_itemsize=size)
+                                   compute_s=c, value_itemsize=size, identical=identical)
                     if needs_lowering(s.family) else 0.0 for s, c in zip(strategies, comp)]
             mem = [memory_model.node_activation_bytes(node, s, mesh, saved, peak, ctx.input_metas) for s in strategies]
             if node.name in peak.live or node.name == peak.node:
@@ -253,6 +274,16 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
     for name, want in (force or {}).items():
         out[name] = restrict(out, name, want)
     return out
+
+
+def _runs_under(strategy: Strategy, identical) -> bool:
+    """Whether an op's strategy runs with gradients whole on ``identical`` axes: a
+    vocabulary-parallel loss must have its class axes all identical or all dual."""
+    if not identical or not strategy.family.has(VOCAB_LOSS) or not strategy.inputs or strategy.inputs[0] is None:
+        return True
+    x = strategy.inputs[0]
+    classes = set(x.dim_axes[1 if x.ndim >= 2 else 0])
+    return not (classes & set(identical)) or classes <= set(identical)
 
 
 def _signature(node, graph, saved, peak):
@@ -331,14 +362,14 @@ def _pair_specs(graph, prod: NodeChoices, cons: NodeChoices, position: int) -> t
 
 
 def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool,
-                in_place: bool = False) -> np.ndarray:
+                in_place: bool = False, identical=()) -> np.ndarray:
     """Seconds of every (producer strategy, consumer strategy) pair's reshard (and its backward
     dual). ``in_place``: the consumer writes into the value, or views it on the way to a write
     (``ir.aliasing``): a reshard would write into a copy, so only pairs that read the producer's
     spec itself are allowed."""
     consumer = graph.nodes[cons.name]
     itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
-    table = _reshard_table(graph, prod, cons, position, mesh, itemsize, with_backward)
+    table = _reshard_table(graph, prod, cons, position, mesh, itemsize, with_backward, identical)
     if in_place:
         srcs, dsts = _pair_specs(graph, prod, cons, position)
         same = np.array([[d is None or s == d for d in dsts] for s in srcs], dtype=bool)
@@ -346,8 +377,8 @@ def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh
     return table
 
 
-def gather_masks(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool = False
-                 ) -> dict[tuple, tuple]:
+def gather_masks(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool = False,
+                 identical=()) -> dict[tuple, tuple]:
     """Mesh axes -> (mask, bytes): the (producer strategy, consumer strategy) pairs whose reshard
     is one all-gather over those axes, and its bytes: a parameter stored split and read whole,
     which the runtime gathers in one call with the rest of its layer's
@@ -363,7 +394,7 @@ def gather_masks(graph, prod: NodeChoices, cons: NodeChoices, position: int, mes
         for b, dst in enumerate(dst_keys):
             if src is None or dst is None or src == dst or not src.is_even(mesh.shape):
                 continue
-            steps = plan_reshard(src, dst, mesh, itemsize, with_backward=with_backward).steps
+            steps = plan_reshard(src, dst, mesh, itemsize, with_backward=with_backward, identical=identical).steps
             if len(steps) == 1 and steps[0].kind == "all_gather":
                 axes_of[a, b], nbytes[a, b] = tuple(steps[0].axes), steps[0].nbytes
     axes_of, nbytes = axes_of[np.ix_(src_ids, dst_ids)], nbytes[np.ix_(src_ids, dst_ids)]
@@ -400,7 +431,7 @@ def returned_spec(graph, output: str, position: int, made):
     return made.resolved()
 
 
-def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backward: bool) -> np.ndarray:
+def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backward: bool, identical=()) -> np.ndarray:
     """Seconds of every (producer strategy, consumer strategy) pair's reshard, and with
     ``with_backward`` of its route's backward as the step model prices it (the route cheapest
     both ways: ``reshard_search``)."""
@@ -419,7 +450,8 @@ def _reshard_table(graph, prod, cons, position, mesh, itemsize: int, with_backwa
     real = [b for b, d in enumerate(dst_keys) if d is not None]
     for a, src in enumerate(src_keys):
         if src is not None and real:
-            table[a, real] = reshard_costs_from(src, [dst_keys[b] for b in real], mesh, itemsize, with_backward=with_backward)
+            table[a, real] = reshard_costs_from(src, [dst_keys[b] for b in real], mesh, itemsize,
+                                                with_backward=with_backward, identical=identical)
     return table[np.ix_(src_ids, dst_ids)]
 
 
@@ -430,14 +462,17 @@ def _index(items):
 
 
 def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", op_table=None, choices=None,
-                  memo: dict | None = None, step_share: float = 1.0) -> Built:
+                  memo: dict | None = None, step_share: float = 1.0, identical=()) -> Built:
     """The ILP of ``graph`` on ``mesh``. A split-stored parameter read whole is gathered with the
     rest of its layer's in one call (``cost_model.step.param_gather_groups``), once for every op of
     the layer that reads it whole: its bytes are a cost paid once per (parameter, layer, axes) when
     any of its reads gathers it, and the call's latency once per (layer, axes) whichever of the
-    layer's parameters are gathered (``ilp.OnceCost``). ``memo``: edge matrices already priced
-    for the same ``choices``."""
-    choices = choices or node_choices(graph, mesh, optimizer=optimizer, op_table=op_table)
+    layer's parameters are gathered (``ilp.OnceCost``). Gradients are whole on the ``identical``
+    axes (``choices`` must be priced for them too), a value's sums there paid once per (value, spec,
+    axes) where no reshard comes between. ``memo``: edge matrices already priced for the same
+    ``choices``."""
+    identical = tuple(sorted(identical))
+    choices = choices or node_choices(graph, mesh, optimizer=optimizer, op_table=op_table, identical=identical)
     grad = needs_grad(graph)
     edges: dict[tuple[str, str], np.ndarray] = {}
     edge_list = []
@@ -450,6 +485,7 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
     held: dict[tuple[str, str], np.ndarray] = {}
     calls: dict[tuple, list] = {}  # (consumer's layer, axes) -> [latency s, members]
     gathers_of: dict[tuple, list] = {}  # (parameter, layer, axes, bytes, backward) -> [seconds, members]
+    sums: dict[tuple, list] = {}  # (value, spec, axes) -> [seconds, members]: its gradient summed once
     for node in graph.nodes.values():
         for pos, src in enumerate(node.inputs):
             if src not in choices:
@@ -463,10 +499,12 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
             aliased = (node.name, pos) in in_place
             key = (id(prod.strategies), id(cons.strategies), pos, backward,
                    node.args[1] if node.target == "operator.getitem" else None,
-                   edge_itemsize(graph.nodes[src].meta, node), aliased, param)
+                   edge_itemsize(graph.nodes[src].meta, node), aliased, param, identical)
             if key not in memo:
-                memo[key] = _edge_prices(graph, prod, cons, pos, mesh, backward, aliased, param)
-            mat, gathers = memo[key]
+                memo[key] = _edge_prices(graph, prod, cons, pos, mesh, backward, aliased, param, identical)
+            mat, gathers, once_sums = memo[key]
+            for (spec, axes), (seconds, mask) in once_sums.items():
+                sums.setdefault((src, spec, axes), [seconds, []])[1].append((src, node.name, mask))
             for axes, (mask, latency, by_bytes) in gathers.items():
                 call = calls.setdefault((node.layer, axes), [0.0, []])
                 call[0] = max(call[0], latency)
@@ -497,25 +535,31 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
         edge_memory=held,
         once=[OnceCost(latency, members) for latency, members in calls.values()]
         + [OnceCost(seconds, members) for seconds, members in gathers_of.values()]
+        + [OnceCost(seconds, members) for seconds, members in sums.values()]
         + sync_group_costs(choices, step_share),
     )
-    return Built(problem, choices, edge_list, grad)
+    return Built(problem, choices, edge_list, grad, identical)
 
 
-def _edge_prices(graph, prod, cons, pos, mesh, backward: bool, in_place: bool, param: bool):
+def _edge_prices(graph, prod, cons, pos, mesh, backward: bool, in_place: bool, param: bool, identical=()):
     """(the edge's matrix, axes -> (mask, latency s, bytes -> (mask, seconds)) of its pairs that
-    gather a parameter in its layer's call). Such a pair costs nothing on the edge: the group's
-    latency and the parameter's bytes are once-paid costs (``build_problem``), priced as the step
-    model prices a group (``cost_model.step.reshard_s``: an all-gather and, with a backward, a
+    gather a parameter in its layer's call, (spec, axes) -> (seconds, mask) of its pairs whose
+    read sums the value's gradient over identical axes with no reshard between: ``_grad_sums``).
+    A gathering pair costs nothing on the edge: the group's latency and the parameter's bytes are
+    once-paid costs (``build_problem``), priced as the step model prices a group
+    (``cost_model.step.reshard_s``: an all-gather and, with a backward off the identical axes, a
     reduce-scatter, each with its packing copies). Other reshards of a parameter run per reading
     edge, at their full price."""
-    mat = edge_matrix(graph, prod, cons, pos, mesh, with_backward=backward, in_place=in_place)
+    mat = edge_matrix(graph, prod, cons, pos, mesh, with_backward=backward, in_place=in_place, identical=identical)
+    sums, once_sums = None, {}
+    if backward and identical and graph.nodes[cons.name].op == "call_function":
+        sums, once_sums = _grad_sums(graph, prod, cons, pos, mesh, mat, identical, param)
     if not param:
-        return mat, {}
-    kinds = ("all_gather", "reduce_scatter") if backward else ("all_gather",)
+        return mat if sums is None else mat + sums, {}, once_sums
     calls = {}
     cluster = mesh.resolved_cluster()
-    for axes, (mask, nbytes) in gather_masks(graph, prod, cons, pos, mesh, backward).items():
+    for axes, (mask, nbytes) in gather_masks(graph, prod, cons, pos, mesh, backward, identical).items():
+        kinds = ("all_gather", "reduce_scatter") if backward and not whole_on(axes, identical) else ("all_gather",)
         latency = sum(mesh_collective_time(k, 0, mesh, axes) for k in kinds)
         group = math.prod(mesh.shape[a] for a in axes)
         by_bytes = {}
@@ -524,7 +568,47 @@ def _edge_prices(graph, prod, cons, pos, mesh, backward: bool, in_place: bool, p
             by_bytes[n] = (mask & (nbytes == n), seconds - latency)
         mat = np.where(mask & np.isfinite(mat), 0.0, mat)
         calls[axes] = (mask, latency, by_bytes)
-    return mat, calls
+    return mat if sums is None else mat + sums, calls, once_sums
+
+
+def _grad_sums(graph, prod, cons, pos, mesh, mat, identical, param: bool):
+    """(seconds per pair, (spec, axes) -> (seconds, pair mask)): the gradient sums of the reads
+    that split an identical axis where they read the value replicated
+    (``record.gradients.grad_sum_reads``), an all-reduce of the read's shard over those axes, on
+    the pair where a reshard comes between, else once per (value, spec, axes). A parameter choice
+    that leaves its gradient pending on an identical axis needs no sum there, but every read must
+    split that axis with no step over it: other pairs cost infinity. ``mat``: the edge's reshard
+    seconds (pairs already infinite are skipped)."""
+    consumer = graph.nodes[cons.name]
+    itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
+    srcs, dsts = _pair_specs(graph, prod, cons, pos)
+    reads = [partial_read_axes(s, pos, identical) for s in cons.strategies]
+    pending = [tuple(a for a in (g.axes if param and g is not None else ()) if a in identical) for g in prod.grad_sync]
+    if not any(reads) and not any(pending):
+        return None, {}
+    out = np.zeros(mat.shape)
+    once: dict = {}
+    for i, src in enumerate(srcs):
+        for j, dst in enumerate(dsts):
+            if src is None or dst is None or not math.isfinite(mat[i, j]):
+                continue
+            if pending[i]:
+                steps = () if src == dst else plan_reshard(src, dst, mesh, itemsize, with_backward=True,
+                                                           identical=identical).steps
+                stepped = {a for st in steps for a in st.axes}
+                if any(a not in reads[j] or a in stepped for a in pending[i]):
+                    out[i, j] = np.inf
+                    continue
+            axes = tuple(a for a in reads[j] if a not in pending[i])
+            if not axes:
+                continue
+            seconds = mesh_collective_time("all_reduce", local_bytes(dst, mesh.shape, itemsize), mesh, axes)
+            if src == dst:
+                entry = once.setdefault((dst, axes), (seconds, np.zeros(mat.shape, bool)))
+                entry[1][i, j] = True
+            else:
+                out[i, j] = seconds
+    return out, once
 
 
 def planned_edges(graph, built: Built, full: dict[str, int], mesh, sources=None) -> list[EdgePlan]:
@@ -542,7 +626,8 @@ def planned_edges(graph, built: Built, full: dict[str, int], mesh, sources=None)
         if s_spec is None or d_spec is None:
             continue
         backward = src in built.requires_grad and graph.nodes[dst].op != "output"  # as build_problem priced it
-        rp = plan_reshard(s_spec, d_spec, mesh, edge_itemsize(graph.nodes[src].meta, graph.nodes[dst]), with_backward=backward)
+        rp = plan_reshard(s_spec, d_spec, mesh, edge_itemsize(graph.nodes[src].meta, graph.nodes[dst]), with_backward=backward,
+                          identical=built.identical)
         steps = [StepPlan(st.kind, tuple(st.axes), int(st.nbytes), float(cost), st.src_dim, st.dst_dim)
                  for st, cost in zip(rp.steps, rp.costs)]
         # an output's gathers and all-reduces run no backward collective (codegen seeds it whole)

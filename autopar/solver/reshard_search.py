@@ -5,9 +5,10 @@ The steps and what they do are ``autopar.sharding_spec.reshard``'s; here each is
 routes the shorter wins) and Dijkstra over the specs finds the cheapest route. One search from a source prices every
 target; small state spaces get every pair at once (Floyd-Warshall). A value that gradients flow
 back through runs its route's backward too: ``with_backward`` routes minimise forward and backward
-together (a step's backward as ``cost_model.gradients.backward_route_s`` prices it under the dual
-convention; a slice's is not its forward). Searches and routes are cached per (source, target,
-mesh, itemsize, with_backward).
+together (a step's backward as ``cost_model.gradients.backward_route_s`` prices it under the plan's
+gradient convention: ``identical`` axes; a slice's is not its forward), and under the identical
+convention never take a step over identical and other axes together (``record.gradients.identical_ok``).
+Searches and routes are cached per (source, target, mesh, itemsize, with_backward, identical).
 """
 from __future__ import annotations
 
@@ -55,22 +56,29 @@ def priced(route: ReshardPlan, mesh) -> PricedReshard:
     return PricedReshard(route.src, route.dst, route.steps, tuple(step_cost(s, mesh) for s in route.steps))
 
 
-def plan_reshard(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4, *, with_backward: bool = False
-                 ) -> PricedReshard:
+def plan_reshard(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4, *, with_backward: bool = False,
+                 identical: tuple = ()) -> PricedReshard:
     """The cheapest plan from ``src`` to ``dst`` on ``mesh`` for elements of ``itemsize`` bytes
-    (``with_backward``: forward and backward together); each step priced forward."""
+    (``with_backward``: forward and backward together, gradients whole on ``identical`` axes); each
+    step priced forward."""
     for name, spec in (("source", src), ("target", dst)):
         spec.check_even(mesh)
     if src.shape != dst.shape:
         raise ReshardError(f"cannot reshard between shapes {src.shape} and {dst.shape}; resharding keeps the global shape")
-    return _plan_cached(src, dst, mesh, int(itemsize), bool(with_backward))
+    return _plan_cached(src, dst, mesh, int(itemsize), *_backward_key(with_backward, identical))
+
+
+def _backward_key(with_backward, identical) -> tuple[bool, tuple]:
+    """The cache key of a route's backward: whether it runs, and under which identical axes."""
+    return bool(with_backward), tuple(sorted(identical)) if with_backward else ()
 
 
 @functools.lru_cache(maxsize=65536)
-def _plan_cached(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int, with_backward: bool = False) -> PricedReshard:
+def _plan_cached(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int, with_backward: bool = False,
+                 identical: tuple = ()) -> PricedReshard:
     if src == dst:
         return PricedReshard(src, dst, (), ())
-    dist, prev = _search_from(src, mesh, itemsize, with_backward)
+    dist, prev = _search_from(src, mesh, itemsize, with_backward, identical)
     if dst not in dist:
         raise ReshardError(f"no sequence of collectives turns {src} into {dst} on {mesh}")
     steps, costs = [], []
@@ -91,17 +99,20 @@ def reshard_cost(src: ShardingSpec, dst: ShardingSpec, mesh, itemsize: int = 4) 
     return reshard_costs_from(src, [dst], mesh, itemsize)[0]
 
 
-def reshard_costs_from(src: ShardingSpec, dsts, mesh, itemsize: int = 4, *, with_backward: bool = False) -> list[float]:
+def reshard_costs_from(src: ShardingSpec, dsts, mesh, itemsize: int = 4, *, with_backward: bool = False,
+                       identical: tuple = ()) -> list[float]:
     """``reshard_cost`` from one source to many targets (one search, no per-target overhead);
-    ``with_backward``: the cheapest route's forward and backward together."""
+    ``with_backward``: the cheapest route's forward and backward together (gradients whole on
+    ``identical`` axes)."""
     if not src.is_even(mesh.shape):
         return [math.inf] * len(dsts)
-    table = _all_pairs(ShardingSpec.replicate(src.shape, src.mesh_ndim), mesh, int(itemsize), bool(with_backward))
+    key = _backward_key(with_backward, identical)
+    table = _all_pairs(ShardingSpec.replicate(src.shape, src.mesh_ndim), mesh, int(itemsize), *key)
     if table is not None:
         index, dist = table
         row = dist[index[src]]
         return [float(row[index[d]]) if d in index else math.inf for d in dsts]
-    dist = _search_from(src, mesh, int(itemsize), bool(with_backward))[0]
+    dist = _search_from(src, mesh, int(itemsize), *key)[0]
     return [dist.get(d, math.inf) for d in dsts]
 
 
@@ -110,7 +121,7 @@ ALL_PAIRS_MAX_STATES = 600
 
 
 @functools.lru_cache(maxsize=1024)
-def _all_pairs(replicated: ShardingSpec, mesh, itemsize: int, with_backward: bool = False):
+def _all_pairs(replicated: ShardingSpec, mesh, itemsize: int, with_backward: bool = False, identical: tuple = ()):
     """Every even spec of one shape (all reachable from replicated) and the cost between every
     pair, by Floyd-Warshall in numpy; None when there are too many states."""
     index = {replicated: 0}
@@ -129,7 +140,7 @@ def _all_pairs(replicated: ShardingSpec, mesh, itemsize: int, with_backward: boo
     dist = np.full((n, n), math.inf)
     np.fill_diagonal(dist, 0.0)
     for spec, i in index.items():
-        for step, _, cost in _weighted_neighbours(spec, mesh, itemsize, with_backward):
+        for step, _, cost in _weighted_neighbours(spec, mesh, itemsize, with_backward, identical):
             j = index[step.after]
             dist[i, j] = min(dist[i, j], cost)
     for k in range(n):
@@ -138,7 +149,7 @@ def _all_pairs(replicated: ShardingSpec, mesh, itemsize: int, with_backward: boo
 
 
 @functools.lru_cache(maxsize=8192)
-def _search_from(src: ShardingSpec, mesh, itemsize: int, with_backward: bool = False):
+def _search_from(src: ShardingSpec, mesh, itemsize: int, with_backward: bool = False, identical: tuple = ()):
     """Dijkstra from ``src`` over every reachable spec: (cost per spec, (last step, its forward
     cost) per spec)."""
     best = {src: 0.0}
@@ -151,7 +162,7 @@ def _search_from(src: ShardingSpec, mesh, itemsize: int, with_backward: bool = F
         if spec in done:
             continue
         done.add(spec)
-        for step, step_s, weight in _weighted_neighbours(spec, mesh, itemsize, with_backward):
+        for step, step_s, weight in _weighted_neighbours(spec, mesh, itemsize, with_backward, identical):
             c = cost + weight
             if c < best.get(step.after, math.inf):
                 best[step.after] = c
@@ -167,8 +178,13 @@ def _priced_neighbours(spec: ShardingSpec, mesh, itemsize: int) -> tuple[tuple[S
 
 
 @functools.lru_cache(maxsize=1 << 18)
-def _weighted_neighbours(spec: ShardingSpec, mesh, itemsize: int, with_backward: bool
+def _weighted_neighbours(spec: ShardingSpec, mesh, itemsize: int, with_backward: bool, identical: tuple = ()
                          ) -> tuple[tuple[Step, float, float], ...]:
-    """(step, its forward seconds, the seconds the search weighs it by: with its backward)."""
-    return tuple((step, cost, cost + backward_route_s((step,), (cost,), mesh, ()) if with_backward else cost)
-                 for step, cost in _priced_neighbours(spec, mesh, itemsize))
+    """(step, its forward seconds, the seconds the search weighs it by: with its backward); with a
+    backward, no step over identical and other axes together."""
+    if not with_backward:
+        return tuple((step, cost, cost) for step, cost in _priced_neighbours(spec, mesh, itemsize))
+    mixed = set(identical)
+    return tuple((step, cost, cost + backward_route_s((step,), (cost,), mesh, identical))
+                 for step, cost in _priced_neighbours(spec, mesh, itemsize)
+                 if not (mixed & set(step.axes)) or set(step.axes) <= mixed)

@@ -32,6 +32,7 @@ def _case(tag, name, build_kw, mesh_shape, groups, layout, identical):
         out["identical"] = tuple(plan.identical_axes)
         out["sync"] = {p.name: (None if p.grad_sync is None else p.grad_sync.axes) for p in plan.params.values()
                        if not p.buffer}
+        out["zero2"] = sum(1 for p in plan.params.values() if p.grad_sync is not None and p.grad_sync.split)
         out["sums"] = res["code"].count("autopar_grad_sum(")
         out["whole_steps"] = res["code"].count("whole = True")
         return out
@@ -49,6 +50,8 @@ CASES = [
     ("gpt-dp4-zero3", "gpt", GPT, (4,), autopar.Layout(dp=4, zero=3), (0,)),
     ("gpt-dp2-tp2-both", "gpt", GPT, (2, 2), autopar.Layout(dp=2, tp=2), (0, 1)),
     ("gpt-2x2-auto", "gpt", GPT, (2, 2), None, "auto"),
+    # ZeRO-2 over the data-parallel axis of parameters replicated on a whole tensor-parallel axis
+    ("llama-dp2-tp2-zero2", "llama", LLAMA, (2, 2), autopar.Layout(dp=2, tp=2, zero=2), (1,)),
 ]
 
 
@@ -130,6 +133,14 @@ def test_megatron_parameters_need_no_tensor_parallel_sync(results, tag, tp_axis)
         # a normed block input read by q, k and v (and by gate and up) is summed once, not per
         # projection: at most 3 sums per block (+1 for the head), against 6 split reads per block
         assert case["sums"] <= 2 * 3 + 1, case["sums"]
+
+
+def test_zero2_shards_over_the_data_parallel_axis_alone(results):
+    case = results["llama-dp2-tp2-zero2"]
+    assert case["identical"] == (1,)
+    norms = {k: v for k, v in case["sync"].items() if "norm" in k and ".layers." in k}
+    assert norms and all(axes == (0,) for axes in norms.values()), case["sync"]
+    assert case["zero2"] > 0, case
 
 
 def test_vocab_parallel_loss_and_1d_megatron(results):

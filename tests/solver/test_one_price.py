@@ -3,7 +3,8 @@ to rounding, on every preset, for the layouts users force and the ones the plann
 ILP's coefficients and the step model read the same formulas: each gradient sync group's first
 calls paid once (``cost_model.grad_sync``), a reshard's backward as the step model prices it
 (``cost_model.gradients.backward_route_s``), parameters gathered a layer per call, the op
-overheads a constant, and on GPUs the syncs hidden behind backward but for the last bucket."""
+overheads a constant, on GPUs the syncs hidden behind backward but for the last bucket, and the
+gradient convention of each set of identical axes tried (``record.gradients``) in its own ILP."""
 import sys
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def _check(plan, label):
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
 def test_the_objective_is_the_step_models_price_of_the_chosen_plan(cluster):
-    checked = 0
+    checked, whole = 0, 0
     for name, (model, inputs) in _models().items():
         for shape, layouts in LAYOUTS.items():
             mesh = autopar.Mesh(shape, cluster=cluster)
@@ -48,23 +49,33 @@ def test_the_objective_is_the_step_models_price_of_the_chosen_plan(cluster):
                     continue  # (tensor parallel layouts name transformer blocks of language models)
                 label = (name, shape, cluster, layout)
                 try:
-                    plan = autopar.plan(model, mesh, inputs, pipeline=False, force=layout, identical_axes=())
+                    plan = autopar.plan(model, mesh, inputs, pipeline=False, force=layout)
                 except autopar.PlanError:
                     continue  # a layout this model cannot take
                 _check(plan, label)
                 checked += 1
+                whole += bool(plan.identical_axes)
     assert checked >= 35, checked
+    assert whole >= 1, "no plan kept gradients whole on any axis: the convention's prices went untested"
 
 
-def test_gradient_conventions_chosen_after_the_ilp_only_lower_the_price():
-    """With gradients kept whole on some axes (``identical_axes="auto"``, the default) the plan is
-    repriced after the ILP: the convention is taken only where the step model says it is
-    cheaper than the plan the ILP chose, whose objective it then undercuts."""
+def test_the_convention_is_chosen_by_the_ilps_of_each_set():
+    """``identical_axes="auto"`` (the default) solves one ILP per set of axes kept whole: the plan
+    is the cheapest of them, and every set's objective is its plan's price."""
     model, inputs = models.build("gpt", layers=2)
     for cluster in CLUSTERS:
         mesh = autopar.Mesh((2, 2), cluster=cluster)
-        plan = autopar.plan(model, mesh, inputs, pipeline=False, force=autopar.Layout(dp=2, tp=2))
-        dual = autopar.plan(model, mesh, inputs, pipeline=False, force=autopar.Layout(dp=2, tp=2), identical_axes=())
-        _check(dual, cluster)
-        assert plan.solver["objective_s"] == pytest.approx(dual.solver["objective_s"], rel=1e-12)
-        assert plan.predicted["step_time_s"] <= dual.predicted["step_time_s"]
+        layout = autopar.Layout(dp=2, tp=2)
+        plan = autopar.plan(model, mesh, inputs, pipeline=False, force=layout)
+        _check(plan, cluster)
+        prices = {}
+        for axes in ((), (0,), (1,), (0, 1)):
+            try:
+                forced = autopar.plan(model, mesh, inputs, pipeline=False, force=layout, identical_axes=axes)
+            except autopar.PlanError:
+                continue
+            assert forced.identical_axes == axes
+            _check(forced, (cluster, axes))
+            prices[axes] = forced.predicted["step_time_s"]
+        assert () in prices and (1,) in prices, prices  # dual, and Megatron's on the tensor-parallel axis
+        assert plan.predicted["step_time_s"] == pytest.approx(min(prices.values()), rel=1e-9), (cluster, prices)
