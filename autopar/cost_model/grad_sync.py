@@ -18,6 +18,7 @@ copies and the buffers it makes anew (``zero2_fresh_s``) are never hidden.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from autopar.cost_model.comm import layout_copy_time, local_sum_time, mesh_collective_time, packed_gather_bytes
@@ -67,6 +68,11 @@ def sync_price(sync, working_bytes: float, dtype, mesh, *, total_bytes: float,
     """The price of ``sync`` (a ``record.grad_sync.GradSync``) of a parameter whose local working
     copy is ``working_bytes`` (ZeRO-2 gathers that), of ``dtype``, on ``mesh``, in a model whose
     gradients are ``total_bytes`` (``grad_bytes_total``)."""
+    return _sync_price(sync, float(working_bytes), dtype, mesh, float(total_bytes), int(bucket_bytes))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # repeated blocks price the same syncs over and over
+def _sync_price(sync, working_bytes: float, dtype, mesh, total_bytes: float, bucket_bytes: int) -> SyncPrice:
     cluster = mesh.resolved_cluster()
     kind, *after = sync.collectives
     ways = math.prod(mesh.shape[a] for a in sync.axes)
