@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from autopar.codegen import ops
 from autopar.codegen.lowerings import lowering
-from autopar.record.gradients import grad_sum_reads, output_whole_axes, whole_on
+from autopar.record.gradients import grad_sum_reads, identical_ok, output_whole_axes, whole_on
 from autopar.record.gathers import param_gather_groups
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.aliasing import in_place_reads, written_values
@@ -118,6 +118,9 @@ class _Emitter:
         # gradients whole on these axes (Megatron's convention): steps take that backward, and reads
         # an op splits get their gradient summed (``autopar.record.gradients``)
         self.identical = tuple(plan.identical_axes)
+        why = identical_ok(plan, graph, self.identical)
+        if why is not None:  # (the planner never makes such a plan; an edited or stale one may say so)
+            raise PlanError(f"this plan cannot keep gradients whole on axes {self.identical}: {why}")
         self.sums = grad_sum_reads(plan, graph, self.identical)
         self.summed: dict = {}  # (value node name, axes) -> its grad_sum node
         self.returned: dict = {}  # flat output index -> the spec it is returned split in (``_output``)

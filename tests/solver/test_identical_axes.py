@@ -95,6 +95,19 @@ def test_sync_axes_shrink_only_on_identical_axes():
     sync = {p.name: p.grad_sync.axes for p in dual.params.values() if p.grad_sync is not None}
     assert sync == {"ln.weight": (0,), "ln.bias": (0,), "fc2.bias": (0,)}
     assert all(p.grad_sync is None for p in whole.params.values())
+    # the dual plan's sync of the norm left in the whole one: its gradient would be pending on the
+    # tensor-parallel axis while the norm does not split it (a share and a whole gradient added):
+    # refused by name, and codegen lowers no such plan
+    from autopar.codegen.lower import lower
+    from autopar.record.grad_sync import GradSync
+
+    model, mesh, inputs, _ = _megatron(identical_axes=())
+    graph = ir.trace(model, inputs)
+    bad = dataclasses.replace(whole, params={k: dataclasses.replace(p, grad_sync=GradSync.all_reduce((0,), 4096))
+                                             if k == "ln.weight" else p for k, p in whole.params.items()})
+    assert "p_ln_weight: its gradient is left pending on identical axis 0" in identical_ok(bad, graph, (0,))
+    with pytest.raises(PlanError, match="cannot keep gradients whole on axes"):
+        lower(graph, bad, mesh)
 
 
 def test_a_parameter_may_keep_its_gradient_pending_on_an_identical_axis():
