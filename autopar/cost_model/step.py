@@ -95,22 +95,32 @@ def accumulate_s(nbytes: float, bucketed: bool, step_share: float, cluster) -> f
 
 
 def reshard_s(graph, edges, mesh, identical=()) -> float:
-    """Seconds of ``edges``' reshards, forward and backward, as the runtime runs them: parameters
-    gathered whole in groups (``param_gather_groups``: one all-gather per group of a layer, each
-    parameter once, one reduce-scatter back), every other edge its steps and their duals. The
-    step model prices a plan's edges with it, and the ILP's objective is corrected to it."""
+    """Seconds of ``edges``' reshards, forward and backward, as the runtime runs them
+    (``reshard_by_read``), summed."""
+    return sum(reshard_by_read(graph, edges, mesh, identical).values())
+
+
+def reshard_by_read(graph, edges, mesh, identical=()) -> dict[tuple[str, int], float]:
+    """(consumer, input position) -> seconds of ``edges``' reshards there, forward and backward,
+    as the runtime runs them: parameters gathered whole in groups (``param_gather_groups``: one
+    all-gather per group of a layer, each parameter once, one reduce-scatter back, charged to the
+    group's first read), every other edge its steps and their duals
+    (``cost_model.gradients.backward_reshard_s``). The step model sums it; the stage tables
+    attribute it to layers."""
     groups, grouped = param_gather_groups(graph, edges, least=1)
-    total = sum(e.forward_s + backward_reshard_s(e, mesh, identical)
-                for e in edges if (e.dst, e.position) not in grouped)
+    out = {(e.dst, e.position): e.forward_s + backward_reshard_s(e, mesh, identical)
+           for e in edges if (e.dst, e.position) not in grouped}
     cluster = mesh.resolved_cluster()
     for (_, axes), members in groups.items():  # one gather per group, one reduce-scatter back
         nbytes = sum(e.steps[0].nbytes for _, e in members)
         # the shards packed into the buffer sent, every full tensor cut out of the one received
         copies = packed_gather_bytes(nbytes, math.prod(mesh.shape[a] for a in axes))
-        total += mesh_collective_time("all_gather", nbytes, mesh, axes) + layout_copy_time(copies, cluster)
+        seconds = mesh_collective_time("all_gather", nbytes, mesh, axes) + layout_copy_time(copies, cluster)
         if any(e.backward for _, e in members) and not whole_on(axes, identical):
-            total += mesh_collective_time("reduce_scatter", nbytes, mesh, axes) + layout_copy_time(copies, cluster)
-    return total
+            seconds += mesh_collective_time("reduce_scatter", nbytes, mesh, axes) + layout_copy_time(copies, cluster)
+        first = members[0][1]
+        out[(first.dst, first.position)] = out.get((first.dst, first.position), 0.0) + seconds
+    return out
 
 
 def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_total_bytes: float | None = None) -> dict:

@@ -271,7 +271,8 @@ class _StagePricer:
         sol = StageSolution(list(stages), step_time(self.schedule, times, count, self.virtual), max(times), times)
         if self.virtual == 1 and not _fits_inflight(sol, self.memory, self.schedule, count, search.budget):
             return None
-        per_step = [count * self.prices[m].per_step_s[i:j + 1].sum() for i, j, m in stages]
+        per_step = [count * (self.prices[m].per_step_s[i:j + 1].sum() - self.prices[m].duplicate_time(i, j)[1])
+                    for i, j, m in stages]
         sol.step_time = shared_core_time(sol, self.devices, count, search.contention, search.mesh.shape[0],
                                          self.schedule, per_step)
         sol.step_time += step_extras(self.graph, self.groups, stages, len(stages) // self.virtual, search.mesh,

@@ -25,7 +25,7 @@ import numpy as np
 
 from autopar.cost_model.comm import mesh_collective_time, send_time
 from autopar.cost_model.ops import is_view, local_nbytes
-from autopar.cost_model.step import in_op_comm_s, op_overheads_s
+from autopar.cost_model.step import in_op_comm_s, op_overheads_s, reshard_by_read
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role, needs_grad
@@ -62,6 +62,10 @@ class UnitPrices:
     # the activations the input half frees when the unit ends a stage: what is saved after its
     # last op reading a parameter (a loss's inputs), which no weight half needs
     tail_bytes: np.ndarray | None = None
+    # the same parameter's time (seconds per microbatch, the per-step part of them, units): each
+    # unit reading it counts its gradient's accumulation and optimizer share, a stage holding
+    # several of them pays it once (``duplicate_time``)
+    shared_time: tuple = ()
 
     def static_between(self, i: int, j: int) -> float:
         """What units i..j hold of state, a shared parameter once."""
@@ -69,6 +73,12 @@ class UnitPrices:
         for nbytes, units in self.shared_static:
             total -= nbytes * max(0, sum(i <= u <= j for u in units) - 1)
         return total
+
+    def duplicate_time(self, i: int, j: int) -> tuple[float, float]:
+        """(seconds per microbatch, of which per step) that units i..j count more than once: a
+        shared parameter's, which a stage holding several of its readers pays once."""
+        extra = [(t, once) for t, once, units in self.shared_time for _ in range(sum(i <= u <= j for u in units) - 1)]
+        return sum(t for t, _ in extra), sum(once for _, once in extra)
 
     def held_between(self, i: int, j: int, state_share: float = 1.0) -> float:
         """What a stage of units i..j holds whatever its microbatches in flight: ``state_share`` of
@@ -108,6 +118,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     unread = {(out.name, i) for i in unread_outputs(graph)}  # the last stage's program returns the loss alone
     accumulate = {p.node: p.accumulate_s for p in plan.params.values()}
     shared: list = []
+    shared_time: list = []
     for name, np_ in plan.nodes.items():
         node = graph.nodes.get(name)
         if node is None:
@@ -118,6 +129,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
             acc = accumulate.get(name, 0.0)
             if len(users) > 1:
                 shared.append((np_.memory_bytes, tuple(sorted(users))))
+                shared_time.append((np_.compute_s, np_.compute_s - acc, tuple(sorted(users))))
             for uu in users:  # a tied weight read at both ends is held by both stages
                 static[uu] += np_.memory_bytes
                 step[uu] += np_.compute_s - acc  # the optimizer's share
@@ -131,9 +143,10 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
             if not is_view(node.target) and any(param_source(graph, i) is not None for i in node.inputs):
                 weight_grads[u] += local_nbytes(node.meta, np_.output, mesh)
                 last_weight_op[u] = max(last_weight_op.get(u, -1), position[name])
+    for (dst, pos), seconds in reshard_by_read(graph, plan.edges, mesh, plan.identical_axes).items():
+        if dst in unit and (dst, pos) not in unread:
+            micro[unit[dst]] += seconds
     for e in plan.edges:
-        if e.dst in unit and (e.dst, e.position) not in unread:
-            micro[unit[e.dst]] += e.cost_s
         src = graph.nodes[e.src]
         if src.op == "call_function" and e.src in unit and e.dst in unit and unit[e.src] < unit[e.dst]:
             # an activation read by a later unit crosses every boundary up to it, once, as the
@@ -152,7 +165,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
         if p.grad_sync is not None and p.node in unit:
             step[unit[p.node]] += p.grad_sync_s
     return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_static=tuple(shared), peak_bytes=peak,
-                      weight_grad_bytes=weight_grads, tail_bytes=tail)
+                      weight_grad_bytes=weight_grads, tail_bytes=tail, shared_time=tuple(shared_time))
 
 
 
@@ -168,7 +181,8 @@ def grouped_prices(p: UnitPrices, groups) -> UnitPrices:
                       tuple((b, tuple(group_of[u] for u in units)) for b, units in p.shared_static),
                       None if p.peak_bytes is None else total(p.peak_bytes),
                       None if p.weight_grad_bytes is None else total(p.weight_grad_bytes),
-                      None if p.tail_bytes is None else np.asarray([p.tail_bytes[g[-1]] for g in groups]))
+                      None if p.tail_bytes is None else np.asarray([p.tail_bytes[g[-1]] for g in groups]),
+                      tuple((t, once, tuple(group_of[u] for u in units)) for t, once, units in p.shared_time))
 
 
 def fastest_prices(model, sm, graph, intra_op_plan, config) -> UnitPrices | None:
@@ -220,7 +234,7 @@ def stage_tables(variants, n_units: int, mesh: Mesh):
             # the activation entering the stage (forward) and its gradient leaving it (backward)
             recv = 0.0 if i == 0 else 2 * send_time(p.boundary_bytes[i], mesh, (0,))
             j = np.arange(i, n_units)
-            time_t[i, i:, m] = c_time[j + 1] - c_time[i] + recv
+            time_t[i, i:, m] = c_time[j + 1] - c_time[i] + recv - [p.duplicate_time(i, jj)[0] for jj in j]
             mem_t[i, i:, m] = [p.held_between(i, jj) + p.stage_extra_bytes for jj in j]
             act_t[i, i:, m] = c_act[j + 1] - c_act[i]
             deferred_t[i, i:, m] = [p.deferred_between(i, jj) for jj in j]

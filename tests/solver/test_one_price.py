@@ -79,3 +79,28 @@ def test_the_convention_is_chosen_by_the_ilps_of_each_set():
             prices[axes] = forced.predicted["step_time_s"]
         assert () in prices and (1,) in prices, prices  # dual, and Megatron's on the tensor-parallel axis
         assert plan.predicted["step_time_s"] == pytest.approx(min(prices.values()), rel=1e-9), (cluster, prices)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_accumulated_microbatches_price_as_their_ilp(cluster):
+    """One stage run on 4 microbatches (gradient accumulation) is priced through the stage tables:
+    its step is 4 x its stage's time per microbatch, which is the ILP's objective of that stage
+    (per-step work at a quarter a run). A parameter read by two layers (GPT's tied embedding and
+    head) is counted once in a stage holding both."""
+    checked = 0
+    for name, build in (("gpt", dict(layers=2, batch=16)), ("llama", dict(layers=2, batch=16))):
+        model, inputs = models.build(name, **build)
+        for shape, layouts in LAYOUTS.items():
+            for layout in layouts:
+                try:
+                    plan = autopar.plan(model, autopar.Mesh(shape, cluster=cluster), inputs, force=layout,
+                                        pipeline=autopar.Pipeline(stages=1, microbatches=4))
+                except autopar.PlanError:
+                    continue
+                (stage,) = plan.pipeline.stages
+                assert plan.pipeline.microbatches == 4
+                label = (name, shape, layout)
+                assert stage.time_per_microbatch_s == pytest.approx(stage.plan.solver["objective_s"], rel=1e-9), label
+                assert plan.predicted["step_time_s"] == pytest.approx(4 * stage.time_per_microbatch_s, rel=1e-9), label
+                checked += 1
+    assert checked >= 12, checked
