@@ -13,9 +13,8 @@ import math
 import time
 
 from autopar.cost_model import memory as memory_model
-from autopar.cost_model.grad_sync import grad_bytes_total, sync_price, with_group_shares, zero2_pool_bytes
+from autopar.cost_model.grad_sync import grad_bytes_total, with_group_shares, zero2_pool_bytes
 from autopar.cost_model.step import graph_overheads_s, step_time, zero2_totals
-from autopar.sharding_spec.reshard import local_bytes
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES
 from autopar.errors import ConfigError, PlanError
 from autopar.ir import trace
@@ -167,20 +166,15 @@ def tensor_parallel_axes(graph, built, full: dict[str, int]) -> tuple[int, ...]:
     return tuple(sorted(axes))
 
 
-def with_sync_seconds(params: dict[str, ParamPlan], graph, mesh: Mesh, bucket_bytes: int, total_bytes: float,
-                      step_share: float) -> dict[str, ParamPlan]:
-    """``params`` with each ``grad_sync_s`` its sync's seconds per run (``step_share`` of a step),
-    its share of its group's first calls included (``cost_model.grad_sync.with_group_shares``): they
-    add up to what the ILP paid for the syncs."""
-    synced = [(fqn, p) for fqn, p in params.items() if p.grad_sync is not None and not p.buffer]
-    prices = []
-    for _, p in synced:
-        meta = graph.nodes[p.node].meta
-        prices.append(sync_price(p.grad_sync, local_bytes(p.storage, mesh.shape, meta.itemsize), meta.dtype, mesh,
-                                 total_bytes=total_bytes, bucket_bytes=bucket_bytes))
-    out = {fqn: dataclasses.replace(p, grad_sync_s=0.0) if p.grad_sync is None else p for fqn, p in params.items()}
-    for (fqn, p), seconds in zip(synced, with_group_shares(prices)):
-        out[fqn] = dataclasses.replace(p, grad_sync_s=seconds * step_share)
+def _with_sync_seconds(params: dict[str, ParamPlan], prices: dict, step_share: float) -> dict[str, ParamPlan]:
+    """``params`` with each ``grad_sync_s`` its sync's seconds per run (``step_share`` of a step):
+    its price as the ILP's choice held it (``prices``: fqn -> ``SyncPrice``), with its share of its
+    group's first calls (``cost_model.grad_sync.with_group_shares``), so that they add up to what
+    the ILP paid for the syncs."""
+    out = {fqn: dataclasses.replace(p, grad_sync_s=0.0) for fqn, p in params.items()}
+    synced = list(prices)
+    for fqn, seconds in zip(synced, with_group_shares([prices[f] for f in synced])):
+        out[fqn] = dataclasses.replace(params[fqn], grad_sync_s=seconds * step_share)
     return out
 
 
@@ -423,7 +417,7 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
     for e in edges:  # what the output node reads is what it returns (``problem.returned_spec``)
         if graph.nodes[e.dst].op == "output":
             nodes[e.dst].inputs[e.position] = e.dst_spec
-    params = {}
+    params, prices = {}, {}
     for fqn, node_name in list(graph.params.items()) + list(graph.buffers.items()):
         if node_name not in choices:
             continue
@@ -431,14 +425,15 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
         i = full[node_name]
         s = c.strategies[i]
         is_buffer = graph.nodes[node_name].role == Role.BUFFER
-        sync_s = float(c.comm_s[i])
         params[fqn] = ParamPlan(
-            fqn, node_name, s.output, s.family, c.grad_sync[i], sync_s,
+            fqn, node_name, s.output, s.family, c.grad_sync[i], 0.0,
             tuple(graph.param_aliases.get(fqn, (fqn,))), is_buffer,
             0.0 if c.accumulate_s is None else float(c.accumulate_s[i]),
         )
+        if c.grad_sync[i] is not None and not is_buffer:
+            prices[fqn] = c.sync_prices[i]
     total = grad_bytes_total(graph, precision)
-    params = with_sync_seconds(params, graph, mesh, bucket_bytes, total, step_share)
+    params = _with_sync_seconds(params, prices, step_share)
     real_mesh = real_mesh or mesh
     plan = Plan(graph.model_name, graph.fingerprint(), real_mesh.to_dict(), nodes, edges, params, {}, stats,
                 idle_axes=tuple(idle_axes), identical_axes=tuple(built.identical),
