@@ -95,8 +95,9 @@ class PlanConfig:
     identical_axes: mesh axes on which gradients of replicated values are kept whole on every rank
         (Megatron's tensor-parallel convention; ``autopar.record.gradients``), each set priced in
         its own ILP: "auto" solves the dual convention first, then every set of the axes its plan
-        reads parameters split on (tensor parallelism), and keeps the cheapest; a tuple fixes it
-        (``()``: none). Pipeline stages keep the dual convention.
+        communicates over in backward besides gradient syncs (tensor parallelism, batch-norm
+        statistics), and keeps the cheapest; a tuple fixes it (``()``: none). Pipeline stages
+        keep the dual convention.
     bucket_bytes: the gradient bucket size, priced and (in ``parallelize``) run.
     time_limit_s, solver: the ILP solver's time limit and name ("highs" / "cbc"; None: HiGHS
         where installed).

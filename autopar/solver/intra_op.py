@@ -119,7 +119,7 @@ def one_stage(graph, mesh, call: dict, budget, budget_from, config: PlanConfig) 
             # the no-idle candidate comes first: its error (least memory; a bad `force`) is the one to show
             first_error = first_error or e
             continue
-        if best is None or attempt[3]["objective_s"] < best[1][3]["objective_s"] - 1e-15:
+        if best is None or _simpler_or_cheaper(attempt[3], best[1][3]):
             best = (idle, attempt)
     if best is None:
         raise first_error
@@ -130,6 +130,16 @@ def one_stage(graph, mesh, call: dict, budget, budget_from, config: PlanConfig) 
     log.info("planned %s on %s: objective %.3g s, %d ILP variables (%.1f s)", graph.model_name, mesh,
              best_plan.solver["objective_s"], best_plan.solver.get("ilp_variables", 0), best_plan.solver["total_s"])
     return best_plan
+
+
+def _simpler_or_cheaper(stats: dict, best: dict) -> bool:
+    """Whether a solve (its stats) beats the best so far: cheaper, or as cheap (within ``TIE``)
+    with fewer identical-gradient axes (a model too small for the mesh is then said to leave axes
+    idle, not to keep whole gradients on them: the same program)."""
+    a, b = stats["objective_s"], best["objective_s"]
+    if a < b * (1 - TIE):
+        return True
+    return a <= b * (1 + TIE) and len(stats["identical_axes"]) < len(best["identical_axes"])
 
 
 def _made(graph, mesh, solved, idle, config: PlanConfig, **stats) -> Plan:
@@ -148,11 +158,13 @@ def identical_candidates(mesh: Mesh, axes) -> list[tuple[int, ...]]:
     return [c for k in range(len(act) + 1) for c in itertools.combinations(act, k)]
 
 
-def tensor_parallel_axes(graph, built, full: dict[str, int]) -> tuple[int, ...]:
-    """The mesh axes on which a solution reads some parameter split (tensor parallelism):
-    ``identical_axes="auto"`` tries keeping gradients whole on these (Megatron's convention for
-    its tensor-parallel axis); on an axis only data parallelism uses, every parameter could leave
-    its gradient pending for the reducer as the dual convention does."""
+def backward_comm_axes(graph, built, full: dict[str, int], mesh: Mesh) -> tuple[int, ...]:
+    """The mesh axes a solution communicates over in backward, besides gradient syncs: where it
+    reads some parameter split (tensor parallelism) or reshards a value gradients flow back
+    through with a collective (a batch norm's statistics, a row-parallel all-reduce).
+    ``identical_axes="auto"`` tries keeping gradients whole on these (Megatron's convention: a
+    forward all-reduce's backward is then local); on an axis the solution only syncs gradients over,
+    every parameter could leave its gradient pending as the dual convention does."""
     axes = set()
     for name, node in graph.nodes.items():
         if name not in full or node.op != "call_function":
@@ -163,6 +175,9 @@ def tensor_parallel_axes(graph, built, full: dict[str, int]) -> tuple[int, ...]:
             if graph.nodes[src].op == "placeholder" and graph.nodes[src].role == Role.PARAMETER and spec is not None \
                     and hasattr(spec, "used_axes"):
                 axes |= set(spec.used_axes)
+    for e in planned_edges(graph, built, full, mesh):
+        if e.backward:
+            axes |= {a for st in e.steps if st.kind not in ("slice", "to_partial") for a in st.axes}
     return tuple(sorted(axes))
 
 
@@ -237,7 +252,7 @@ def _plan_on(graph, mesh, budget, force, config: PlanConfig):
         if best is None or attempt[3]["objective_s"] < best[3]["objective_s"] * (1 - TIE):
             best = attempt
         if config.identical_axes == "auto" and not identical:
-            queue += identical_candidates(mesh, tensor_parallel_axes(graph, attempt[1], attempt[2]))[1:]
+            queue += identical_candidates(mesh, backward_comm_axes(graph, attempt[1], attempt[2], mesh))[1:]
     if best is None:
         raise first_error
     return best

@@ -163,3 +163,30 @@ def test_an_output_edge_may_span_identical_and_other_axes():
                                                 for e in plan.edges])
     why = identical_ok(backward, graph, (1,))
     assert why is not None and "only partly identical" in why
+
+
+class _ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c2, self.b2 = nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32)
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x, y):
+        h = torch.relu(self.b1(self.c1(x)))
+        h = torch.relu(self.b2(self.c2(h)))
+        return nn.functional.cross_entropy(self.fc(h.mean((2, 3))), y)
+
+
+def test_auto_tries_the_axes_a_data_parallel_plan_all_reduces_over_in_backward():
+    # data parallel with batch norms: each norm all-reduces its statistics over the batch axes,
+    # whose backward is another all-reduce under the dual convention and local with gradients
+    # whole there; "auto" tries those axes though no parameter is split, and keeps the cheapest
+    model = _ConvNet()
+    inputs = (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
+    mesh = autopar.Mesh((2, 2), cluster="cpu-gloo")
+    plan = autopar.plan(model, mesh, inputs, pipeline=False, idle_axes=())
+    prices = {axes: autopar.plan(model, mesh, inputs, pipeline=False, idle_axes=(), identical_axes=axes)
+              .predicted["step_time_s"] for axes in ((), (0,), (1,), (0, 1))}
+    assert plan.predicted["step_time_s"] == pytest.approx(min(prices.values()), rel=1e-9), prices
+    assert plan.identical_axes and min(prices.values()) < prices[()], prices

@@ -97,8 +97,16 @@ def test_a_model_too_small_for_the_mesh_leaves_axes_idle():
     plan = autopar.plan(model, autopar.Mesh((2, 2), cluster="a100-80g"), data(8, 64))
     assert plan.idle_axes == (0, 1)
     assert plan.summary()["collectives"] == []
-    forced = autopar.plan(model, autopar.Mesh((2, 2), cluster="a100-80g"), data(8, 64), idle_axes=())
+    # every axis used under the dual convention: replicated parameters sync their gradients
+    forced = autopar.plan(model, autopar.Mesh((2, 2), cluster="a100-80g"), data(8, 64), idle_axes=(),
+                          identical_axes=())
     assert forced.predicted["step_time_s"] > plan.predicted["step_time_s"]
+    # with gradients whole on both axes, every op replicated is the idle plan's program, at its
+    # price: a tie, which is said as idle axes
+    whole = autopar.plan(model, autopar.Mesh((2, 2), cluster="a100-80g"), data(8, 64), idle_axes=(),
+                         identical_axes=(0, 1))
+    assert whole.predicted["step_time_s"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+    assert whole.summary()["collectives"] == []
 
 
 def test_impossible_budget_names_the_smallest_plan():
