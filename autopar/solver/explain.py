@@ -165,9 +165,12 @@ def explain(plan, *, max_rows_per_layer: int | None = None, collapse_repeats: bo
         f"collectives per step: {len(s['collectives'])}, {fmt_bytes(sum(c[2] for c in s['collectives']))} in all",
     ]
     if plan.identical_axes:
+        pending = sum(1 for p in plan.params.values()
+                      if p.grad_sync is not None and set(p.grad_sync.axes) & set(plan.identical_axes))
         out.append(f"gradients whole on mesh axes {list(plan.identical_axes)} (Megatron's convention): parameters "
                    "replicated there whose readers do not split them need no sync there; ops that split them "
-                   "all-reduce their replicated inputs' gradients in backward")
+                   "all-reduce their replicated inputs' gradients in backward"
+                   + (f", but for {pending} parameter(s) whose gradient waits for the bucketed sync there" if pending else ""))
     if plan.solver.get("pruned"):
         out.append("note: the ILP was too big to solve whole; the widest nodes kept only their best-scored "
                    "candidates (autopar/solver/simplify.py: prune), so this plan may not be the optimum")

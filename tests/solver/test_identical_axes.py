@@ -126,6 +126,7 @@ def test_a_parameter_may_keep_its_gradient_pending_on_an_identical_axis():
     assert {p.name: p.grad_sync.axes for p in whole.params.values()} == {p.name: (0,) for p in whole.params.values()}
     assert grad_sum_reads(whole, graph, (0,)) == {}
     assert identical_ok(whole, graph, (0,)) is None
+    assert f"but for {len(whole.params)} parameter(s) whose gradient waits for the bucketed sync" in whole.explain()
     assert whole.predicted["step_time_s"] <= dual.predicted["step_time_s"]
     assert whole.solver["objective_s"] == pytest.approx(whole.predicted["step_time_s"], rel=1e-9)
 
