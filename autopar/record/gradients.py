@@ -35,6 +35,22 @@ def whole_on(axes, identical) -> bool:
     return bool(axes) and set(axes) <= set(identical)
 
 
+def partly_whole(axes, identical) -> bool:
+    """Whether ``axes`` mix identical and dual axes: a step (or a loss's classes) over them has no
+    single convention to run its backward under, so no plan may have one."""
+    axes, identical = set(axes), set(identical)
+    return bool(axes & identical) and not axes <= identical
+
+
+def loss_class_axes(op_plan) -> tuple[int, ...]:
+    """The mesh axes a vocabulary-parallel loss (a NodePlan or a Strategy) splits its classes over;
+    () for any other op."""
+    if not op_plan.family.has(VOCAB_LOSS) or not op_plan.inputs or op_plan.inputs[0] is None:
+        return ()
+    x = op_plan.inputs[0]
+    return tuple(x.dim_axes[1 if x.ndim >= 2 else 0])
+
+
 def _flat(spec) -> list[ShardingSpec]:
     if isinstance(spec, ShardingSpec):
         return [spec]
@@ -119,15 +135,11 @@ def identical_ok(plan, graph, identical) -> str | None:
         if not e.backward:
             continue  # (an output's gathers and all-reduces: seeded whole, their backwards run nothing)
         for s in e.steps:
-            if identical & set(s.axes) and not set(s.axes) <= identical:
+            if partly_whole(s.axes, identical):
                 return f"edge {e.src} -> {e.dst} has a {s.kind} over axes {s.axes}, only partly identical"
     for n in plan.nodes.values():
-        if n.family.has(VOCAB_LOSS):
-            x = n.inputs[0]
-            cdim = 1 if x.ndim >= 2 else 0
-            classes = set(x.dim_axes[cdim])
-            if identical & classes and not classes <= identical:
-                return f"{n.name}: class axes {sorted(classes)} only partly identical"
+        if partly_whole(loss_class_axes(n), identical):
+            return f"{n.name}: class axes {sorted(loss_class_axes(n))} only partly identical"
     partial = _partial_reads(plan, graph, tuple(identical), needs_grad(graph))
     pending = pending_axes(plan, graph)
     for name, reader in graph.nodes.items():

@@ -249,7 +249,7 @@ def _plan_on(graph, mesh, budget, force, config: PlanConfig):
                 raise
             first_error = first_error or err
             continue
-        if best is None or attempt[3]["objective_s"] < best[3]["objective_s"] * (1 - TIE):
+        if best is None or _simpler_or_cheaper(attempt[3], best[3]):
             best = attempt
         if config.identical_axes == "auto" and not identical:
             queue += identical_candidates(mesh, backward_comm_axes(graph, attempt[1], attempt[2], mesh))[1:]

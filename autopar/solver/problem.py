@@ -36,12 +36,12 @@ from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role, edge_itemsize, needs_grad, runs_backward
 from autopar.ir.losses import counted_from_inputs, unread_outputs
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES, zero2_saved_bytes
-from autopar.record.gradients import output_whole_axes, partial_read_axes, whole_on
+from autopar.record.gradients import loss_class_axes, output_whole_axes, partial_read_axes, partly_whole, whole_on
 from autopar.record.grad_sync import ZERO2_SUMS, GradSync
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.rules import strategies_for
-from autopar.sharding_spec.strategy import VOCAB_LOSS, ZERO2, Family, OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep
+from autopar.sharding_spec.strategy import ZERO2, Family, OpContext, Strategy, active_axes, enumerate_specs, needs_lowering, rep
 from autopar.solver.ilp import OnceCost, Problem
 from autopar.solver.plan import EdgePlan, StepPlan
 from autopar.solver.reshard_search import plan_reshard, reshard_costs_from
@@ -252,7 +252,8 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
             comp, comm, mem = [0.0], [0.0], [0.0]
         else:
             ctx = OpContext(node, mesh, [graph.nodes[i].meta for i in node.inputs], graph)
-            strategies = [s for s in strategies_for(ctx) if _runs_under(s, identical)]
+            # (a vocabulary-parallel loss needs its class axes all identical or all dual)
+            strategies = [s for s in strategies_for(ctx) if not partly_whole(loss_class_axes(s), identical)]
             comp = [sum(compute_model.node_time(node, s, graph, mesh, op_table)) for s in strategies]
             counted = counted_from_inputs(graph, node)
             size = getattr(node.meta, "itemsize", 4)
@@ -274,16 +275,6 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
     for name, want in (force or {}).items():
         out[name] = restrict(out, name, want)
     return out
-
-
-def _runs_under(strategy: Strategy, identical) -> bool:
-    """Whether an op's strategy runs with gradients whole on ``identical`` axes: a
-    vocabulary-parallel loss must have its class axes all identical or all dual."""
-    if not identical or not strategy.family.has(VOCAB_LOSS) or not strategy.inputs or strategy.inputs[0] is None:
-        return True
-    x = strategy.inputs[0]
-    classes = set(x.dim_axes[1 if x.ndim >= 2 else 0])
-    return not (classes & set(identical)) or classes <= set(identical)
 
 
 def _signature(node, graph, saved, peak):

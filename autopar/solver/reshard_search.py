@@ -22,6 +22,7 @@ import numpy as np
 
 from autopar.cost_model.comm import layout_copy_bytes, layout_copy_time, mesh_collective_time
 from autopar.cost_model.gradients import backward_route_s
+from autopar.record.gradients import partly_whole
 from autopar.errors import ReshardError
 from autopar.sharding_spec.reshard import ReshardPlan, Step, neighbours
 from autopar.sharding_spec.spec import ShardingSpec
@@ -184,7 +185,5 @@ def _weighted_neighbours(spec: ShardingSpec, mesh, itemsize: int, with_backward:
     backward, no step over identical and other axes together."""
     if not with_backward:
         return tuple((step, cost, cost) for step, cost in _priced_neighbours(spec, mesh, itemsize))
-    mixed = set(identical)
     return tuple((step, cost, cost + backward_route_s((step,), (cost,), mesh, identical))
-                 for step, cost in _priced_neighbours(spec, mesh, itemsize)
-                 if not (mixed & set(step.axes)) or set(step.axes) <= mixed)
+                 for step, cost in _priced_neighbours(spec, mesh, itemsize) if not partly_whole(step.axes, identical))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,6 +38,21 @@ from autopar.solver.layout import param_source
 MEMORY_VARIANTS = (0.25,)  # leaner ILP solutions per sub-mesh, as fractions of the fastest's memory
 
 
+class SharedParam(NamedTuple):
+    """A parameter several units read (a tied embedding and head): its bytes held, its seconds per
+    microbatch (gradient accumulation and optimizer share) and the per-step part of them, and those
+    units."""
+
+    nbytes: float
+    seconds: float
+    per_step_s: float
+    units: tuple
+
+    def extra_copies(self, i: int, j: int) -> int:
+        """How many times more than once units i..j count it."""
+        return max(0, sum(i <= u <= j for u in self.units) - 1)
+
+
 @dataclasses.dataclass
 class UnitPrices:
     """Per unit (layer), on one sub-mesh at one microbatch shape."""
@@ -50,9 +66,10 @@ class UnitPrices:
     forward_s: np.ndarray | None = None  # the forward part of per_microbatch_s's compute
     recompute: bool = False
     stage_extra_bytes: float = 0.0  # held once by any stage on these prices
-    # a parameter read by several units (a tied embedding and head): (bytes, those units); each of
-    # them counts it in static_bytes, a stage holding several of them holds it once
-    shared_static: tuple = ()
+    # parameters read by several units (a tied embedding and head: ``SharedParam``); each of them
+    # counts one in static_bytes and in its time, a stage holding several of them holds and pays it
+    # once (``static_between``, ``duplicate_time``)
+    shared_params: tuple = ()
     # held at the forward's peak once per stage, not per microbatch in flight (a loss's logits and
     # log-probabilities); None: nothing
     peak_bytes: np.ndarray | None = None
@@ -62,22 +79,15 @@ class UnitPrices:
     # the activations the input half frees when the unit ends a stage: what is saved after its
     # last op reading a parameter (a loss's inputs), which no weight half needs
     tail_bytes: np.ndarray | None = None
-    # the same parameter's time (seconds per microbatch, the per-step part of them, units): each
-    # unit reading it counts its gradient's accumulation and optimizer share, a stage holding
-    # several of them pays it once (``duplicate_time``)
-    shared_time: tuple = ()
 
     def static_between(self, i: int, j: int) -> float:
         """What units i..j hold of state, a shared parameter once."""
-        total = float(self.static_bytes[i:j + 1].sum())
-        for nbytes, units in self.shared_static:
-            total -= nbytes * max(0, sum(i <= u <= j for u in units) - 1)
-        return total
+        return float(self.static_bytes[i:j + 1].sum()) - sum(p.nbytes * p.extra_copies(i, j) for p in self.shared_params)
 
     def duplicate_time(self, i: int, j: int) -> tuple[float, float]:
         """(seconds per microbatch, of which per step) that units i..j count more than once: a
         shared parameter's, which a stage holding several of its readers pays once."""
-        extra = [(t, once) for t, once, units in self.shared_time for _ in range(sum(i <= u <= j for u in units) - 1)]
+        extra = [(p.seconds * k, p.per_step_s * k) for p in self.shared_params if (k := p.extra_copies(i, j))]
         return sum(t for t, _ in extra), sum(once for _, once in extra)
 
     def held_between(self, i: int, j: int, state_share: float = 1.0) -> float:
@@ -118,7 +128,6 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     unread = {(out.name, i) for i in unread_outputs(graph)}  # the last stage's program returns the loss alone
     accumulate = {p.node: p.accumulate_s for p in plan.params.values()}
     shared: list = []
-    shared_time: list = []
     for name, np_ in plan.nodes.items():
         node = graph.nodes.get(name)
         if node is None:
@@ -128,8 +137,7 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
             users = {unit[r] for r in readers.get(name, ()) if r in unit} or {u}
             acc = accumulate.get(name, 0.0)
             if len(users) > 1:
-                shared.append((np_.memory_bytes, tuple(sorted(users))))
-                shared_time.append((np_.compute_s, np_.compute_s - acc, tuple(sorted(users))))
+                shared.append(SharedParam(np_.memory_bytes, np_.compute_s, np_.compute_s - acc, tuple(sorted(users))))
             for uu in users:  # a tied weight read at both ends is held by both stages
                 static[uu] += np_.memory_bytes
                 step[uu] += np_.compute_s - acc  # the optimizer's share
@@ -164,8 +172,8 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     for p in plan.params.values():
         if p.grad_sync is not None and p.node in unit:
             step[unit[p.node]] += p.grad_sync_s
-    return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_static=tuple(shared), peak_bytes=peak,
-                      weight_grad_bytes=weight_grads, tail_bytes=tail, shared_time=tuple(shared_time))
+    return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_params=tuple(shared), peak_bytes=peak,
+                      weight_grad_bytes=weight_grads, tail_bytes=tail)
 
 
 
@@ -178,11 +186,10 @@ def grouped_prices(p: UnitPrices, groups) -> UnitPrices:
     return UnitPrices(total(p.per_microbatch_s), total(p.per_step_s), total(p.static_bytes),
                       total(p.activation_bytes), np.asarray([p.boundary_bytes[g[0]] for g in groups]), p.plan,
                       total(p.forward_s), p.recompute, p.stage_extra_bytes,
-                      tuple((b, tuple(group_of[u] for u in units)) for b, units in p.shared_static),
+                      tuple(sp._replace(units=tuple(group_of[u] for u in sp.units)) for sp in p.shared_params),
                       None if p.peak_bytes is None else total(p.peak_bytes),
                       None if p.weight_grad_bytes is None else total(p.weight_grad_bytes),
-                      None if p.tail_bytes is None else np.asarray([p.tail_bytes[g[-1]] for g in groups]),
-                      tuple((t, once, tuple(group_of[u] for u in units)) for t, once, units in p.shared_time))
+                      None if p.tail_bytes is None else np.asarray([p.tail_bytes[g[-1]] for g in groups]))
 
 
 def fastest_prices(model, sm, graph, intra_op_plan, config) -> UnitPrices | None:

@@ -941,10 +941,10 @@ def test_a_stage_holds_a_tied_weight_once():
     prices = unit_prices(plan, graph, mesh)
     state = sum(plan.nodes[p.node].memory_bytes for p in plan.params.values())
     n = len(prices.static_bytes)
-    assert prices.shared_static, "the built-in GPT ties its embedding and head"
-    tied = sum(b for b, _ in prices.shared_static)
+    assert prices.shared_params, "the built-in GPT ties its embedding and head"
+    tied = sum(sp.nbytes for sp in prices.shared_params)
     assert prices.static_between(0, n - 1) == pytest.approx(state)
     assert prices.static_bytes.sum() == pytest.approx(state + tied)  # each reader unit counts it
-    (b, units), = prices.shared_static
+    (b, _, _, units), = prices.shared_params
     cut = units[0]  # stages [0, cut] and [cut + 1, n - 1] hold one copy each
     assert prices.static_between(0, cut) + prices.static_between(cut + 1, n - 1) == pytest.approx(state + tied)
