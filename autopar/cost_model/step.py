@@ -23,6 +23,7 @@ share their cores with gloo's threads).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from autopar.cost_model.comm import layout_copy_time, mesh_collective_time, packed_gather_bytes
@@ -123,13 +124,69 @@ def reshard_by_read(graph, edges, mesh, identical=()) -> dict[tuple[str, int], f
     return out
 
 
-def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_total_bytes: float | None = None) -> dict:
+def plan_part(plan, graph, nodes):
+    """``plan`` cut to the ops ``nodes`` (a pipeline stage's): those ops, the edges into them, and
+    the parameters and buffers they read (a tied weight read by two stages is in both)."""
+    from autopar.ir.blocks import node_readers
+
+    nodes = set(nodes)
+    readers = node_readers(graph)
+    ops = {k: v for k, v in plan.nodes.items() if k in nodes or any(r in nodes for r in readers.get(k, ()))}
+    return dataclasses.replace(plan, nodes=ops, edges=[e for e in plan.edges if e.dst in nodes],
+                               params={k: p for k, p in plan.params.items() if p.node in ops})
+
+
+def sync_prices(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_total_bytes: float) -> list:
+    """(parameter plan, its ``SyncPrice`` or None, its local elements the optimizer steps) per
+    parameter of ``plan`` (buffers left out)."""
+    out = []
+    for p in plan.params.values():
+        if p.buffer:
+            continue
+        meta = graph.nodes[p.node].meta
+        local = local_bytes(p.storage, mesh.shape, meta.itemsize)  # (a gradient may be synced in a wider dtype)
+        price = None
+        if p.grad_sync is not None:
+            price = sync_price(p.grad_sync, local, meta.dtype, mesh, total_bytes=grad_total_bytes, bucket_bytes=bucket_bytes)
+            if p.grad_sync.split:
+                local = local / math.prod(mesh.shape[a] for a in p.grad_sync.axes)
+        out.append((p, price, local / meta.itemsize))
+    return out
+
+
+def synced_s(prices, cover_s: float) -> tuple[float, float, float, float]:
+    """(all the sums, what of them backward does not hide, the gathers after the step, ZeRO-2's
+    fresh pages) in seconds of the syncs ``prices`` (``SyncPrice`` s) beside ``cover_s`` seconds
+    of backward compute (``comm_overlap`` applied): every group's first calls, once, then
+
+        exposed = max(the last bucket, sync - cover)"""
+    if not prices:
+        return 0.0, 0.0, 0.0, 0.0
+    latencies = group_latencies(prices).values()
+    first = sum(s for s, _ in latencies)
+    sync = first + sum(q.sum_s for q in prices)
+    last = first + sum(q.floor_s for q in prices)  # never hidden: ready only when backward ends
+    gathers = sum(a for _, a in latencies) + sum(q.gather_s for q in prices)
+    return sync, max(last, sync - cover_s), gathers, sum(q.fresh_s for q in prices)
+
+
+def step_time(plan, graph, mesh, *, nodes=None, runs: int = 1, overlapped: bool = True, recomputed: bool = False,
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_total_bytes: float | None = None) -> dict:
     """Seconds of one training step per rank under ``plan`` (see the module docstring), by part.
     ``mesh``: the mesh the plan was priced on (its cluster gives links, overheads and overlap);
     ``grad_total_bytes``: the model's gradients as the reducer sums them
-    (``cost_model.grad_sync.grad_bytes_total``; default: the graph's parameter bytes)."""
+    (``cost_model.grad_sync.grad_bytes_total``; default: the graph's parameter bytes).
+
+    A pipeline stage's step: ``nodes``, its ops (``plan_part``), run ``runs`` times (its
+    microbatches: per-run work that many times, the syncs and the optimizer once), the syncs
+    hidden behind the backward of the last run where ``overlapped`` (GPipe and 1F1B launch them
+    there), else after every run (interleaved and zero-bubble schedules); ``recomputed``: its
+    forward runs again in backward (its compute's third and the ops' forward overheads). The
+    activations it receives are not in it (``stage_prices.stage_tables``)."""
     from autopar.ir.graph import needs_grad
 
+    if nodes is not None:
+        plan = plan_part(plan, graph, nodes)
     cluster = mesh.resolved_cluster()
     grad_total_bytes = graph.param_bytes() if grad_total_bytes is None else grad_total_bytes
     grad = needs_grad(graph)
@@ -139,9 +196,9 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, gr
         node = graph.nodes.get(name)
         if node is None or node.op != "call_function":
             continue
-        compute += n.compute_s
         forward_s, backward_s = op_overheads_s(node, grad, cluster)
-        overhead += forward_s + backward_s
+        compute += n.compute_s * (4 / 3 if recomputed else 1)  # node compute is forward + 2x backward
+        overhead += forward_s * (2 if recomputed else 1) + backward_s
         if runs_backward(node, grad):
             backward_compute += n.compute_s * 2 / 3  # node compute is forward + backward (x2)
     identical = plan.identical_axes
@@ -150,45 +207,30 @@ def step_time(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, gr
     in_ops += grad_sum_s(plan, graph, mesh, identical)
 
     # gradient syncs priced per group of the reducer's buckets (``cost_model.grad_sync``)
-    prices, synced = [], []  # synced: (first read, bucket key, bytes) of the reducer's buckets
+    priced = sync_prices(plan, graph, mesh, bucket_bytes=bucket_bytes, grad_total_bytes=grad_total_bytes)
+    prices = [q for _, q, _ in priced if q is not None]
+    accumulate = sum(p.accumulate_s for p, _, _ in priced)
+    cover = cluster.comm_overlap * backward_compute if overlapped else 0.0
+    sync, exposed, gathers, fresh = synced_s(prices, cover)
+    optimizer = optimizer_s(sum(e for _, _, e in priced), len(priced), cluster)
+    per_run = compute + overhead + reshard + in_ops + accumulate
+    total = runs * per_run + exposed + gathers + fresh + optimizer
+    # as many buckets as the reducer makes (``assign_buckets``, in backward's order)
     first_use = first_reads(graph)
-    elements = tensors = 0
-    accumulate = 0.0
-    for p in plan.params.values():
-        if p.buffer:
-            continue
-        accumulate += p.accumulate_s
-        meta = graph.nodes[p.node].meta
-        local = local_bytes(p.storage, mesh.shape, meta.itemsize)  # (a gradient may be synced in a wider dtype)
-        if p.grad_sync is not None:
-            prices.append(sync_price(p.grad_sync, local, meta.dtype, mesh, total_bytes=grad_total_bytes, bucket_bytes=bucket_bytes))
-            synced.append((first_use.get(p.node, 0), prices[-1].group, int(p.grad_sync.nbytes)))
-            if p.grad_sync.split:
-                local = local / math.prod(mesh.shape[a] for a in p.grad_sync.axes)
-        elements += local / meta.itemsize
-        tensors += 1
-    latencies = group_latencies(prices).values()
-    first = sum(s for s, _ in latencies)
-    sync = first + sum(q.sum_s for q in prices)
-    last = first + sum(q.floor_s for q in prices)  # never hidden: ready only when backward ends
-    exposed = max(last, sync - cluster.comm_overlap * backward_compute) if prices else 0.0
-    gathers = sum(a for _, a in latencies) + sum(q.gather_s for q in prices)
-    fresh = sum(q.fresh_s for q in prices)
-    optimizer = optimizer_s(elements, tensors, cluster)
-    total = compute + overhead + reshard + in_ops + exposed + gathers + fresh + optimizer + accumulate
+    synced = sorted(((first_use.get(p.node, 0), q.group, int(p.grad_sync.nbytes)) for p, q, _ in priced if q is not None),
+                    key=lambda x: -x[0])
     return {
-        "compute_s": compute,
-        "overhead_s": overhead,
-        "reshard_s": reshard,
-        "op_comm_s": in_ops,
+        "compute_s": runs * compute,
+        "overhead_s": runs * overhead,
+        "reshard_s": runs * reshard,
+        "op_comm_s": runs * in_ops,
         "grad_sync_s": sync,
         "exposed_sync_s": exposed,
         "param_gather_s": gathers,
         "zero2_fresh_s": fresh,
         "optimizer_s": optimizer,
-        "grad_accumulate_s": accumulate,
-        "comm_s": reshard + in_ops + exposed + gathers + fresh,
+        "grad_accumulate_s": runs * accumulate,
+        "comm_s": runs * (reshard + in_ops) + exposed + gathers + fresh,
         "step_time_s": total,
-        # as many as the reducer makes (``assign_buckets``, in backward's order)
-        "buckets": len(assign_buckets([(key, n) for _, key, n in sorted(synced, key=lambda x: -x[0])], bucket_bytes)),
+        "buckets": len(assign_buckets([(key, n) for _, key, n in synced], bucket_bytes)),
     }

@@ -57,6 +57,13 @@ class Schedule:
         return self.virtual_stages > 1
 
     @property
+    def overlaps_sync(self) -> bool:
+        """Whether a stage's gradient sync starts in its last microbatch's backward, beside it
+        (``runtime.pipeline``: one stage per rank under GPipe and 1F1B), rather than after the
+        schedule."""
+        return not self.multi_stage
+
+    @property
     def simulated(self) -> bool:
         """Whether its step is the event simulation of its task order (no formula gives it)."""
         return self.timing == "simulated"

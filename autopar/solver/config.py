@@ -136,9 +136,6 @@ class PlanConfig:
     optimizer_sharding: bool = True
     microbatches: int = 1
     objective_cutoff_s: float | None = None
-    # price the gradient syncs backward hides as hidden (``intra_op._solve_overlapped``); the
-    # pipeline search's stage prices charge them in full, as its stage DP does
-    hide_syncs: bool = True
 
     def __post_init__(self):
         if self.pipeline is False:

@@ -420,13 +420,21 @@ class NoCheaperPlan(PlanError):
     """Every assignment costs more than the caller's cutoff."""
 
 
+class OverBudget(PlanError):
+    """No assignment fits the memory budget; ``least``: a lower bound of what one needs."""
+
+    def __init__(self, message: str, least: float):
+        super().__init__(message)
+        self.least = least
+
+
 def _budget_error(problem: Problem) -> PlanError:
     least = min_memory(problem)
     # the per-node least is a bound: the choices that reach it may not go together
     needs = (f"the smallest plan needs {fmt_bytes(least)} per device" if least > problem.budget else
              f"no plan needs less than {fmt_bytes(least)} per device, but those that come near it do not go together")
-    return PlanError(f"no plan fits the memory budget of {fmt_bytes(problem.budget)} per device; {needs}. "
-                     "Raise the budget, use more devices, or a smaller model/batch.")
+    return OverBudget(f"no plan fits the memory budget of {fmt_bytes(problem.budget)} per device; {needs}. "
+                      "Raise the budget, use more devices, or a smaller model/batch.", least)
 
 
 def min_memory(problem: Problem) -> float:

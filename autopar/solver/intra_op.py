@@ -268,7 +268,7 @@ def _plan_under(graph, mesh, budget, force, config: PlanConfig, identical: tuple
     log.info("strategies of %d nodes on %s priced; solving", len(choices), mesh)
     built = build_problem(graph, mesh, memory_budget=budget, optimizer=config.optimizer, choices=choices,
                           step_share=1.0 / config.microbatches, identical=identical)
-    overlap = Overlap.of(graph, choices, built.requires_grad, mesh, 1.0 / config.microbatches) if config.hide_syncs else None
+    overlap = Overlap.of(graph, choices, built.requires_grad, mesh, 1.0 / config.microbatches)
     # the op overheads are the same for every choice: out of the ILP, in the objective (a step's price)
     overheads = graph_overheads_s(graph, mesh.resolved_cluster())
     cutoff = config.objective_cutoff_s
@@ -455,7 +455,8 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
                 precision=precision.to_dict() if precision is not None else None)
     # The ILP's objective ranks plans; the prediction prices what the runtime runs (buckets,
     # overheads, optimizer): see autopar.cost_model.step.
-    plan.predicted = dict(step_time(plan, graph, mesh, bucket_bytes=bucket_bytes, grad_total_bytes=total), memory_bytes_per_device=memory,
+    plan.predicted = dict(step_time(plan, graph, mesh, runs=round(1 / step_share), bucket_bytes=bucket_bytes,
+                                    grad_total_bytes=total), memory_bytes_per_device=memory,
                           memory_parts=memory_parts(plan, graph, mesh, memory, precision, bucket_bytes))
     return plan
 

@@ -271,8 +271,8 @@ class _StagePricer:
         sol = StageSolution(list(stages), step_time(self.schedule, times, count, self.virtual), max(times), times)
         if self.virtual == 1 and not _fits_inflight(sol, self.memory, self.schedule, count, search.budget):
             return None
-        per_step = [count * (self.prices[m].per_step_s[i:j + 1].sum() - self.prices[m].duplicate_time(i, j)[1])
-                    for i, j, m in stages]
+        overlapped = self.schedule.overlaps_sync
+        per_step = [count * self.prices[m].per_step_between(i, j, overlapped) for i, j, m in stages]
         sol.step_time = shared_core_time(sol, self.devices, count, search.contention, search.mesh.shape[0],
                                          self.schedule, per_step)
         sol.step_time += step_extras(self.graph, self.groups, stages, len(stages) // self.virtual, search.mesh,
@@ -349,15 +349,16 @@ class _StageTables:
 
     def __init__(self, variants, graph, mesh: Mesh, layers: tuple[int, ...] | None):
         self.variants, self.graph, self.mesh, self.layers = variants, graph, mesh, layers
-        self.built: dict[tuple, tuple] = {}  # group sizes -> (groups, grouped variants, time, StageMemory)
+        self.built: dict[tuple, tuple] = {}  # (group sizes, overlapped) -> (groups, grouped variants, time, StageMemory)
 
-    def for_stages(self, stage_count: int | None):
-        """(groups, grouped variants, time, StageMemory) on units fit for ``stage_count`` stages."""
+    def for_stages(self, stage_count: int | None, schedule: Schedule):
+        """(groups, grouped variants, time, StageMemory) on units fit for ``stage_count`` stages
+        under ``schedule`` (where its syncs start: ``Schedule.overlaps_sync``)."""
         groups = unit_groups(len(self.graph.layers), stage_count, self.layers)
-        key = tuple(map(len, groups))
+        key = (tuple(map(len, groups)), schedule.overlaps_sync)
         if key not in self.built:
             grouped = [(rows, grouped_prices(p, groups)) for rows, p in self.variants]
-            time_t, *memory = stage_tables(grouped, len(groups), self.mesh)
+            time_t, *memory = stage_tables(grouped, len(groups), self.mesh, schedule.overlaps_sync)
             if self.layers is not None:
                 time_t = _fixed_cuts(time_t)
             self.built[key] = (groups, grouped, time_t, StageMemory(*memory))
@@ -493,7 +494,7 @@ class _Search:
             return None
         unit_of_nodes(graph)  # a graph without layers cannot be cut: PlanError
         unit_groups(len(graph.layers), None, self.pipeline.layers)  # fixed layers must cover the model: ConfigError
-        config = self.config.replace(microbatches=count, hide_syncs=False)
+        config = self.config.replace(microbatches=count)
         rows = [r for r in self.options  # not more stages of a size than layers
                 if not (self.equal_stages and self.mesh.shape[0] // r > len(graph.layers))]
         variants, lean = self._fastest_variants(graph, config, [(r, sub_mesh(self.mesh, r)) for r in rows])
@@ -553,7 +554,7 @@ class _Search:
         count and the stage size before the width does. A forced layout fixes the widths."""
         if best is None or self.config.force is not None:
             return best
-        config = self.config.replace(microbatches=best.count, hide_syncs=False)
+        config = self.config.replace(microbatches=best.count)
         views = [(rows, view) for rows in sorted({best.variants[m][0] for _, _, m in best.sol.stages})
                  for view in narrower_views(sub_mesh(self.mesh, rows))]
         added, lean = self._fastest_variants(best.graph, config, views)
@@ -591,7 +592,7 @@ class _Search:
         for schedule, virtual in self._schedules():
             for keep, counts in _stage_shapes(devices, mesh.shape[0], self.pipeline.stages, self.equal_stages):
                 groups, grouped, time_t, memory = tables.for_stages(
-                    next(iter(counts)) * virtual if counts is not None and len(counts) == 1 else None)
+                    next(iter(counts)) * virtual if counts is not None and len(counts) == 1 else None, schedule)
                 if not schedule.recompute:  # (see Pipeline)
                     keep = keep & ~recomputed
                 if not keep.any():

@@ -26,16 +26,22 @@ import numpy as np
 
 from autopar.cost_model.comm import mesh_collective_time, send_time
 from autopar.cost_model.ops import is_view, local_nbytes
-from autopar.cost_model.step import in_op_comm_s, op_overheads_s, reshard_by_read
+from autopar.cost_model.grad_sync import grad_bytes_total
+from autopar.cost_model.step import in_op_comm_s, op_overheads_s, reshard_by_read, sync_prices
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import node_readers, unit_of_nodes
-from autopar.ir.graph import Role, needs_grad
+from autopar.ir.graph import Role, needs_grad, runs_backward
+from autopar.ir.precision import MixedPrecision
+from autopar.record.buckets import DEFAULT_BUCKET_BYTES
 from autopar.ir.losses import unread_outputs
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
+from autopar.solver.ilp import OverBudget
 from autopar.solver.layout import param_source
 
-MEMORY_VARIANTS = (0.25,)  # leaner ILP solutions per sub-mesh, as fractions of the fastest's memory
+# leaner ILP solutions per sub-mesh, as fractions of the fastest's memory (where no plan fits
+# that, of the way from the least any plan needs to the fastest's)
+MEMORY_VARIANTS = (0.25,)
 
 
 class SharedParam(NamedTuple):
@@ -54,6 +60,60 @@ class SharedParam(NamedTuple):
 
 
 @dataclasses.dataclass
+class UnitSyncs:
+    """Each unit's gradient syncs, in seconds per run (the microbatch's share of a step), as a
+    stage's reducer runs them (``cost_model.step.synced_s``): per group of buckets
+    (``SyncPrice.group``) its first calls (``first``: a stage syncing in the group pays them once,
+    however few of its units do), and per (unit, group) the sums (``sums``), their part in the
+    last bucket (``floors``), what follows the step (``after``: ZeRO-2's gathers and fresh pages)
+    and how many parameters (``count``); per unit the backward compute a sync launched in the last
+    microbatch's backward hides behind (``cover``, ``comm_overlap`` applied). A parameter several
+    units read (a tied embedding and head) counts in each; ``shared``: (its units, group, sum,
+    floor, after), taken out again where one stage holds several of its readers."""
+
+    first: np.ndarray
+    sums: np.ndarray
+    floors: np.ndarray
+    after: np.ndarray
+    count: np.ndarray
+    cover: np.ndarray
+    shared: tuple = ()
+
+    @classmethod
+    def empty(cls, n: int) -> "UnitSyncs":
+        return cls(np.zeros(0), *(np.zeros((n, 0)) for _ in range(4)), np.zeros(n))
+
+    def from_unit(self, i: int, overlapped: bool) -> np.ndarray:
+        """Seconds per run of the syncs of a stage of units i..j, for every j >= i: each group it
+        syncs in once, then max(the last bucket, the sums - the stage's cover) where
+        ``overlapped`` (GPipe, 1F1B: launched in the last microbatch's backward), the sums whole
+        otherwise, and what follows the step."""
+        sums, floors, after, count = (np.cumsum(a[i:], axis=0) for a in (self.sums, self.floors, self.after, self.count))
+        n = len(self.cover)
+        for units, g, s, f, a in self.shared:
+            held = np.cumsum([sum(u == k for u in units) for k in range(i, n)])  # its readers among units i..j
+            extra = np.maximum(0, held - 1)
+            sums[:, g] -= extra * s
+            floors[:, g] -= extra * f
+            after[:, g] -= extra * a
+            count[:, g] -= extra
+        first = (count > 0) @ self.first
+        cover = np.cumsum(self.cover[i:]) if overlapped else 0.0
+        return first + np.maximum(floors.sum(axis=1), sums.sum(axis=1) - cover) + after.sum(axis=1)
+
+    def between(self, i: int, j: int, overlapped: bool) -> float:
+        """``from_unit`` of the stage of units i..j."""
+        return float(self.from_unit(i, overlapped)[j - i])
+
+    def grouped(self, groups) -> "UnitSyncs":
+        """Per group of consecutive units (``grouped_prices``)."""
+        group_of = {u: k for k, g in enumerate(groups) for u in g}
+        return UnitSyncs(self.first, *(np.asarray([a[g].sum(axis=0) for g in groups]).reshape(len(groups), *a.shape[1:])
+                                       for a in (self.sums, self.floors, self.after, self.count, self.cover)),
+                         tuple((tuple(group_of[u] for u in units), *rest) for units, *rest in self.shared))
+
+
+@dataclasses.dataclass
 class UnitPrices:
     """Per unit (layer), on one sub-mesh at one microbatch shape."""
 
@@ -61,7 +121,7 @@ class UnitPrices:
     per_step_s: np.ndarray
     static_bytes: np.ndarray
     activation_bytes: np.ndarray
-    boundary_bytes: np.ndarray  # the activation entering unit u from the units before it
+    boundary_bytes: np.ndarray  # what a stage starting at unit u receives (activations, the inputs later units read)
     plan: object  # the intra-op Plan these came from
     forward_s: np.ndarray | None = None  # the forward part of per_microbatch_s's compute
     recompute: bool = False
@@ -79,6 +139,19 @@ class UnitPrices:
     # the activations the input half frees when the unit ends a stage: what is saved after its
     # last op reading a parameter (a loss's inputs), which no weight half needs
     tail_bytes: np.ndarray | None = None
+    # the gradient syncs (``UnitSyncs``): not linear in the units, so out of per_step_s
+    syncs: UnitSyncs | None = None
+    # of boundary_bytes, the gradients a stage starting at unit u sends back (None: all of them)
+    boundary_grad_bytes: np.ndarray | None = None
+
+    def receive_s(self, i: int, mesh: Mesh) -> float:
+        """Seconds per microbatch a stage starting at unit i spends on the values it receives
+        (forward) and the gradients it sends back (backward), point to point over the mesh's
+        first axis."""
+        if i == 0:
+            return 0.0
+        grads = self.boundary_bytes[i] if self.boundary_grad_bytes is None else self.boundary_grad_bytes[i]
+        return send_time(self.boundary_bytes[i], mesh, (0,)) + (send_time(grads, mesh, (0,)) if grads > 0 else 0.0)
 
     def static_between(self, i: int, j: int) -> float:
         """What units i..j hold of state, a shared parameter once."""
@@ -89,6 +162,20 @@ class UnitPrices:
         shared parameter's, which a stage holding several of its readers pays once."""
         extra = [(p.seconds * k, p.per_step_s * k) for p in self.shared_params if (k := p.extra_copies(i, j))]
         return sum(t for t, _ in extra), sum(once for _, once in extra)
+
+    def time_from(self, i: int, overlapped: bool) -> np.ndarray:
+        """Seconds per microbatch of a stage of units i..j, for every j >= i, but for what it
+        receives: its units' work per microbatch and their per-step work's share (a shared
+        parameter once), and its gradient syncs (``UnitSyncs.from_unit``)."""
+        c_time = np.concatenate([[0.0], np.cumsum(self.per_microbatch_s[i:] + self.per_step_s[i:])])
+        dup = [self.duplicate_time(i, j)[0] for j in range(i, len(self.per_step_s))]
+        return c_time[1:] - dup + self.syncs.from_unit(i, overlapped)
+
+    def per_step_between(self, i: int, j: int, overlapped: bool) -> float:
+        """Seconds per microbatch of units i..j's per-step work (gradient syncs, optimizer; a
+        shared parameter once): what a step pays once, at the microbatch's share."""
+        once = float(self.per_step_s[i:j + 1].sum()) - self.duplicate_time(i, j)[1]
+        return once + self.syncs.between(i, j, overlapped)
 
     def held_between(self, i: int, j: int, state_share: float = 1.0) -> float:
         """What a stage of units i..j holds whatever its microbatches in flight: ``state_share`` of
@@ -113,17 +200,18 @@ class UnitPrices:
                                    activation_bytes=self.boundary_bytes.copy(), recompute=True, stage_extra_bytes=peak)
 
 
-def unit_prices(plan, graph, mesh) -> UnitPrices:
-    """Attribute a whole-graph intra-op plan's prices to the units (see the module docstring)."""
+def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> UnitPrices:
+    """Attribute a whole-graph intra-op plan's prices to the units (see the module docstring).
+    ``step_share``: the share of a step one run of the graph is (the plan's ``1 / microbatches``);
+    ``bucket_bytes``: the reducer's bucket size it was planned for."""
     cluster = mesh.resolved_cluster()
     grad = needs_grad(graph)
     unit = unit_of_nodes(graph)
     n = len(graph.layers)
-    micro, step, static, act, boundary, forward, peak, weight_grads, tail = (np.zeros(n) for _ in range(9))
+    micro, step, static, act, boundary, boundary_grads, forward, peak, weight_grads, tail, cover = (np.zeros(n) for _ in range(11))
     last_weight_op: dict[int, int] = {}  # unit -> graph position of its last op reading a parameter
     position = {name: k for k, name in enumerate(graph.nodes)}
     readers = node_readers(graph)
-    crossing: set[tuple[str, int]] = set()
     out = next(n for n in graph.nodes.values() if n.op == "output")
     unread = {(out.name, i) for i in unread_outputs(graph)}  # the last stage's program returns the loss alone
     accumulate = {p.node: p.accumulate_s for p in plan.params.values()}
@@ -143,6 +231,8 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
                 step[uu] += np_.compute_s - acc  # the optimizer's share
                 micro[uu] += acc  # its gradient added up, every microbatch
         elif node.op == "call_function":
+            if runs_backward(node, grad):  # what a sync launched in backward runs beside
+                cover[u] += cluster.comm_overlap * step_share * np_.compute_s * 2 / 3
             forward_s, backward_s = op_overheads_s(node, grad, cluster)
             micro[u] += np_.compute_s + forward_s + backward_s + in_op_comm_s(np_, graph, mesh, plan.identical_axes)
             forward[u] += np_.compute_s / 3 + forward_s  # node compute is forward + 2x backward
@@ -154,26 +244,56 @@ def unit_prices(plan, graph, mesh) -> UnitPrices:
     for (dst, pos), seconds in reshard_by_read(graph, plan.edges, mesh, plan.identical_axes).items():
         if dst in unit and (dst, pos) not in unread:
             micro[unit[dst]] += seconds
-    for e in plan.edges:
-        src = graph.nodes[e.src]
-        if src.op == "call_function" and e.src in unit and e.dst in unit and unit[e.src] < unit[e.dst]:
-            # an activation read by a later unit crosses every boundary up to it, once, as the
-            # shard each device of the sending stage holds
-            nbytes = local_bytes(e.src_spec, mesh.shape, src.meta.itemsize) if hasattr(src.meta, "itemsize") else 0
-            for b in range(unit[e.src] + 1, unit[e.dst] + 1):
-                if (e.src, b) not in crossing:
-                    crossing.add((e.src, b))
-                    boundary[b] += nbytes
+    for v, nbytes, u_made, u_last in _crossing_values(plan, graph, unit, readers, mesh):
+        boundary[u_made + 1:u_last + 1] += nbytes  # sent on by every stage up to its last reader
+        if v in grad:  # its gradient comes back
+            boundary_grads[u_made + 1:u_last + 1] += nbytes
     for name, np_ in plan.nodes.items():  # saved from the unit's last op reading a parameter on
         u = unit.get(name)
         if (u is not None and graph.nodes[name].op == "call_function"
                 and position[name] >= last_weight_op.get(u, len(position))):
             tail[u] += np_.memory_bytes - np_.peak_bytes
-    for p in plan.params.values():
-        if p.grad_sync is not None and p.node in unit:
-            step[unit[p.node]] += p.grad_sync_s
+    syncs = _unit_syncs(plan, graph, mesh, unit, readers, cover, step_share, bucket_bytes)
     return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_params=tuple(shared), peak_bytes=peak,
-                      weight_grad_bytes=weight_grads, tail_bytes=tail)
+                      weight_grad_bytes=weight_grads, tail_bytes=tail, syncs=syncs, boundary_grad_bytes=boundary_grads)
+
+
+def _crossing_values(plan, graph, unit, readers, mesh):
+    """(value, bytes each device sends, the unit making it, its last reader's unit) of every value
+    a later unit reads: an activation as the shard its producer holds, a user input whole (stage 0
+    gets the inputs; codegen's ``sent_specs``)."""
+    for v, node in graph.nodes.items():
+        last = max((unit[r] for r in readers.get(v, ()) if r in unit), default=-1)
+        if node.op == "call_function" and v in unit and last > unit[v] and hasattr(node.meta, "itemsize"):
+            yield v, local_bytes(plan.nodes[v].output, mesh.shape, node.meta.itemsize), unit[v], last
+        elif node.op == "placeholder" and node.role == Role.INPUT and last > 0 and hasattr(node.meta, "nbytes"):
+            yield v, float(node.meta.nbytes), 0, last
+
+
+def _unit_syncs(plan, graph, mesh, unit, readers, cover, step_share: float, bucket_bytes: int) -> UnitSyncs:
+    """The plan's gradient syncs per unit (``UnitSyncs``), each in every unit reading its parameter."""
+    precision = MixedPrecision.from_dict(plan.precision) if plan.precision else None
+    priced = [(p, q) for p, q, _ in sync_prices(plan, graph, mesh, bucket_bytes=bucket_bytes,
+                                                 grad_total_bytes=grad_bytes_total(graph, precision))
+              if q is not None and p.node in unit]
+    groups = list(dict.fromkeys(q.group for _, q in priced))
+    n, index = len(cover), {g: k for k, g in enumerate(groups)}
+    first = np.zeros(len(groups))
+    sums, floors, after, count = (np.zeros((n, len(groups))) for _ in range(4))
+    shared = []
+    for p, q in priced:
+        g = index[q.group]
+        first[g] = (q.latency_s + q.after_latency_s) * step_share
+        users = sorted({unit[r] for r in readers.get(p.node, ()) if r in unit} or {unit[p.node]})
+        parts = (q.sum_s * step_share, q.floor_s * step_share, (q.gather_s + q.fresh_s) * step_share)
+        for u in users:
+            sums[u, g] += parts[0]
+            floors[u, g] += parts[1]
+            after[u, g] += parts[2]
+            count[u, g] += 1
+        if len(users) > 1:
+            shared.append((tuple(users), g, *parts))
+    return UnitSyncs(first, sums, floors, after, count, cover, tuple(shared))
 
 
 
@@ -189,14 +309,17 @@ def grouped_prices(p: UnitPrices, groups) -> UnitPrices:
                       tuple(sp._replace(units=tuple(group_of[u] for u in sp.units)) for sp in p.shared_params),
                       None if p.peak_bytes is None else total(p.peak_bytes),
                       None if p.weight_grad_bytes is None else total(p.weight_grad_bytes),
-                      None if p.tail_bytes is None else np.asarray([p.tail_bytes[g[-1]] for g in groups]))
+                      None if p.tail_bytes is None else np.asarray([p.tail_bytes[g[-1]] for g in groups]),
+                      p.syncs.grouped(groups),
+                      None if p.boundary_grad_bytes is None else np.asarray([p.boundary_grad_bytes[g[0]] for g in groups]))
 
 
 def fastest_prices(model, sm, graph, intra_op_plan, config) -> UnitPrices | None:
     """The prices of the fastest intra-op plan on sub-mesh ``sm``; None where there is no plan (or
     a forced layout does not fit it)."""
     try:
-        return unit_prices(intra_op_plan(model, sm, graph=graph, config=config.replace(memory_budget=None)), graph, sm)
+        return unit_prices(intra_op_plan(model, sm, graph=graph, config=config.replace(memory_budget=None)), graph, sm,
+                           step_share=1.0 / config.microbatches, bucket_bytes=config.bucket_bytes)
     except (PlanError, ConfigError):
         return None
 
@@ -217,31 +340,35 @@ def leaner_prices(model, sm, graph, intra_op_plan, config, fastest: UnitPrices, 
     lean = config.replace(idle_axes=(), time_limit_s=min(config.time_limit_s, 2.0), objective_cutoff_s=cutoff_s)
     for fraction in MEMORY_VARIANTS:
         try:
-            leaner = intra_op_plan(model, sm, graph=graph, config=lean.replace(memory_budget=memory * fraction))
+            try:
+                leaner = intra_op_plan(model, sm, graph=graph, config=lean.replace(memory_budget=memory * fraction))
+            except OverBudget as err:  # as far from the least any plan needs instead
+                if not err.least < memory:
+                    raise
+                budget = err.least + fraction * (memory - err.least)
+                leaner = intra_op_plan(model, sm, graph=graph, config=lean.replace(memory_budget=budget))
         except PlanError:
             break
         if leaner.predicted["memory_bytes_per_device"] >= out[-1].plan.predicted["memory_bytes_per_device"] * 0.95:
             continue
-        out.append(unit_prices(leaner, graph, sm))
+        out.append(unit_prices(leaner, graph, sm, step_share=1.0 / config.microbatches, bucket_bytes=config.bucket_bytes))
     return out[1:]
 
 
-def stage_tables(variants, n_units: int, mesh: Mesh):
+def stage_tables(variants, n_units: int, mesh: Mesh, overlapped: bool = True):
     """(time, static memory, activation memory, memory per deferred weight half) per (first unit,
-    last unit, variant)."""
+    last unit, variant); ``overlapped``: the schedule launches a stage's gradient syncs in its
+    last microbatch's backward (``Schedule.overlaps_sync``)."""
     n_opt = len(variants)
     time_t = np.full((n_units, n_units, n_opt), math.inf)
     mem_t = np.zeros_like(time_t)
     act_t = np.zeros_like(time_t)
     deferred_t = np.zeros_like(time_t)
     for m, (rows, p) in enumerate(variants):
-        per_unit = p.per_microbatch_s + p.per_step_s  # per-step prices are already 1 / count (plan(microbatches=))
-        c_time, c_act = (np.concatenate([[0.0], np.cumsum(a)]) for a in (per_unit, p.activation_bytes))
+        c_act = np.concatenate([[0.0], np.cumsum(p.activation_bytes)])
         for i in range(n_units):
-            # the activation entering the stage (forward) and its gradient leaving it (backward)
-            recv = 0.0 if i == 0 else 2 * send_time(p.boundary_bytes[i], mesh, (0,))
             j = np.arange(i, n_units)
-            time_t[i, i:, m] = c_time[j + 1] - c_time[i] + recv - [p.duplicate_time(i, jj)[0] for jj in j]
+            time_t[i, i:, m] = p.time_from(i, overlapped) + p.receive_s(i, mesh)
             mem_t[i, i:, m] = [p.held_between(i, jj) + p.stage_extra_bytes for jj in j]
             act_t[i, i:, m] = c_act[j + 1] - c_act[i]
             deferred_t[i, i:, m] = [p.deferred_between(i, jj) for jj in j]

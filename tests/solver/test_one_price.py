@@ -104,3 +104,97 @@ def test_accumulated_microbatches_price_as_their_ilp(cluster):
                 assert plan.predicted["step_time_s"] == pytest.approx(4 * stage.time_per_microbatch_s, rel=1e-9), label
                 checked += 1
     assert checked >= 12, checked
+
+
+def _record_prices(plan, model, inputs):
+    """Each stage's time per microbatch and what of it is paid once a step, priced afresh from the
+    plan's record: the stage's own plan and the reshards of what it receives
+    (``StagePlan.received``) by the step model run ``microbatches`` times
+    (``cost_model.step.step_time``), and the values codegen sends it (``codegen.stages``) point to
+    point, forward and their gradients back."""
+    import dataclasses
+
+    from autopar import ir
+    from autopar.codegen.stages import cut_stages, sent_specs
+    from autopar.cost_model.comm import send_time
+    from autopar.cost_model.grad_sync import grad_bytes_total
+    from autopar.cost_model.step import step_time
+    from autopar.ir.precision import MixedPrecision, working_call
+    from autopar.record.schedules import schedule_named
+    from autopar.sharding_spec.reshard import local_bytes
+    from autopar.solver.microbatches import microbatch_inputs
+
+    p = plan.pipeline
+    m = p.microbatches
+    precision = MixedPrecision.from_dict(plan.precision) if plan.precision else None
+    if precision is not None:
+        model, (inputs, _) = working_call(model, (inputs, {}), precision)
+    graph = ir.trace(model, microbatch_inputs(inputs, {}, m)[0])
+    assert graph.fingerprint() == plan.model_fingerprint
+    cuts = cut_stages(graph, plan)
+    specs, grads = sent_specs(graph, plan, cuts), ir.graph.needs_grad(graph)
+    overlapped = schedule_named(p.schedule).overlaps_sync
+    times, once = [], []
+    for k, (stage, cut) in enumerate(zip(p.stages, cuts)):
+        mesh = autopar.Mesh.from_dict(stage.plan.mesh)
+        record = dataclasses.replace(stage.plan, edges=list(stage.plan.edges) + list(stage.received))
+        parts = step_time(record, graph, mesh, runs=m, overlapped=overlapped, recomputed=bool(stage.recompute),
+                          grad_total_bytes=grad_bytes_total(graph, precision))
+        t = parts["step_time_s"] / m
+        if k:
+            sender = autopar.Mesh.from_dict(p.stages[k - 1].plan.mesh)
+            nbytes = {v: local_bytes(specs[v], sender.shape, graph.nodes[v].meta.itemsize) for v in cut.receives}
+            back = sum(n for v, n in nbytes.items() if v in grads)
+            t += send_time(sum(nbytes.values()), plan.mesh_obj, (0,)) + (send_time(back, plan.mesh_obj, (0,)) if back else 0)
+        times.append(t)
+        once.append(sum(parts[k] for k in ("exposed_sync_s", "param_gather_s", "zero2_fresh_s", "optimizer_s")))
+    return graph, times, once
+
+
+def _pipeline_step(plan, graph, times, once):
+    """The step of stages taking ``times`` a microbatch (``once`` of it per step) under the plan's
+    schedule: its formula, or where ranks share cores the simulated one
+    (``pipeline.shared_core_time``), and what the step runs after it (``step_extras``)."""
+    import numpy as np
+
+    from autopar.cost_model.schedules import step_time as schedule_step
+    from autopar.record.schedules import schedule_named
+    from autopar.solver.pipeline import shared_core_time
+    from autopar.solver.stage_dp import StageSolution
+    from autopar.solver.stage_prices import step_extras
+
+    p, mesh = plan.pipeline, plan.mesh_obj
+    schedule = schedule_named(p.schedule)
+    stages = [(s.layers[0], s.layers[1], k) for k, s in enumerate(p.stages)]
+    sol = StageSolution(stages, schedule_step(schedule, times, p.microbatches, p.virtual_stages), max(times), times)
+    rows = np.array([s.rows[1] - s.rows[0] + 1 for s in p.stages])
+    step = shared_core_time(sol, rows, p.microbatches, mesh.resolved_cluster().rank_contention, mesh.shape[0], schedule,
+                            [p.microbatches * t for t in once])
+    groups = [[u] for u in range(len(graph.layers))]
+    return step + step_extras(graph, groups, stages, len(stages) // p.virtual_stages, mesh)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_a_pipeline_is_priced_as_its_record_runs(cluster):
+    """Every stage of a pipelined plan takes, per microbatch, what its record prices afresh: the
+    step model over its own plan and received reshards, run once per microbatch, its gradient
+    syncs once a step (each group's first calls in full, hidden behind its last microbatch's
+    backward under GPipe and 1F1B, after the schedule under the others), recomputation, and the
+    values it receives; the plan's step is its schedule over those times and the step's extras.
+    Tied (GPT) and untied (LLaMA) weights, bf16 over fp32 masters, data x tensor parallel stages,
+    every schedule, and the stages the search picks unforced."""
+    checked = 0
+    cases = [("gpt", (4,), dict(schedule=s)) for s in ("1f1b", "gpipe", "zero-bubble", "interleaved-1f1b")]
+    cases += [("llama", (4,), dict(schedule="1f1b")), ("llama", (2, 2), dict(recompute=True)),
+              ("gpt", (4, 2), dict(microbatches=8)), ("llama", (4, 2), {})]
+    for name, shape, pipeline in cases:
+        model, inputs = models.build(name, layers=4, batch=16)
+        for precision in (None, "bf16"):
+            plan = autopar.plan(model, autopar.Mesh(shape, cluster=cluster), inputs, precision=precision,
+                                pipeline=autopar.Pipeline(**{"stages": 2, **pipeline}))
+            label = (name, shape, pipeline, precision)
+            graph, times, once = _record_prices(plan, model, inputs)
+            assert [s.time_per_microbatch_s for s in plan.pipeline.stages] == pytest.approx(times, rel=1e-9), label
+            assert plan.predicted["step_time_s"] == pytest.approx(_pipeline_step(plan, graph, times, once), rel=1e-9), label
+            checked += 1
+    assert checked == 16
