@@ -258,16 +258,45 @@ def _plan_on(graph, mesh, budget, force, config: PlanConfig):
     return best
 
 
-def _plan_under(graph, mesh, budget, force, config: PlanConfig, identical: tuple[int, ...]):
-    """``_plan_on``'s solve under one gradient convention (``identical`` axes)."""
-    t0 = time.perf_counter()
+class _BuiltProblems:
+    """The problems built for the last graph planned, by everything but the memory budget: the
+    pipeline search plans each sub-mesh's fastest, then, after a first stage DP, its leaner plans
+    under budgets (``stage_prices.leaner_prices``): the same strategies and prices, which take a
+    large graph longer to build than to solve. One graph at a time (a graph per microbatch count)."""
+
+    def __init__(self):
+        self.graph, self.built = None, {}
+
+    def get(self, graph, mesh, budget, force, config: PlanConfig, identical):
+        if force is not None:  # (forced restrictions: built for the call)
+            return _build(graph, mesh, budget, force, config, identical)
+        if self.graph is not graph:
+            self.graph, self.built = graph, {}
+        key = (mesh, config.optimizer, id(config.op_table), config.optimizer_sharding, config.bucket_bytes,
+               config.microbatches, repr(config.precision), identical)
+        if key not in self.built:
+            self.built[key] = _build(graph, mesh, None, None, config, identical)
+        return self.built[key].with_budget(budget)
+
+
+def _build(graph, mesh, budget, force, config: PlanConfig, identical):
     choices = node_choices(graph, mesh, optimizer=config.optimizer, op_table=config.op_table,
                            optimizer_sharding=config.optimizer_sharding, force=force, bucket_bytes=config.bucket_bytes,
                            step_share=1.0 / config.microbatches, precision=config.precision, identical=identical)
+    log.info("strategies of %d nodes on %s priced", len(choices), mesh)
+    return build_problem(graph, mesh, memory_budget=budget, optimizer=config.optimizer, choices=choices,
+                         step_share=1.0 / config.microbatches, identical=identical)
+
+
+_BUILT = _BuiltProblems()
+
+
+def _plan_under(graph, mesh, budget, force, config: PlanConfig, identical: tuple[int, ...]):
+    """``_plan_on``'s solve under one gradient convention (``identical`` axes)."""
+    t0 = time.perf_counter()
+    built = _BUILT.get(graph, mesh, budget, force, config, identical)
+    choices = built.choices
     t_build = time.perf_counter()
-    log.info("strategies of %d nodes on %s priced; solving", len(choices), mesh)
-    built = build_problem(graph, mesh, memory_budget=budget, optimizer=config.optimizer, choices=choices,
-                          step_share=1.0 / config.microbatches, identical=identical)
     overlap = Overlap.of(graph, choices, built.requires_grad, mesh, 1.0 / config.microbatches)
     # the op overheads are the same for every choice: out of the ILP, in the objective (a step's price)
     overheads = graph_overheads_s(graph, mesh.resolved_cluster())
@@ -335,6 +364,16 @@ def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: 
         return {v: c - (1 - lam) * (overlap.sync.get(v, 0.0) - overlap.spread.get(v, 0.0)) - lam * overlap.cover.get(v, 0.0)
                 for v, c in problem.costs.items()}
 
+    if config.microbatches > 1:
+        # A microbatch's syncs hide behind its own backward only (gradient accumulation, a
+        # pipeline stage, planned once per sub-mesh and count): the end that charges them less
+        # that cover, one ILP, optimal where they do not all hide and a bound of the step else.
+        paid = run(at(1.0))
+        b1, r1 = split(paid)
+        floor = overlap.last_bucket(paid[2])
+        if r1 >= 0:
+            return priced(paid), {"sync_hidden": "in part", "sync_floor_s": floor}
+        return priced(paid), {"sync_hidden": "bounded", "sync_floor_s": floor, "objective_bound_s": b1 + r1}
     hidden = run(at(0.0))
     b0, r0 = split(hidden)
     if r0 <= 0:

@@ -142,6 +142,14 @@ class Built:
     edge_list: list[tuple[str, str, int]]
     requires_grad: set[str]
     identical: tuple = ()  # the axes gradients are whole on (``record.gradients``)
+    most: float = math.inf  # the memory of every node's most memory-hungry choice together
+
+    def with_budget(self, memory_budget: float | None) -> "Built":
+        """This problem under another memory budget (a copy; the choices and prices shared). A
+        budget no assignment can exceed constrains nothing, and would only keep the simplifier
+        from folding nodes whose memory varies."""
+        budget = None if memory_budget is not None and self.most <= memory_budget else memory_budget
+        return dataclasses.replace(self, problem=dataclasses.replace(self.problem, budget=budget, tie={}))
 
 
 def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
@@ -514,22 +522,19 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
                     memo[hkey] = held_matrix(graph, prod, cons, pos, mesh, static)
                 if memo[hkey].any():
                     held[key] = held[key] + memo[hkey] if key in held else memo[hkey]
-    # A budget no assignment can exceed (the most memory of every node together fits) constrains
-    # nothing, and would only keep the simplifier from folding nodes whose memory varies.
     most = (sum(float(np.max(c.memory)) for c in choices.values() if len(c.memory))
             + sum(float(np.max(m)) for m in held.values()))
     problem = Problem(
         costs={v: c.compute_s + c.comm_s for v, c in choices.items()},
         memory={v: c.memory for v, c in choices.items()},
         edges=edges,
-        budget=None if memory_budget is not None and most <= memory_budget else memory_budget,
         edge_memory=held,
         once=[OnceCost(latency, members) for latency, members in calls.values()]
         + [OnceCost(seconds, members) for seconds, members in gathers_of.values()]
         + [OnceCost(seconds, members) for seconds, members in sums.values()]
         + sync_group_costs(choices, step_share),
     )
-    return Built(problem, choices, edge_list, grad, identical)
+    return Built(problem, choices, edge_list, grad, identical, most).with_budget(memory_budget)
 
 
 def _edge_prices(graph, prod, cons, pos, mesh, backward: bool, in_place: bool, param: bool, identical=()):

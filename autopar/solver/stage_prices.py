@@ -54,9 +54,11 @@ class SharedParam(NamedTuple):
     per_step_s: float
     units: tuple
 
-    def extra_copies(self, i: int, j: int) -> int:
-        """How many times more than once units i..j count it."""
-        return max(0, sum(i <= u <= j for u in self.units) - 1)
+
+def extra_copies_from(units, i: int, n: int) -> np.ndarray:
+    """For every j in i..n-1, how many times more than once units i..j count what ``units`` (with
+    repeats: a unit of grouped layers counts each) all hold."""
+    return np.maximum(0, np.cumsum(np.bincount(np.asarray(units, dtype=int), minlength=n)[i:n]) - 1)
 
 
 @dataclasses.dataclass
@@ -91,8 +93,7 @@ class UnitSyncs:
         sums, floors, after, count = (np.cumsum(a[i:], axis=0) for a in (self.sums, self.floors, self.after, self.count))
         n = len(self.cover)
         for units, g, s, f, a in self.shared:
-            held = np.cumsum([sum(u == k for u in units) for k in range(i, n)])  # its readers among units i..j
-            extra = np.maximum(0, held - 1)
+            extra = extra_copies_from(units, i, n)
             sums[:, g] -= extra * s
             floors[:, g] -= extra * f
             after[:, g] -= extra * a
@@ -128,7 +129,7 @@ class UnitPrices:
     stage_extra_bytes: float = 0.0  # held once by any stage on these prices
     # parameters read by several units (a tied embedding and head: ``SharedParam``); each of them
     # counts one in static_bytes and in its time, a stage holding several of them holds and pays it
-    # once (``static_between``, ``duplicate_time``)
+    # once (``_extra_from``)
     shared_params: tuple = ()
     # held at the forward's peak once per stage, not per microbatch in flight (a loss's logits and
     # log-probabilities); None: nothing
@@ -153,42 +154,58 @@ class UnitPrices:
         grads = self.boundary_bytes[i] if self.boundary_grad_bytes is None else self.boundary_grad_bytes[i]
         return send_time(self.boundary_bytes[i], mesh, (0,)) + (send_time(grads, mesh, (0,)) if grads > 0 else 0.0)
 
-    def static_between(self, i: int, j: int) -> float:
-        """What units i..j hold of state, a shared parameter once."""
-        return float(self.static_bytes[i:j + 1].sum()) - sum(p.nbytes * p.extra_copies(i, j) for p in self.shared_params)
+    def _extra_from(self, i: int, field: str) -> np.ndarray:
+        """For every j >= i, what units i..j count more than once of the shared parameters'
+        ``field`` (``SharedParam``): a stage holding several of a tied weight's readers holds and
+        pays it once."""
+        n = len(self.static_bytes)
+        out = np.zeros(n - i)
+        for p in self.shared_params:
+            out += getattr(p, field) * extra_copies_from(p.units, i, n)
+        return out
 
-    def duplicate_time(self, i: int, j: int) -> tuple[float, float]:
-        """(seconds per microbatch, of which per step) that units i..j count more than once: a
-        shared parameter's, which a stage holding several of its readers pays once."""
-        extra = [(p.seconds * k, p.per_step_s * k) for p in self.shared_params if (k := p.extra_copies(i, j))]
-        return sum(t for t, _ in extra), sum(once for _, once in extra)
+    def static_from(self, i: int) -> np.ndarray:
+        """For every j >= i, what units i..j hold of state, a shared parameter once."""
+        return np.cumsum(self.static_bytes[i:]) - self._extra_from(i, "nbytes")
+
+    def static_between(self, i: int, j: int) -> float:
+        """``static_from`` of units i..j."""
+        return float(self.static_from(i)[j - i])
 
     def time_from(self, i: int, overlapped: bool) -> np.ndarray:
         """Seconds per microbatch of a stage of units i..j, for every j >= i, but for what it
         receives: its units' work per microbatch and their per-step work's share (a shared
         parameter once), and its gradient syncs (``UnitSyncs.from_unit``)."""
-        c_time = np.concatenate([[0.0], np.cumsum(self.per_microbatch_s[i:] + self.per_step_s[i:])])
-        dup = [self.duplicate_time(i, j)[0] for j in range(i, len(self.per_step_s))]
-        return c_time[1:] - dup + self.syncs.from_unit(i, overlapped)
+        linear = np.cumsum(self.per_microbatch_s[i:] + self.per_step_s[i:]) - self._extra_from(i, "seconds")
+        return linear + self.syncs.from_unit(i, overlapped)
 
     def per_step_between(self, i: int, j: int, overlapped: bool) -> float:
         """Seconds per microbatch of units i..j's per-step work (gradient syncs, optimizer; a
         shared parameter once): what a step pays once, at the microbatch's share."""
-        once = float(self.per_step_s[i:j + 1].sum()) - self.duplicate_time(i, j)[1]
-        return once + self.syncs.between(i, j, overlapped)
+        once = np.cumsum(self.per_step_s[i:]) - self._extra_from(i, "per_step_s")
+        return float(once[j - i]) + self.syncs.between(i, j, overlapped)
+
+    def held_from(self, i: int, state_share: float = 1.0) -> np.ndarray:
+        """For every j >= i, what a stage of units i..j holds whatever its microbatches in flight:
+        ``state_share`` of their state and what lives at the forward's peak, once."""
+        peak = 0.0 if self.peak_bytes is None else np.cumsum(self.peak_bytes[i:])
+        return self.static_from(i) * state_share + peak
 
     def held_between(self, i: int, j: int, state_share: float = 1.0) -> float:
-        """What a stage of units i..j holds whatever its microbatches in flight: ``state_share`` of
-        their state and what lives at the forward's peak, once."""
-        peak = 0.0 if self.peak_bytes is None else float(self.peak_bytes[i:j + 1].sum())
-        return self.static_between(i, j) * state_share + peak
+        """``held_from`` of the stage of units i..j."""
+        return float(self.held_from(i, state_share)[j - i])
+
+    def deferred_from(self, i: int) -> np.ndarray:
+        """For every j >= i, what a stage of units i..j holds per microbatch whose weight half is
+        deferred, beyond its activations: the weight halves' gradients, less what the input half
+        frees."""
+        if self.weight_grad_bytes is None:
+            return np.zeros(len(self.static_bytes) - i)
+        return np.maximum(0.0, np.cumsum(self.weight_grad_bytes[i:]) - self.tail_bytes[i:])
 
     def deferred_between(self, i: int, j: int) -> float:
-        """What a stage of units i..j holds per microbatch whose weight half is deferred, beyond
-        its activations: the weight halves' gradients, less what the input half frees."""
-        if self.weight_grad_bytes is None:
-            return 0.0
-        return max(0.0, float(self.weight_grad_bytes[i:j + 1].sum()) - float(self.tail_bytes[j]))
+        """``deferred_from`` of the stage of units i..j."""
+        return float(self.deferred_from(i)[j - i])
 
     def recomputed(self) -> "UnitPrices":
         """These prices with every unit's activations recomputed in backward (as
@@ -367,11 +384,10 @@ def stage_tables(variants, n_units: int, mesh: Mesh, overlapped: bool = True):
     for m, (rows, p) in enumerate(variants):
         c_act = np.concatenate([[0.0], np.cumsum(p.activation_bytes)])
         for i in range(n_units):
-            j = np.arange(i, n_units)
             time_t[i, i:, m] = p.time_from(i, overlapped) + p.receive_s(i, mesh)
-            mem_t[i, i:, m] = [p.held_between(i, jj) + p.stage_extra_bytes for jj in j]
-            act_t[i, i:, m] = c_act[j + 1] - c_act[i]
-            deferred_t[i, i:, m] = [p.deferred_between(i, jj) for jj in j]
+            mem_t[i, i:, m] = p.held_from(i) + p.stage_extra_bytes
+            act_t[i, i:, m] = c_act[i + 1:] - c_act[i]
+            deferred_t[i, i:, m] = p.deferred_from(i)
     return time_t, mem_t, act_t, deferred_t
 
 

@@ -198,3 +198,26 @@ def test_a_pipeline_is_priced_as_its_record_runs(cluster):
             assert plan.predicted["step_time_s"] == pytest.approx(_pipeline_step(plan, graph, times, once), rel=1e-9), label
             checked += 1
     assert checked == 16
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_one_stage_and_a_pipeline_are_priced_by_one_function(cluster):
+    """``autopar.plan`` compares the one-stage plan with the best pipeline (``simpler_unless_faster``)
+    by one price: a one-stage, one-microbatch result of the pipeline search (its stage tables,
+    schedule and extras) prices the plan the one-stage ILP makes at the one-stage plan's step."""
+    from autopar.solver.pipeline import search
+
+    checked = 0
+    for name in ("gpt", "llama"):
+        model, inputs = models.build(name, layers=2, batch=8)
+        for shape in ((4,), (2, 2)):
+            mesh = autopar.Mesh(shape, cluster=cluster)
+            choice = search(model, mesh, inputs, identical_axes=(), pipeline=autopar.Pipeline(stages=1, microbatches=1))
+            one = autopar.plan(model, mesh, inputs, pipeline=False, identical_axes=())
+            (stage,) = choice.stages
+            assert set(stage.plan.nodes) == set(one.nodes)
+            if any(stage.plan.nodes[k].family != n.family for k, n in one.nodes.items()):
+                continue  # a tie the two ILPs broke otherwise
+            assert choice.step_time_s == pytest.approx(one.predicted["step_time_s"], rel=1e-9), (name, shape)
+            checked += 1
+    assert checked >= 3, checked
