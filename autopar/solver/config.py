@@ -136,6 +136,9 @@ class PlanConfig:
     optimizer_sharding: bool = True
     microbatches: int = 1
     objective_cutoff_s: float | None = None
+    # where backward hides gradient syncs, search between charging them and hiding them until the
+    # step is proven optimal (``intra_op._solve_overlapped``); False: one ILP (the pipeline search's)
+    prove_overlap: bool = True
 
     def __post_init__(self):
         if self.pipeline is False:

@@ -364,10 +364,10 @@ def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: 
         return {v: c - (1 - lam) * (overlap.sync.get(v, 0.0) - overlap.spread.get(v, 0.0)) - lam * overlap.cover.get(v, 0.0)
                 for v, c in problem.costs.items()}
 
-    if config.microbatches > 1:
-        # A microbatch's syncs hide behind its own backward only (gradient accumulation, a
-        # pipeline stage, planned once per sub-mesh and count): the end that charges them less
-        # that cover, one ILP, optimal where they do not all hide and a bound of the step else.
+    if not config.prove_overlap:
+        # (the pipeline search's ILPs, one per sub-mesh, count and budget) the end that charges
+        # the syncs less their cover, one ILP: optimal where they do not all hide (a stage's hide
+        # behind one microbatch's backward, seldom wholly), a bound of the step else
         paid = run(at(1.0))
         b1, r1 = split(paid)
         floor = overlap.last_bucket(paid[2])

@@ -494,7 +494,7 @@ class _Search:
             return None
         unit_of_nodes(graph)  # a graph without layers cannot be cut: PlanError
         unit_groups(len(graph.layers), None, self.pipeline.layers)  # fixed layers must cover the model: ConfigError
-        config = self.config.replace(microbatches=count)
+        config = self.config.replace(microbatches=count, prove_overlap=False)
         rows = [r for r in self.options  # not more stages of a size than layers
                 if not (self.equal_stages and self.mesh.shape[0] // r > len(graph.layers))]
         variants, lean = self._fastest_variants(graph, config, [(r, sub_mesh(self.mesh, r)) for r in rows])
@@ -554,7 +554,7 @@ class _Search:
         count and the stage size before the width does. A forced layout fixes the widths."""
         if best is None or self.config.force is not None:
             return best
-        config = self.config.replace(microbatches=best.count)
+        config = self.config.replace(microbatches=best.count, prove_overlap=False)
         views = [(rows, view) for rows in sorted({best.variants[m][0] for _, _, m in best.sol.stages})
                  for view in narrower_views(sub_mesh(self.mesh, rows))]
         added, lean = self._fastest_variants(best.graph, config, views)
