@@ -23,7 +23,6 @@ share their cores with gloo's threads).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from autopar.cost_model.comm import layout_copy_time, mesh_collective_time, packed_gather_bytes
@@ -124,18 +123,6 @@ def reshard_by_read(graph, edges, mesh, identical=()) -> dict[tuple[str, int], f
     return out
 
 
-def plan_part(plan, graph, nodes):
-    """``plan`` cut to the ops ``nodes`` (a pipeline stage's): those ops, the edges into them, and
-    the parameters and buffers they read (a tied weight read by two stages is in both)."""
-    from autopar.ir.blocks import node_readers
-
-    nodes = set(nodes)
-    readers = node_readers(graph)
-    ops = {k: v for k, v in plan.nodes.items() if k in nodes or any(r in nodes for r in readers.get(k, ()))}
-    return dataclasses.replace(plan, nodes=ops, edges=[e for e in plan.edges if e.dst in nodes],
-                               params={k: p for k, p in plan.params.items() if p.node in ops})
-
-
 def sync_prices(plan, graph, mesh, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_total_bytes: float) -> list:
     """(parameter plan, its ``SyncPrice`` or None, its local elements the optimizer steps) per
     parameter of ``plan`` (buffers left out)."""
@@ -170,23 +157,22 @@ def synced_s(prices, cover_s: float) -> tuple[float, float, float, float]:
     return sync, max(last, sync - cover_s), gathers, sum(q.fresh_s for q in prices)
 
 
-def step_time(plan, graph, mesh, *, nodes=None, runs: int = 1, overlapped: bool = True, recomputed: bool = False,
+def step_time(plan, graph, mesh, *, runs: int = 1, overlapped: bool = True, recomputed: bool = False,
               bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_total_bytes: float | None = None) -> dict:
     """Seconds of one training step per rank under ``plan`` (see the module docstring), by part.
     ``mesh``: the mesh the plan was priced on (its cluster gives links, overheads and overlap);
     ``grad_total_bytes``: the model's gradients as the reducer sums them
     (``cost_model.grad_sync.grad_bytes_total``; default: the graph's parameter bytes).
 
-    A pipeline stage's step: ``nodes``, its ops (``plan_part``), run ``runs`` times (its
-    microbatches: per-run work that many times, the syncs and the optimizer once), the syncs
+    A pipeline stage's step (its own plan, with the reshards of what it receives:
+    ``StagePlan.received``) runs ``runs`` times (its microbatches: per-run work that many times,
+    the syncs and the optimizer once), the syncs
     hidden behind the backward of the last run where ``overlapped`` (GPipe and 1F1B launch them
     there), else after every run (interleaved and zero-bubble schedules); ``recomputed``: its
     forward runs again in backward (its compute's third and the ops' forward overheads). The
     activations it receives are not in it (``stage_prices.stage_tables``)."""
     from autopar.ir.graph import needs_grad
 
-    if nodes is not None:
-        plan = plan_part(plan, graph, nodes)
     cluster = mesh.resolved_cluster()
     grad_total_bytes = graph.param_bytes() if grad_total_bytes is None else grad_total_bytes
     grad = needs_grad(graph)

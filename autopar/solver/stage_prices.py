@@ -6,15 +6,17 @@ once): its chosen strategies' prices, attributed to the unit each node belongs t
 (``unit_prices``), give every unit's time per microbatch (compute, op overheads, resharding and
 in-op collectives, forward and backward), its time per step (gradient sync, optimizer; amortized
 over the B microbatches in the DP), its bytes held for good (parameters, gradients, optimizer
-states) and per microbatch in flight (activations). A stage's price is the sum over its units plus
-the activation it receives over axis 0's link (``stage_tables``). Several ILP solutions per
+states) and per microbatch in flight (activations). A stage's price is the sum over its units, its
+gradient syncs as its own reducer runs them (``UnitSyncs``: each group's first calls once, hidden
+behind its last microbatch's backward where the schedule launches them there) and what it receives
+over axis 0's link (``stage_tables``): what ``cost_model.step.step_time`` prices the stage's own
+plan at, run once per microbatch. Several ILP solutions per
 sub-mesh (the fastest, then ones under tighter memory budgets: ``leaner_prices``) become separate
 options, so a stage can trade speed for memory as Alpa's per-stage ILP does. What a pipelined step
 runs after its schedule, outside every stage's price, is ``step_extras``.
 
-Prices are linear in the units (a stage of layers i..j costs the sum of their prices): exact for the
-attribution, approximate in that one ILP per sub-mesh decides every layer's strategy, as if all
-stages on that sub-mesh shared it.
+Prices are exact for the attribution, approximate in that one ILP per sub-mesh decides every
+layer's strategy, as if all stages on that sub-mesh shared it.
 """
 from __future__ import annotations
 
