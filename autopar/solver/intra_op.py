@@ -11,6 +11,7 @@ from collections import Counter
 import logging
 import math
 import time
+import weakref
 
 from autopar.cost_model import memory as memory_model
 from autopar.cost_model.grad_sync import grad_bytes_total, with_group_shares, zero2_pool_bytes
@@ -265,13 +266,14 @@ class _BuiltProblems:
     large graph longer to build than to solve. One graph at a time (a graph per microbatch count)."""
 
     def __init__(self):
-        self.graph, self.built = None, {}
+        self.graph, self.built = None, {}  # the graph held weakly: its problems go with it
 
     def get(self, graph, mesh, budget, force, config: PlanConfig, identical):
         if force is not None:  # (forced restrictions: built for the call)
             return _build(graph, mesh, budget, force, config, identical)
-        if self.graph is not graph:
-            self.graph, self.built = graph, {}
+        if self.graph is None or self.graph() is not graph:
+            built = self.built = {}
+            self.graph = weakref.ref(graph, lambda _: built.clear())
         key = (mesh, config.optimizer, id(config.op_table), config.optimizer_sharding, config.bucket_bytes,
                config.microbatches, repr(config.precision), identical)
         if key not in self.built:
