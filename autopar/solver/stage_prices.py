@@ -83,10 +83,6 @@ class UnitSyncs:
     cover: np.ndarray
     shared: tuple = ()
 
-    @classmethod
-    def empty(cls, n: int) -> "UnitSyncs":
-        return cls(np.zeros(0), *(np.zeros((n, 0)) for _ in range(4)), np.zeros(n))
-
     def from_unit(self, i: int, overlapped: bool) -> np.ndarray:
         """Seconds per run of the syncs of a stage of units i..j, for every j >= i: each group it
         syncs in once, then max(the last bucket, the sums - the stage's cover) where
@@ -241,10 +237,10 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
             continue
         u = unit[name]
         if node.op == "placeholder" and node.role in (Role.PARAMETER, Role.BUFFER):
-            users = {unit[r] for r in readers.get(name, ()) if r in unit} or {u}
+            users = _reader_units(name, unit, readers)
             acc = accumulate.get(name, 0.0)
             if len(users) > 1:
-                shared.append(SharedParam(np_.memory_bytes, np_.compute_s, np_.compute_s - acc, tuple(sorted(users))))
+                shared.append(SharedParam(np_.memory_bytes, np_.compute_s, np_.compute_s - acc, tuple(users)))
             for uu in users:  # a tied weight read at both ends is held by both stages
                 static[uu] += np_.memory_bytes
                 step[uu] += np_.compute_s - acc  # the optimizer's share
@@ -277,6 +273,12 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
                       weight_grad_bytes=weight_grads, tail_bytes=tail, syncs=syncs, boundary_grad_bytes=boundary_grads)
 
 
+def _reader_units(param: str, unit, readers) -> list[int]:
+    """The units reading a parameter placeholder (a tied weight read at both ends is held and
+    synced by both stages), or its own unit where none reads it."""
+    return sorted({unit[r] for r in readers.get(param, ()) if r in unit} or {unit[param]})
+
+
 def _crossing_values(plan, graph, unit, readers, mesh):
     """(value, bytes each device sends, the unit making it, its last reader's unit) of every value
     a later unit reads: an activation as the shard its producer holds, a user input whole (stage 0
@@ -303,7 +305,7 @@ def _unit_syncs(plan, graph, mesh, unit, readers, cover, step_share: float, buck
     for p, q in priced:
         g = index[q.group]
         first[g] = (q.latency_s + q.after_latency_s) * step_share
-        users = sorted({unit[r] for r in readers.get(p.node, ()) if r in unit} or {unit[p.node]})
+        users = _reader_units(p.node, unit, readers)
         parts = (q.sum_s * step_share, q.floor_s * step_share, (q.gather_s + q.fresh_s) * step_share)
         for u in users:
             sums[u, g] += parts[0]

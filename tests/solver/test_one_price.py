@@ -147,7 +147,7 @@ def _record_prices(plan, model, inputs):
             back = sum(n for v, n in nbytes.items() if v in grads)
             t += send_time(sum(nbytes.values()), plan.mesh_obj, (0,)) + (send_time(back, plan.mesh_obj, (0,)) if back else 0)
         times.append(t)
-        once.append(sum(parts[k] for k in ("exposed_sync_s", "param_gather_s", "zero2_fresh_s", "optimizer_s")))
+        once.append(sum(parts[part] for part in ("exposed_sync_s", "param_gather_s", "zero2_fresh_s", "optimizer_s")))
     return graph, times, once
 
 
