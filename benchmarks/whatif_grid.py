@@ -1,14 +1,14 @@
 """Published models on clusters: autopar's plan against a grid of hand-written configurations,
 every one priced by the same cost model (``autopar.compare``).
 
-    .venv/bin/python benchmarks/whatif_grid.py [--cases gpt3-175b,llama3-8b] [--zero 0,1,3] [--recompute 0,1]
+    .venv/bin/python benchmarks/whatif_grid.py [--cases gpt3-175b,llama3-8b] [--zero 0,1,3] [--recompute none,full,selective]
 
 Cases (``CASES``): GPT-3 175B on 1024 simulated A100s (128 x 8) and Llama 3 8B on 64 simulated H100s
 (8 x 8), each at its published batch, in Megatron's recipe (``precision="bf16"``: bf16 compute over
 fp32 masters), 80 GB a device. The grid is ``compare.config_grid`` over the mesh's divisors: tp (at
 most a node's 8) x pp (at most the layers) x dp, each ZeRO stage of ``--zero`` where dp > 1, the
 vocabulary-parallel loss on and off where tp > 1, the case's microbatch counts that split the batch
-over dp (without a pipeline: gradient accumulation), and recomputation none / full. Prints the
+over dp (without a pipeline: gradient accumulation), and recomputation none / full / selective. Prints the
 plan, each configuration's predicted step time against the plan's (those that do not fit say by
 how much), and lists those predicted faster than the plan that fit: the planner's search should
 leave none. Writes ``results/whatif_grid.json``. 2-6 s per configuration on 2 cores.
@@ -79,10 +79,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--zero", default="0,1,3", help="ZeRO stages the grid tries")
-    p.add_argument("--recompute", default="0,1", help="0: none, 1: full")
+    p.add_argument("--recompute", default="none,full,selective", help="recomputation kinds the grid tries")
     a = p.parse_args()
     warnings.simplefilter("ignore")
-    out = {name: run_case(name, ints(a.zero), ints(a.recompute)) for name in a.cases.split(",") if name}
+    out = {name: run_case(name, ints(a.zero), a.recompute.split(",")) for name in a.cases.split(",") if name}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "whatif_grid.json").write_text(json.dumps(dict(cases=out, torch=torch.__version__), indent=1))
 

@@ -34,6 +34,7 @@ from autopar.ir.losses import counted_from_inputs
 from autopar.cost_model.grad_sync import group_latencies, sync_price
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES, assign_buckets, first_reads, zero2_saved_bytes
 from autopar.record.gathers import param_gather_groups
+from autopar.record.recompute import Recompute, saved_by_selective
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
 
@@ -157,7 +158,7 @@ def synced_s(prices, cover_s: float) -> tuple[float, float, float, float]:
     return sync, max(last, sync - cover_s), gathers, sum(q.fresh_s for q in prices)
 
 
-def step_time(plan, graph, mesh, *, runs: int = 1, overlapped: bool = True, recomputed: bool = False,
+def step_time(plan, graph, mesh, *, runs: int = 1, overlapped: bool = True, recomputed: Recompute = Recompute.NONE,
               bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_total_bytes: float | None = None) -> dict:
     """Seconds of one training step per rank under ``plan`` (see the module docstring), by part.
     ``mesh``: the mesh the plan was priced on (its cluster gives links, overheads and overlap);
@@ -169,7 +170,8 @@ def step_time(plan, graph, mesh, *, runs: int = 1, overlapped: bool = True, reco
     the syncs and the optimizer once), the syncs
     hidden behind the backward of the last run where ``overlapped`` (GPipe and 1F1B launch them
     there), else after every run (interleaved and zero-bubble schedules); ``recomputed``: its
-    forward runs again in backward (its compute's third and the ops' forward overheads). The
+    forward runs again in backward (its compute's third and the ops' forward overheads; under
+    selective recomputation, those of the ops it does not save: ``record.recompute``). The
     activations it receives are not in it (``stage_prices.stage_tables``)."""
     from autopar.ir.graph import needs_grad
 
@@ -183,8 +185,9 @@ def step_time(plan, graph, mesh, *, runs: int = 1, overlapped: bool = True, reco
         if node is None or node.op != "call_function":
             continue
         forward_s, backward_s = op_overheads_s(node, grad, cluster)
-        compute += n.compute_s * (4 / 3 if recomputed else 1)  # node compute is forward + 2x backward
-        overhead += forward_s * (2 if recomputed else 1) + backward_s
+        again = recomputed is Recompute.FULL or (recomputed is Recompute.SELECTIVE and not saved_by_selective(node.target))
+        compute += n.compute_s * (4 / 3 if again else 1)  # node compute is forward + 2x backward
+        overhead += forward_s * (2 if again else 1) + backward_s
         if runs_backward(node, grad):
             backward_compute += n.compute_s * 2 / 3  # node compute is forward + backward (x2)
     identical = plan.identical_axes

@@ -288,7 +288,7 @@ class PipelineRunner:
         self.modules, self.pipeline_stages = [], []
         for s in sg.stages:
             cut, last = cuts[s], s == self.stages - 1
-            module = StageProgram(pmodel, programs[s], cut, last, bool(plan.pipeline.stages[s].recompute), unit_of,
+            module = StageProgram(pmodel, programs[s], cut, last, plan.pipeline.stages[s].recomputed, unit_of,
                                    split_backward=planned.split_backward)
             inputs = tuple(self._example(v, specs, mesh) for v in cut.receives)
             outputs = tuple(self._example(v, {} if last else specs, mesh)

@@ -102,7 +102,7 @@ class PipelineCall:
         r = runner
         self.modules = [
             StageProgram(r.pmodel, stage_set.programs[s], stage_set.cuts[s], s == r.stages - 1,
-                          bool(stage_set.plan.pipeline.stages[s].recompute), r.unit_of, all_outputs=True)
+                          stage_set.plan.pipeline.stages[s].recomputed, r.unit_of, all_outputs=True)
             for s in r.sg.stages
         ]
         graph = stage_set.graph

@@ -10,13 +10,14 @@ import torch.nn as nn
 from autopar.codegen import ops
 from autopar.codegen.stages import StageCut
 from autopar.errors import ConfigError
+from autopar.record.recompute import SAVED_ATEN_OPS, Recompute
 
 
 class StageProgram(nn.Module):
     """The module a ``PipelineStage`` runs: this stage's program over the received values. It owns
     no parameters (the ParallelModule does; gradients reach them through its reducer's taps)."""
 
-    def __init__(self, pmodel, program, cut: StageCut, last: bool, recompute: bool, unit_of: dict | None = None,
+    def __init__(self, pmodel, program, cut: StageCut, last: bool, recompute: Recompute, unit_of: dict | None = None,
                  split_backward: bool = False, all_outputs: bool = False):
         super().__init__()
         object.__setattr__(self, "pmodel", pmodel)
@@ -32,7 +33,7 @@ class StageProgram(nn.Module):
         # microbatch, would only cost time); every output for a call (``all_outputs``).
         gm = program.loss_only() if last and not all_outputs else program.lowered.gm
         # Recomputation per layer, as the plan priced it: one checkpointed piece per layer.
-        self.program = checkpointed_by_layer(gm, unit_of, pmodel._ap.groups) if recompute else gm
+        self.program = checkpointed_by_layer(gm, unit_of, pmodel._ap.groups, recompute) if recompute else gm
 
     def forward(self, *received):
         ap = self.pmodel._ap
@@ -72,11 +73,13 @@ class StageProgram(nn.Module):
 
 class _Checkpointed(nn.Module):
     """A piece of a stage program run under ``torch.utils.checkpoint``: its activations are not
-    kept; backward runs it again (with the mesh's groups bound, as in forward)."""
+    kept (under selective recomputation, but for the outputs of the ops it saves); backward runs it
+    again (with the mesh's groups bound, as in forward)."""
 
-    def __init__(self, piece: nn.Module, groups):
+    def __init__(self, piece: nn.Module, groups, selective: bool):
         super().__init__()
         self.piece = piece
+        self.selective = selective
         object.__setattr__(self, "groups", groups)
 
     def forward(self, *args):
@@ -84,6 +87,8 @@ class _Checkpointed(nn.Module):
 
         if not torch.is_grad_enabled():
             return self.piece(*args)
+        if self.selective:
+            return checkpoint(self._run, *args, use_reentrant=False, context_fn=_saving_contexts)
         return checkpoint(self._run, *args, use_reentrant=False)
 
     def _run(self, *args):
@@ -91,9 +96,27 @@ class _Checkpointed(nn.Module):
             return self.piece(*args)
 
 
-def checkpointed_by_layer(gm, unit_of: dict, groups) -> nn.Module:
+def _saving_contexts():
+    """Selective checkpointing's contexts: the outputs of ``SAVED_ATEN_OPS`` kept, the rest recomputed."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_saved_ops())
+
+
+def _saved_ops() -> list:
+    """The installed torch's overloads of ``SAVED_ATEN_OPS``."""
+    found = []
+    for name in SAVED_ATEN_OPS:
+        packet, overload = name.split(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+        if op is not None:
+            found.append(op)
+    return found
+
+
+def checkpointed_by_layer(gm, unit_of: dict, groups, recompute: Recompute = Recompute.FULL) -> nn.Module:
     """``gm`` split into one piece per layer unit (each emitted node goes with the traced node it
-    lowers: ``autopar_origin``), each piece checkpointed."""
+    lowers: ``autopar_origin``), each piece checkpointed (whole, or selectively)."""
     from torch.fx.passes.split_module import split_module
 
     first = min((unit_of[n.meta["autopar_origin"]] for n in gm.graph.nodes if n.meta.get("autopar_origin") in unit_of),
@@ -104,7 +127,7 @@ def checkpointed_by_layer(gm, unit_of: dict, groups) -> nn.Module:
 
     split = split_module(gm, gm, piece)
     for name, child in list(split.named_children()):
-        setattr(split, name, _Checkpointed(child, groups))
+        setattr(split, name, _Checkpointed(child, groups, recompute is Recompute.SELECTIVE))
     return split
 
 

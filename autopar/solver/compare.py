@@ -3,8 +3,8 @@
 A configuration is written as people write them: ``"tp=8,dp=16"``, ``"tp=8,pp=4,dp=4,mb=16"``,
 ``"dp=8,zero=3"``, ``"tp=4,vocab=1"``, ``"dp=64,zero=1,mb=8,recompute=full"`` (keys: dp, tp, pp, mb
 (microbatches: gradient accumulation, with or without a pipeline), zero (0-3), vocab
-(vocabulary-parallel loss, 0/1), recompute (none or full: every layer's activations recomputed in
-backward)). The mesh's devices are viewed as (pp x dp, tp) when its shape differs (the cluster
+(vocabulary-parallel loss, 0/1), recompute (none, full: every layer's activations recomputed in
+backward, or selective: all but the outputs of matmuls and attention; ``record.recompute``)). The mesh's devices are viewed as (pp x dp, tp) when its shape differs (the cluster
 prices the links of that view). Without ``pp``, ``mb`` and ``recompute`` it is
 ``autopar.plan(..., force=Layout(...))``; with any of them it is a pipeline of ``pp`` equal stages
 (one: gradient accumulation) (``Pipeline(stages=pp, microbatches=mb, recompute=...)``) whose stages
@@ -20,13 +20,15 @@ import math
 
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.precision import MixedPrecision
+from autopar.record.recompute import Recompute
 from autopar.solver.config import Pipeline, PlanConfig
 from autopar.solver.mesh_views import config_mesh
 from autopar.solver.units import fmt_bytes, fmt_s
 
 KEYS = ("dp", "tp", "pp", "mb", "zero", "vocab", "recompute")
-# recompute's words (and 0/1) -> whether every layer is recomputed
-RECOMPUTE = {"none": 0, "0": 0, "full": 1, "1": 1}
+# recompute's words (and 0/1)
+RECOMPUTE = {"none": Recompute.NONE, "0": Recompute.NONE, "full": Recompute.FULL, "1": Recompute.FULL,
+             "selective": Recompute.SELECTIVE}
 
 
 @dataclasses.dataclass
@@ -41,7 +43,8 @@ class WhatIf:
 
 
 def parse_config(text: str) -> dict:
-    """``"tp=8,pp=4,dp=4,mb=16,recompute=full"`` -> {"tp": 8, "pp": 4, "dp": 4, "mb": 16, "recompute": 1}."""
+    """``"tp=8,pp=4,dp=4,mb=16,recompute=full"`` -> {"tp": 8, "pp": 4, "dp": 4, "mb": 16,
+    "recompute": Recompute.FULL}."""
     out = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = item.partition("=")
@@ -50,11 +53,8 @@ def parse_config(text: str) -> dict:
             raise ConfigError(f"what-if {text!r}: write items like tp=8,dp=16 (keys {', '.join(KEYS)}); got {item!r}")
         if key == "recompute":
             word = value.strip().lower()
-            if word == "selective":
-                raise ConfigError(f"what-if {text!r}: recompute=selective is not supported yet (autopar recomputes a "
-                                  "stage's layers whole); use recompute=full or recompute=none")
             if word not in RECOMPUTE:
-                raise ConfigError(f"what-if {text!r}: recompute must be none or full, got {value!r}")
+                raise ConfigError(f"what-if {text!r}: recompute must be none, full or selective, got {value!r}")
             out[key] = RECOMPUTE[word]
             continue
         try:
@@ -67,12 +67,13 @@ def parse_config(text: str) -> dict:
 
 
 def config_grid(devices: int, *, layers: int | None = None, batch: int | None = None, tp_max: int | None = None,
-                microbatches=(1, 2, 4, 8), zero=(0, 1, 2, 3), recompute=(0, 1)) -> list[str]:
+                microbatches=(1, 2, 4, 8), zero=(0, 1, 2, 3), recompute=tuple(Recompute)) -> list[str]:
     """Every hand-written configuration of ``devices``: tp x pp x dp over the divisors (pp at most
     ``layers``, tp at most ``tp_max``), each ZeRO stage where dp > 1, the vocabulary-parallel loss
     on or off where tp > 1, the whole batch where dp splits it and each of ``microbatches`` that
     splits ``batch`` evenly over dp (with pp > 1 at least pp, what torch's 1F1B runs; without a
-    pipeline, more than one is gradient accumulation), and each of ``recompute`` (none, full)."""
+    pipeline, more than one is gradient accumulation), and each of ``recompute`` (``Recompute``
+    kinds or their names: none, full, selective)."""
     def divisors(n):
         return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -96,9 +97,9 @@ def config_grid(devices: int, *, layers: int | None = None, batch: int | None = 
                     continue
                 for vocab in ((0, 1) if tp > 1 else (0,)):
                     for mb in mbs:
-                        for rc in recompute:
+                        for rc in map(Recompute.of, recompute):
                             parts = [f"tp={tp}", f"pp={pp}", f"dp={dp}"] + ([f"mb={mb}"] if mb else [])
-                            parts += [f"zero={z}", f"vocab={vocab}"] + (["recompute=full"] if rc else [])
+                            parts += [f"zero={z}", f"vocab={vocab}"] + ([f"recompute={rc.value}"] if rc else [])
                             out.append(",".join(parts))
     return out
 
@@ -152,7 +153,7 @@ def price(model, mesh, example_inputs, config: str, *, example_kwargs=None, memo
     try:
         layout = Layout(dp=dp, tp=tp, zero=c.get("zero", 0), vocab_parallel=None if vocab is None else bool(vocab))
         accumulates = pp > 1 or "mb" in c or "recompute" in c  # a pipeline (of one stage: accumulation)
-        recompute = None if "recompute" not in c else bool(c["recompute"])
+        recompute = c.get("recompute")
         # without mb, one stage runs the batch whole (recomputed or not); a pipeline's count is searched
         microbatches = c.get("mb", 1 if pp == 1 else None)
         pipeline = Pipeline(stages=pp, microbatches=microbatches, recompute=recompute) if accumulates else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from autopar.cost_model.memory import OPTIMIZER_STATES
+from autopar.record.recompute import Recompute
 from autopar.record.schedules import SCHEDULES, listed, schedule_named
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES
 from autopar.errors import ConfigError
@@ -26,11 +27,13 @@ class Pipeline:
     schedule: str | None = None
     microbatches: int | None = None
     virtual_stages: int | None = None
-    recompute: bool | None = None
+    # "none", "full", "selective" (``record.recompute``; True is "full"), None: chosen per stage
+    recompute: Recompute | bool | str | None = None
     layers: tuple[int, ...] | None = None  # layers per stage, in order (e.g. (3, 1)); fixes the stage count
 
     def __post_init__(self):
         named = SCHEDULES.get(self.schedule) if isinstance(self.schedule, str) else None  # None: searched or unknown
+        object.__setattr__(self, "recompute", Recompute.of(self.recompute))
         if self.layers is not None:
             layers = tuple(int(n) for n in self.layers)
             if not layers or min(layers) < 1:
@@ -50,7 +53,7 @@ class Pipeline:
             named = schedule_named(self.schedule)
         if named is not None and not named.recompute and self.recompute:
             others = listed(s for s in SCHEDULES.values() if s.recompute)
-            raise ConfigError(f"Pipeline(schedule={named.name!r}, recompute=True): the {named.name} schedule splits each "
+            raise ConfigError(f"Pipeline(schedule={named.name!r}, recompute={self.recompute.value!r}): the {named.name} schedule splits each "
                               "backward into one autograd call per group of weights, and a recomputed layer would run "
                               f"its forward again in each; use recompute with {others}")
         if self.virtual_stages is not None and self.virtual_stages < 1:

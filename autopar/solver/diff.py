@@ -84,7 +84,7 @@ def _stage_key(plan) -> list:
     if plan.pipeline is None:
         return [{"layers": "all", "mesh_shape": list(plan.mesh["shape"])}]
     return [{"layers": list(s.layers), "ranks": [s.ranks[0], s.ranks[-1]], "mesh_shape": list(s.mesh_shape),
-             "recompute": bool(s.recompute)} for s in plan.pipeline.stages]
+             "recompute": s.recomputed.value} for s in plan.pipeline.stages]
 
 
 def diff(a, b) -> PlanDiff:

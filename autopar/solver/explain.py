@@ -369,12 +369,13 @@ def layout_words(plan) -> str:
     if plan.pipeline is not None:
         p = plan.pipeline
         recomputed = sum(1 for s in p.stages if s.recompute)
+        how = "selective recomputation" if all(s.selective for s in p.stages if s.recompute) else "recomputation"
         if len(p.stages) // p.virtual_stages > 1:
             extras.append(f"{p.schedule}, {p.microbatches} microbatches")
         elif p.microbatches > 1:
             extras.append(f"gradient accumulation over {p.microbatches} microbatches")
         if recomputed:
-            extras.append(f"recomputation in {recomputed} stage(s)" if len(p.stages) > 1 else "recomputation")
+            extras.append(f"{how} in {recomputed} stage(s)" if len(p.stages) > 1 else how)
     return words + (", " + ", ".join(extras) if extras else "")
 
 

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from autopar.cost_model.schedules import fill_drain_time, simulate_shared, step_time
+from autopar.record.recompute import Recompute
 from autopar.record.schedules import SEARCHED, Schedule, schedule_named
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir import trace as trace_graph
@@ -365,10 +366,11 @@ class _StageTables:
         return self.built[key]
 
 
-def _recompute_variants(p: UnitPrices, recompute: bool | None) -> list[UnitPrices]:
-    """``p`` as the DP may use it (``Pipeline.recompute``): as is, recomputed, or both (None: the DP
-    chooses per stage)."""
-    return ([p] if recompute is not True else []) + ([p.recomputed()] if recompute is not False else [])
+def _recompute_variants(p: UnitPrices, recompute: Recompute | None) -> list[UnitPrices]:
+    """``p`` as the DP may use it (``Pipeline.recompute``): as is, or recomputed whole or
+    selectively; None: every one (the DP chooses per stage)."""
+    kinds = list(Recompute) if recompute is None else [recompute]
+    return [p.recomputed(k) if k else p for k in kinds]
 
 
 class _Search:
@@ -588,7 +590,7 @@ class _Search:
         tables = _StageTables(variants, graph, mesh, self.pipeline.layers)
         shared = multi_unit_params(graph)
         devices = np.array([rows for rows, _ in variants])
-        recomputed = np.array([p.recompute for _, p in variants])
+        recomputed = np.array([bool(p.recompute) for _, p in variants])
         for schedule, virtual in self._schedules():
             for keep, counts in _stage_shapes(devices, mesh.shape[0], self.pipeline.stages, self.equal_stages):
                 groups, grouped, time_t, memory = tables.for_stages(
@@ -678,7 +680,8 @@ def _stage_plans(found: Found, mesh: Mesh, virtual: int, budget: float) -> list[
         sub = restrict(prices.plan, graph, nodes, t, float(mem), budget)
         stages.append(StagePlan((i, j), (graph.layers[i], graph.layers[j]), (row, row + rows - 1),
                                 list(range(row * per_row, (row + rows) * per_row)), tuple(prices.plan.mesh["shape"]),
-                                t, float(mem), sub, list(range(i, j + 1)) if prices.recompute else []))
+                                t, float(mem), sub, list(range(i, j + 1)) if prices.recompute else [],
+                                selective=prices.recompute is Recompute.SELECTIVE))
         row += rows
     return [dataclasses.replace(s, received=edges) for s, edges in zip(stages, received_edges(graph, stages))]
 

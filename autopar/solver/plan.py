@@ -14,6 +14,7 @@ from autopar.record.gradients import whole_on
 from autopar.cost_model.schedules import bubble_fraction
 from autopar.errors import AutoparError, PlanError
 from autopar.record.grad_sync import GradSync
+from autopar.record.recompute import Recompute
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import Family
@@ -149,17 +150,26 @@ class StagePlan:
     time_per_microbatch_s: float
     memory_bytes: float
     plan: "Plan"
-    recompute: list = dataclasses.field(default_factory=list)
+    recompute: list = dataclasses.field(default_factory=list)  # the layers recomputed in backward
     # The reshards of the values it receives from earlier stages, per read (``autopar.solver.receives``);
     # None where a plan file predates them.
     received: list[EdgePlan] | None = None
+    selective: bool = False  # recomputed selectively (``record.recompute``), not whole
+
+    @property
+    def recomputed(self) -> Recompute:
+        """How the stage's layers are recomputed."""
+        if not self.recompute:
+            return Recompute.NONE
+        return Recompute.SELECTIVE if self.selective else Recompute.FULL
 
     def to_json(self) -> dict:
         return {"layers": list(self.layers), "layer_names": list(self.layer_names), "rows": list(self.rows),
                 "ranks": list(self.ranks), "mesh_shape": list(self.mesh_shape), "recompute": list(self.recompute),
                 "time_per_microbatch_s": self.time_per_microbatch_s, "memory_bytes": self.memory_bytes,
                 "plan": self.plan.to_json(),
-                "received": None if self.received is None else [e.to_json() for e in self.received]}
+                "received": None if self.received is None else [e.to_json() for e in self.received],
+                "selective": self.selective}
 
     @staticmethod
     def from_json(d: dict) -> "StagePlan":
@@ -167,7 +177,8 @@ class StagePlan:
         return StagePlan(tuple(d["layers"]), tuple(d["layer_names"]), tuple(d["rows"]), list(d["ranks"]),
                          tuple(d["mesh_shape"]), d["time_per_microbatch_s"], d["memory_bytes"],
                          Plan.from_json(d["plan"]), list(d.get("recompute", [])),
-                         None if received is None else [EdgePlan.from_json(e) for e in received])
+                         None if received is None else [EdgePlan.from_json(e) for e in received],
+                         bool(d.get("selective", False)))
 
 
 @dataclasses.dataclass
@@ -240,12 +251,12 @@ class Plan:
             for s in self.mesh["shape"]:
                 size *= s
             return {"stages": [{"layers": [0, max(len(layers) - 1, 0)], "ranks": list(range(size)),
-                                "mesh_shape": list(self.mesh["shape"]), "recompute": []}],
+                                "mesh_shape": list(self.mesh["shape"]), "recompute": [], "recompute_kind": "none"}],
                     "schedule": None, "microbatches": 1, "virtual_stages": 1, "bubble_fraction": 0.0}
         p = self.pipeline
         return {"stages": [{"layers": list(s.layers), "layer_names": list(s.layer_names), "ranks": list(s.ranks),
                             "mesh_shape": list(s.mesh_shape), "recompute": list(s.recompute),
-                            "time_per_microbatch_s": s.time_per_microbatch_s, "memory_bytes": s.memory_bytes}
+                            "recompute_kind": s.recomputed.value, "time_per_microbatch_s": s.time_per_microbatch_s, "memory_bytes": s.memory_bytes}
                            for s in p.stages],
                 "schedule": p.schedule, "microbatches": p.microbatches, "virtual_stages": p.virtual_stages,
                 "bubble_fraction": p.bubble_fraction}

@@ -35,6 +35,7 @@ from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role, needs_grad, runs_backward
 from autopar.ir.precision import MixedPrecision
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES
+from autopar.record.recompute import Recompute, saved_by_selective
 from autopar.ir.losses import unread_outputs
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
@@ -123,7 +124,7 @@ class UnitPrices:
     boundary_bytes: np.ndarray  # what a stage starting at unit u receives (activations, the inputs later units read)
     plan: object  # the intra-op Plan these came from
     forward_s: np.ndarray | None = None  # the forward part of per_microbatch_s's compute
-    recompute: bool = False
+    recompute: Recompute = Recompute.NONE
     stage_extra_bytes: float = 0.0  # held once by any stage on these prices
     # parameters read by several units (a tied embedding and head: ``SharedParam``); each of them
     # counts one in static_bytes and in its time, a stage holding several of them holds and pays it
@@ -142,6 +143,10 @@ class UnitPrices:
     syncs: UnitSyncs | None = None
     # of boundary_bytes, the gradients a stage starting at unit u sends back (None: all of them)
     boundary_grad_bytes: np.ndarray | None = None
+    # selective recomputation (``record.recompute``): the forward work of the ops it runs again,
+    # and the outputs it keeps of the others, per microbatch
+    unsaved_forward_s: np.ndarray | None = None
+    saved_bytes: np.ndarray | None = None
 
     def receive_s(self, i: int, mesh: Mesh) -> float:
         """Seconds per microbatch a stage starting at unit i spends on the values it receives
@@ -205,14 +210,20 @@ class UnitPrices:
         """``deferred_from`` of the stage of units i..j."""
         return float(self.deferred_from(i)[j - i])
 
-    def recomputed(self) -> "UnitPrices":
-        """These prices with every unit's activations recomputed in backward (as
-        ``torch.utils.checkpoint`` per layer): the forward runs twice; per microbatch in flight a
-        unit keeps only its input; while one unit's backward runs, its whole activations are
-        live again (the largest unit's, held once per stage)."""
-        peak = float(self.activation_bytes.max()) if len(self.activation_bytes) else 0.0
-        return dataclasses.replace(self, per_microbatch_s=self.per_microbatch_s + self.forward_s,
-                                   activation_bytes=self.boundary_bytes.copy(), recompute=True, stage_extra_bytes=peak)
+    def recomputed(self, kind: Recompute = Recompute.FULL) -> "UnitPrices":
+        """These prices with every unit's activations recomputed in backward, per layer as
+        ``torch.utils.checkpoint`` runs it: per microbatch in flight a unit keeps its input (and
+        under selective recomputation the outputs of the ops it saves); the forward runs again
+        (under selective, that of the other ops); while one unit's backward runs, the activations
+        it recomputed are live again (the largest unit's, held once per stage)."""
+        if kind is Recompute.SELECTIVE:
+            again, kept, live = self.unsaved_forward_s, self.boundary_bytes + self.saved_bytes, \
+                np.maximum(0.0, self.activation_bytes - self.saved_bytes)
+        else:
+            again, kept, live = self.forward_s, self.boundary_bytes.copy(), self.activation_bytes
+        peak = float(live.max()) if len(live) else 0.0
+        return dataclasses.replace(self, per_microbatch_s=self.per_microbatch_s + again, activation_bytes=kept,
+                                   recompute=kind, stage_extra_bytes=peak)
 
 
 def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> UnitPrices:
@@ -223,7 +234,8 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
     grad = needs_grad(graph)
     unit = unit_of_nodes(graph)
     n = len(graph.layers)
-    micro, step, static, act, boundary, boundary_grads, forward, peak, weight_grads, tail, cover = (np.zeros(n) for _ in range(11))
+    micro, step, static, act, boundary, boundary_grads, forward, peak, weight_grads, tail, cover, unsaved, saved = (
+        np.zeros(n) for _ in range(13))
     last_weight_op: dict[int, int] = {}  # unit -> graph position of its last op reading a parameter
     position = {name: k for k, name in enumerate(graph.nodes)}
     readers = node_readers(graph)
@@ -251,6 +263,10 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
             forward_s, backward_s = op_overheads_s(node, grad, cluster)
             micro[u] += np_.compute_s + forward_s + backward_s + in_op_comm_s(np_, graph, mesh, plan.identical_axes)
             forward[u] += np_.compute_s / 3 + forward_s  # node compute is forward + 2x backward
+            if saved_by_selective(node.target):  # what lives at the forward's peak is there once anyway
+                saved[u] += max(0.0, local_nbytes(node.meta, np_.output, mesh) - np_.peak_bytes)
+            else:
+                unsaved[u] += np_.compute_s / 3 + forward_s
             act[u] += np_.memory_bytes - np_.peak_bytes
             peak[u] += np_.peak_bytes
             if not is_view(node.target) and any(param_source(graph, i) is not None for i in node.inputs):
@@ -270,7 +286,8 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
             tail[u] += np_.memory_bytes - np_.peak_bytes
     syncs = _unit_syncs(plan, graph, mesh, unit, readers, cover, step_share, bucket_bytes)
     return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_params=tuple(shared), peak_bytes=peak,
-                      weight_grad_bytes=weight_grads, tail_bytes=tail, syncs=syncs, boundary_grad_bytes=boundary_grads)
+                      weight_grad_bytes=weight_grads, tail_bytes=tail, syncs=syncs, boundary_grad_bytes=boundary_grads,
+                      unsaved_forward_s=unsaved, saved_bytes=saved)
 
 
 def _reader_units(param: str, unit, readers) -> list[int]:
@@ -332,7 +349,9 @@ def grouped_prices(p: UnitPrices, groups) -> UnitPrices:
                       None if p.weight_grad_bytes is None else total(p.weight_grad_bytes),
                       None if p.tail_bytes is None else np.asarray([p.tail_bytes[g[-1]] for g in groups]),
                       p.syncs.grouped(groups),
-                      None if p.boundary_grad_bytes is None else np.asarray([p.boundary_grad_bytes[g[0]] for g in groups]))
+                      None if p.boundary_grad_bytes is None else np.asarray([p.boundary_grad_bytes[g[0]] for g in groups]),
+                      None if p.unsaved_forward_s is None else total(p.unsaved_forward_s),
+                      None if p.saved_bytes is None else total(p.saved_bytes))
 
 
 def fastest_prices(model, sm, graph, intra_op_plan, config) -> UnitPrices | None:

@@ -175,12 +175,14 @@ def pipeline_case(tag, mesh_shape, pipeline, *, model="gpt", layers=4, layout=No
         state_err = max(rel(full[k], want_sd[k]) for k in want_sd)
         summary = pm.plan.summary()["pipeline"]
         pieces = sum(isinstance(m, _Checkpointed) for stage in pm._ap.pipeline.modules for m in stage.modules())
+        selective = sum(isinstance(m, _Checkpointed) and m.selective for stage in pm._ap.pipeline.modules
+                        for m in stage.modules())
         # the last stage's program against the lowered one it was cut from: outputs and collectives
         last = [(_outputs_and_gathers(m.feeds.lowered.gm), _outputs_and_gathers(m.program))
                 for m in pm._ap.pipeline.modules if m.last and isinstance(m.program, torch.fx.GraphModule)]
-        return {"pieces": pieces, "tag": tag, "last_stage": last, "loss_err": loss_err, "grad_err": grad_err, "norm_err": norm_err, "state_err": state_err,
+        return {"pieces": pieces, "selective": selective, "tag": tag, "last_stage": last, "loss_err": loss_err, "grad_err": grad_err, "norm_err": norm_err, "state_err": state_err,
                 "keys_equal": set(full) == set(want_sd), "n_params": len(list(pm.parameters())),
-                "stages": [(s["layers"], s["mesh_shape"], bool(s["recompute"])) for s in summary["stages"]],
+                "stages": [(s["layers"], s["mesh_shape"], s["recompute_kind"]) for s in summary["stages"]],
                 "schedule": summary["schedule"], "microbatches": summary["microbatches"], "stage": pm.stage,
                 "rank_stages": pm.stages, "virtual": summary["virtual_stages"]}
 
@@ -247,6 +249,10 @@ CASES = [
     ("gpt 4 stages gpipe recompute", (4,), dict(stages=4, microbatches=2, schedule="gpipe", recompute=True), {}),
     ("gpt 2 stages x tp2 recompute clip", (4,), dict(stages=2, microbatches=2, schedule="1f1b", recompute=True),
      dict(layout=autopar.Layout(tp=2), clip=True)),
+    # selective: the matmuls' and attention's outputs kept, the rest (norms, gelu, collectives) recomputed
+    ("gpt 2 stages x tp2 selective recompute clip", (4,), dict(stages=2, microbatches=2, schedule="1f1b",
+                                                               recompute="selective"),
+     dict(layout=autopar.Layout(tp=2), clip=True)),
     ("gpt 3+1 layers x dp2 zero2", (4,), dict(layers=(3, 1), microbatches=2, schedule="1f1b"),
      dict(layout=autopar.Layout(dp=2, zero=2))),
     ("gpt 2x2 mesh, stages over axis 0", (2, 2), dict(stages=2, microbatches=2, schedule="1f1b"), dict(layout=autopar.Layout(tp=2))),
@@ -263,6 +269,9 @@ CASES = [
     ("hf gpt2 interleaved (tied across ranks)", (4,), dict(stages=2, virtual_stages=2, microbatches=2),
      dict(model="gpt2", layers=4, layout=autopar.Layout(tp=2))),
     ("hf llama 1+3 layers", (4,), dict(layers=(1, 3), microbatches=4, schedule="gpipe"), dict(model="hf-llama", layers=4)),
+    ("hf llama selective recompute interleaved x dp2", (4,), dict(stages=2, virtual_stages=2, microbatches=2,
+                                                                  recompute="selective"),
+     dict(model="hf-llama", layers=4, layout=autopar.Layout(dp=2))),
     ("gpt zero bubble 4 stages", (4,), dict(stages=4, microbatches=4, schedule="zero-bubble"), {}),
     ("gpt zero bubble 3+1 layers x dp2 zero2", (4,), dict(layers=(3, 1), microbatches=2, schedule="zero-bubble"),
      dict(layout=autopar.Layout(dp=2, zero=2))),
@@ -423,6 +432,9 @@ PLAIN_CASES = [
     ("plain gpt 4 stages gpipe recompute", (4,), dict(stages=4, microbatches=4, schedule="gpipe", recompute=True), {}),
     ("plain llama interleaved 4 ranks", (4,), dict(stages=4, virtual_stages=2, microbatches=4),
      dict(model="llama", layers=8)),
+    ("plain llama 2 stages x tp2 selective recompute", (4,), dict(stages=2, microbatches=2, schedule="1f1b",
+                                                                  recompute="selective"),
+     dict(model="llama", layout=autopar.Layout(tp=2))),
     ("plain hf gpt2 zero bubble, tied across stages, masked", (4,), dict(stages=2, microbatches=2, schedule="zero-bubble"),
      dict(model="gpt2", layers=2, layout=autopar.Layout(dp=2), masked=True)),
 ]
@@ -528,7 +540,12 @@ def test_stages_are_what_was_asked(results):
     assert [s[1] for s in by["gpt 2 stages x tp2 1f1b"]["stages"]] == [[2], [2]]
     assert [s[1] for s in by["gpt 2x2 mesh, stages over axis 0"]["stages"]] == [[1, 2], [1, 2]]
     assert len(by["gpt 4 stages 1f1b"]["stages"]) == 4
-    assert all(s[2] for s in by["gpt 4 stages gpipe recompute"]["stages"])
+    assert all(s[2] == "full" for s in by["gpt 4 stages gpipe recompute"]["stages"])
+    assert all(s[2] == "none" for s in by["gpt 4 stages 1f1b"]["stages"])
+    for tag in ("gpt 2 stages x tp2 selective recompute clip", "hf llama selective recompute interleaved x dp2"):
+        assert all(s[2] == "selective" for s in by[tag]["stages"]), by[tag]["stages"]
+        assert all(r["pieces"] == r["selective"] == 2 for r in results[tag]), tag  # a checkpoint per layer
+    assert all(r["selective"] == 0 for r in results["gpt 2 stages x tp2 recompute clip"])
     # recomputation runs each layer of a stage under its own checkpoint (as the plan prices it)
     assert [r["pieces"] for r in results["gpt 2 stages x tp2 recompute clip"]] == [2, 2, 2, 2]
     assert [r["pieces"] for r in results["gpt 4 stages gpipe recompute"]] == [1, 1, 1, 1]

@@ -153,20 +153,21 @@ def test_what_if_with_pipeline_stages():
 def test_what_ifs_say_accumulation_and_recomputation_without_a_pipeline():
     """``mb`` without ``pp`` is gradient accumulation (a one-stage pipeline of ``mb`` microbatches),
     ``recompute=full`` recomputes every layer in backward: each holds fewer activations than the
-    plain layout and recomputation costs a forward more."""
+    plain layout and recomputation costs a forward more; ``recompute=selective`` keeps the matmuls'
+    and attention's outputs: between the two in memory and in time."""
     from autopar.errors import ConfigError
+    from autopar.record.recompute import Recompute
     from autopar.solver.compare import compare, parse_config
 
-    assert parse_config("dp=4,mb=4,recompute=full") == {"dp": 4, "mb": 4, "recompute": 1}
-    assert parse_config("dp=4,recompute=none")["recompute"] == 0
-    with pytest.raises(ConfigError, match="recompute=selective is not supported yet"):
-        parse_config("dp=4,recompute=selective")
-    with pytest.raises(ConfigError, match="recompute must be none or full"):
+    assert parse_config("dp=4,mb=4,recompute=full") == {"dp": 4, "mb": 4, "recompute": Recompute.FULL}
+    assert parse_config("dp=4,recompute=none")["recompute"] is Recompute.NONE
+    assert parse_config("dp=4,recompute=selective")["recompute"] is Recompute.SELECTIVE
+    with pytest.raises(ConfigError, match="recompute must be none, full or selective"):
         parse_config("dp=4,recompute=some")
     model, inputs = models.build("gpt", device="meta", layers=4, width=512, heads=8, seq=256, vocab=4096, batch=32)
     mesh = autopar.Mesh((4,), cluster="a100-80g")
-    plain, acc, rc, both = compare(model, mesh, inputs, ["dp=4", "dp=4,mb=4", "dp=4,recompute=full",
-                                                                  "dp=4,mb=4,recompute=full"])
+    plain, acc, rc, both, sel = compare(model, mesh, inputs, ["dp=4", "dp=4,mb=4", "dp=4,recompute=full",
+                                                              "dp=4,mb=4,recompute=full", "dp=4,recompute=selective"])
     assert plain.plan.pipeline is None
     for r, mb, recompute in ((acc, 4, False), (rc, 1, True), (both, 4, True)):  # no mb: the batch whole
         pipe = r.plan.pipeline
@@ -175,6 +176,9 @@ def test_what_ifs_say_accumulation_and_recomputation_without_a_pipeline():
         assert r.memory_bytes < plain.memory_bytes, r.name
     assert both.memory_bytes < acc.memory_bytes and both.memory_bytes < rc.memory_bytes
     assert rc.step_time_s > plain.step_time_s and both.step_time_s > acc.step_time_s
+    assert sel.plan.pipeline.stages[0].recomputed is Recompute.SELECTIVE
+    assert rc.memory_bytes < sel.memory_bytes < plain.memory_bytes
+    assert plain.step_time_s < sel.step_time_s < rc.step_time_s
 
 
 def test_the_grid_holds_only_layouts_whose_data_parallel_splits_the_batch():

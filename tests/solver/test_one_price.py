@@ -138,7 +138,7 @@ def _record_prices(plan, model, inputs):
     for k, (stage, cut) in enumerate(zip(p.stages, cuts)):
         mesh = autopar.Mesh.from_dict(stage.plan.mesh)
         record = dataclasses.replace(stage.plan, edges=list(stage.plan.edges) + list(stage.received))
-        parts = step_time(record, graph, mesh, runs=m, overlapped=overlapped, recomputed=bool(stage.recompute),
+        parts = step_time(record, graph, mesh, runs=m, overlapped=overlapped, recomputed=stage.recomputed,
                           grad_total_bytes=grad_bytes_total(graph, precision))
         t = parts["step_time_s"] / m
         if k:
@@ -186,7 +186,8 @@ def test_a_pipeline_is_priced_as_its_record_runs(cluster):
     checked = 0
     cases = [("gpt", (4,), dict(schedule=s)) for s in ("1f1b", "gpipe", "zero-bubble", "interleaved-1f1b")]
     cases += [("llama", (4,), dict(schedule="1f1b")), ("llama", (2, 2), dict(recompute=True)),
-              ("gpt", (4, 2), dict(microbatches=8)), ("llama", (4, 2), {})]
+              ("gpt", (4, 2), dict(microbatches=8)), ("llama", (4, 2), {}),
+              ("gpt", (2, 2), dict(schedule="gpipe", recompute="selective"))]
     for name, shape, pipeline in cases:
         model, inputs = models.build(name, layers=4, batch=16)
         for precision in (None, "bf16"):
@@ -197,7 +198,7 @@ def test_a_pipeline_is_priced_as_its_record_runs(cluster):
             assert [s.time_per_microbatch_s for s in plan.pipeline.stages] == pytest.approx(times, rel=1e-9), label
             assert plan.predicted["step_time_s"] == pytest.approx(_pipeline_step(plan, graph, times, once), rel=1e-9), label
             checked += 1
-    assert checked == 16
+    assert checked == 18
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
