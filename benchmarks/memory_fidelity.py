@@ -4,7 +4,7 @@
 
 For each model (the GPT and LLaMA of benchmarks/hybrid.py) and each plan of ``CASES`` -- the default
 plan, plans forced to data parallel, ZeRO-2, ZeRO-3, Megatron tensor parallel, 2-D dp x tp, and
-2-stage pipelines with and without recomputation -- every rank runs ``autopar.parallelize`` with the
+2-stage pipelines without recomputation, with it whole and selective -- every rank runs ``autopar.parallelize`` with the
 user's AdamW, takes two warm-up steps (so that every buffer kept from step to step exists), then
 measures one more full step (``train_step``, ``optimizer.step()``, ``zero_grad()``) two ways:
 
@@ -49,6 +49,8 @@ CASES = {
     "dp2 x tp2 zero3": ((2, 2), dict(dp=2, tp=2, zero=3), None),
     "pp2 x dp2 1f1b": ((4,), dict(dp=2), dict(stages=2, schedule="1f1b", microbatches=4, recompute=False)),
     "pp2 x dp2 1f1b recompute": ((4,), dict(dp=2), dict(stages=2, schedule="1f1b", microbatches=4, recompute=True)),
+    "pp2 x dp2 1f1b selective": ((4,), dict(dp=2), dict(stages=2, schedule="1f1b", microbatches=4,
+                                                        recompute="selective")),
     "pp2 x dp2 gpipe": ((4,), dict(dp=2), dict(stages=2, schedule="gpipe", microbatches=4, recompute=False)),
 }
 

@@ -1,7 +1,7 @@
 """Published models on clusters: autopar's plan against a grid of hand-written configurations,
 every one priced by the same cost model (``autopar.compare``).
 
-    .venv/bin/python benchmarks/whatif_grid.py [--cases gpt3-175b,llama3-8b] [--zero 0,1,3] [--recompute none,full,selective]
+    .venv/bin/python benchmarks/whatif_grid.py [--cases gpt3-175b,llama3-8b] [--zero 0,1,3] [--recompute none,full,selective] [--out FILE]
 
 Cases (``CASES``): GPT-3 175B on 1024 simulated A100s (128 x 8) and Llama 3 8B on 64 simulated H100s
 (8 x 8), each at its published batch, in Megatron's recipe (``precision="bf16"``: bf16 compute over
@@ -19,6 +19,7 @@ import argparse
 import json
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -80,11 +81,12 @@ def main():
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--zero", default="0,1,3", help="ZeRO stages the grid tries")
     p.add_argument("--recompute", default="none,full,selective", help="recomputation kinds the grid tries")
+    p.add_argument("--out", default=str(RESULTS / "whatif_grid.json"), help="the JSON written")
     a = p.parse_args()
     warnings.simplefilter("ignore")
     out = {name: run_case(name, ints(a.zero), a.recompute.split(",")) for name in a.cases.split(",") if name}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "whatif_grid.json").write_text(json.dumps(dict(cases=out, torch=torch.__version__), indent=1))
+    Path(a.out).write_text(json.dumps(dict(cases=out, torch=torch.__version__), indent=1))
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def _partial_reads(plan, graph, identical, grad) -> dict[tuple[str, int], tuple[
     return out
 
 
-def pending_axes(plan, graph) -> dict[str, tuple[int, ...]]:
+def pending_axes(plan) -> dict[str, tuple[int, ...]]:
     """Parameter node -> the axes its gradient is synchronised over (its plan's sync axes): on an
     identical axis among them the parameter's gradient is left a pending share for the reducer
     (the planner chooses so only where every read splits the axis and reads it replicated there:
@@ -112,7 +112,7 @@ def grad_sum_reads(plan, graph, identical) -> dict[tuple[str, int], tuple[int, .
     identical = tuple(identical)
     if not identical:
         return {}
-    pending = pending_axes(plan, graph)
+    pending = pending_axes(plan)
     out = {}
     for (name, pos), axes in _partial_reads(plan, graph, identical, needs_grad(graph)).items():
         src = graph.nodes[name].inputs[pos]
@@ -141,7 +141,7 @@ def identical_ok(plan, graph, identical) -> str | None:
         if partly_whole(loss_class_axes(n), identical):
             return f"{n.name}: class axes {sorted(loss_class_axes(n))} only partly identical"
     partial = _partial_reads(plan, graph, tuple(identical), needs_grad(graph))
-    pending = pending_axes(plan, graph)
+    pending = pending_axes(plan)
     for name, reader in graph.nodes.items():
         for pos, src in enumerate(reader.inputs):
             for a in identical & set(pending.get(src, ())):

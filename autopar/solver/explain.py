@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from autopar.record.gradients import pending_axes
 from autopar.sharding_spec.spec import spec_str
 from autopar.sharding_spec.strategy import VOCAB_EMBEDDING, VOCAB_LOSS
 from autopar.solver.units import fmt_bytes, fmt_s
@@ -165,8 +166,7 @@ def explain(plan, *, max_rows_per_layer: int | None = None, collapse_repeats: bo
         f"collectives per step: {len(s['collectives'])}, {fmt_bytes(sum(c[2] for c in s['collectives']))} in all",
     ]
     if plan.identical_axes:
-        pending = sum(1 for p in plan.params.values()
-                      if p.grad_sync is not None and set(p.grad_sync.axes) & set(plan.identical_axes))
+        pending = sum(1 for axes in pending_axes(plan).values() if set(axes) & set(plan.identical_axes))
         out.append(f"gradients whole on mesh axes {list(plan.identical_axes)} (Megatron's convention): parameters "
                    "replicated there whose readers do not split them need no sync there; ops that split them "
                    "all-reduce their replicated inputs' gradients in backward"
