@@ -27,6 +27,15 @@ from autopar.solver import Layout, Pipeline, Plan, PlanConfig, plan, plan_reshar
 from autopar.solver.compare import compare_plan as compare
 
 
+def init(backend=None, device=None, timeout=None):
+    """Start the process group from the launcher's variables (torchrun, SLURM's srun, OpenMPI's
+    mpirun; one process without them) and say where this process stands: rank, world size, local
+    rank and the device to build on (``cuda:LOCAL_RANK`` on GPU nodes). See ``autopar.runtime.world``."""
+    from autopar.runtime.world import init as _init
+
+    return _init(backend, device, timeout)
+
+
 def save(path, pmodel, optimizer=None, extra=None, **kwargs):
     """Checkpoint ``pmodel`` (and ``optimizer``, ``extra``) under ``path``, each rank writing its
     shards; see ``autopar.runtime.checkpoint``."""

@@ -18,7 +18,6 @@ In order, on every rank (the same calls everywhere, since several are collective
 """
 from __future__ import annotations
 
-import datetime
 import inspect
 import os
 
@@ -31,7 +30,6 @@ from autopar.ir.precision import working_call, working_model
 from autopar.sharding_spec.mesh import Mesh
 from autopar.solver.config import PlanConfig
 
-DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_MAX_PROGRAMS = 8
 
 
@@ -116,12 +114,11 @@ def parallelize(
     if plan is not None:
         check_plan(plan, graph, mesh)  # before any collective: a bad plan fails on every rank alike
 
-    if not dist.is_initialized():  # ranks started by torchrun, srun or mpirun: take the launcher's word
-        from autopar.runtime.launch import launch_env
+    from autopar.runtime.world import resolve_device
 
-        os.environ.update(launch_env() or {})
-    device = _device(model, device, on_meta)
-    _ensure_process_group(device, timeout)
+    if not dist.is_initialized():  # ranks started by torchrun, srun or mpirun: take the launcher's word
+        _start_world(mesh, device if device is not None else _model_device(model, on_meta), timeout)
+    device = resolve_device(device if device is not None else _model_device(model, on_meta), dist.get_backend())
     mesh.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
     _check_same_inputs(graph)
@@ -199,35 +196,26 @@ def check_plan(plan, graph, mesh) -> None:
         raise PlanError(f"the plan is for a mesh of shape {tuple(plan.mesh['shape'])}, not {mesh}")
 
 
-def _device(model, device, on_meta) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if not on_meta:
-        t = next(iter(list(model.parameters()) + list(model.buffers())), None)
-        return t.device if t is not None else torch.device("cpu")
-    if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+def _model_device(model, on_meta) -> torch.device | None:
+    """Where the model's tensors are; None for a meta model (its shards go where the world computes)."""
+    if on_meta:
+        return None
+    t = next(iter(list(model.parameters()) + list(model.buffers())), None)
+    return t.device if t is not None else torch.device("cpu")
 
 
-def _ensure_process_group(device: torch.device, timeout=None) -> None:
-    """Initialise the default group from the environment (``launch_env``) when there is none: NCCL for
-    CUDA shards, gloo for CPU ones; ``timeout`` (default ``DEFAULT_TIMEOUT_S``) for its collectives."""
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+def _start_world(mesh: Mesh, device, timeout) -> None:
+    """``autopar.init()`` for a script that did not call it: the launcher's process group (NCCL for
+    CUDA shards, gloo for CPU ones)."""
+    from autopar.runtime.world import DEFAULT_TIMEOUT_S, init, launch_env
+
+    if mesh.size > 1 and launch_env() is None:
         raise ConfigError(
-            "autopar.parallelize runs inside each rank: start the ranks with torchrun, srun (SLURM), mpirun "
-            "(OpenMPI) or autopar.runtime.launch.spawn, or call torch.distributed.init_process_group first"
+            f"autopar.parallelize runs inside each of the mesh's {mesh.size} ranks: start them with torchrun, srun "
+            "(SLURM), mpirun (OpenMPI) or autopar.runtime.launch.spawn, or call autopar.init() / "
+            "torch.distributed.init_process_group first"
         )
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if timeout is None:
-        timeout = DEFAULT_TIMEOUT_S
-    if not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
-    dist.init_process_group(backend, timeout=timeout)
+    init(device=device, timeout=DEFAULT_TIMEOUT_S if timeout is None else timeout)
 
 
 def _pricing_mesh(mesh: Mesh, cluster, groups, profile: bool, device=None) -> Mesh:

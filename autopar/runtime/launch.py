@@ -25,13 +25,12 @@ stuck in a collective with a dead peer never hangs the caller. At ``timeout_s`` 
 running is killed and ``RankError("timed out after ...")`` names them.
 
 Under torchrun, SLURM's ``srun`` or OpenMPI's ``mpirun`` there is nothing to spawn: the launcher
-starts the processes, and ``autopar.parallelize`` initialises the default group from its environment
-(``launch_env``) when nothing else has; or ``rank_main`` calls
-``torch.distributed.init_process_group`` itself::
+starts the processes, and ``autopar.init()`` (``autopar.runtime.world``; ``parallelize`` calls it
+when nothing else has) initialises the default group from its environment::
 
     if __name__ == "__main__":
-        dist.init_process_group("gloo")
-        rank_main(dist.get_rank(), dist.get_world_size(), (2, 2))
+        world = autopar.init()
+        rank_main(world.rank, world.world_size, (2, 2))
         dist.destroy_process_group()
 """
 from __future__ import annotations
@@ -41,7 +40,6 @@ import contextlib
 import datetime
 import os
 import pickle
-import re
 import socket
 import sys
 import time
@@ -58,59 +56,6 @@ from autopar.errors import ConfigError, RankError
 # Environment each rank starts with: one thread per library, since ranks share the cores.
 _THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 _PORT_ATTEMPTS = 3
-
-
-# ---- launchers' environments ---------------------------------------------------------------------
-DEFAULT_MASTER_PORT = 29500
-
-
-def launch_env(environ=None) -> dict[str, str] | None:
-    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT of this process
-    as torch's ``env://`` rendezvous reads them, from the launcher that started it: torchrun (they
-    are set), SLURM's ``srun`` (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the job's first node as
-    the master, a port from the job id unless MASTER_PORT is set) or OpenMPI's ``mpirun``
-    (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK; MASTER_ADDR from the environment, or 127.0.0.1 when
-    every rank is on this node). None when no launcher's variables are there."""
-    env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        out = {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-               if k in env}
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-        job = env.get("SLURM_JOB_ID", "0")
-        out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"],
-               "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
-               "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodes) or "127.0.0.1",
-               "MASTER_PORT": env.get("MASTER_PORT") or str(DEFAULT_MASTER_PORT + int(job) % 10000 if job.isdigit()
-                                                           else DEFAULT_MASTER_PORT)}
-        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        if per_node.isdigit():
-            out["LOCAL_WORLD_SIZE"] = per_node
-    elif "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
-        local_size = env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")
-        one_node = local_size == env["OMPI_COMM_WORLD_SIZE"]
-        if "MASTER_ADDR" not in env and not one_node:
-            raise ConfigError("ranks started by mpirun across nodes need MASTER_ADDR (the first rank's host): "
-                              "mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port> ...")
-        out = {"RANK": env["OMPI_COMM_WORLD_RANK"], "WORLD_SIZE": env["OMPI_COMM_WORLD_SIZE"],
-               "LOCAL_RANK": env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"), "LOCAL_WORLD_SIZE": local_size,
-               "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
-               "MASTER_PORT": env.get("MASTER_PORT", str(DEFAULT_MASTER_PORT))}
-    else:
-        return None
-    out.setdefault("LOCAL_RANK", "0")
-    out.setdefault("MASTER_ADDR", "127.0.0.1")
-    out.setdefault("MASTER_PORT", str(DEFAULT_MASTER_PORT))
-    return out
-
-
-def first_host(nodelist: str) -> str | None:
-    """The first host of a SLURM node list: "gpu[07-09,12],cpu3" -> "gpu07"."""
-    m = re.match(r"\s*([^,\[\s]+)(?:\[([^\]]*)\])?", nodelist)
-    if m is None:
-        return None
-    prefix, ranges = m.groups()
-    return prefix if ranges is None else prefix + ranges.split(",")[0].split("-")[0]
 
 
 def free_port() -> int:

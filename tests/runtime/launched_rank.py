@@ -1,7 +1,9 @@
 """One rank started by a launcher, not by autopar (tests/runtime/test_launch.py sets SLURM's or
-OpenMPI's variables the way srun / mpirun would): ``autopar.parallelize`` initialises the process
-group from them, trains 3 AdamW steps of a small GPT under data parallelism next to one process,
-and prints one JSON line: rank, world size, the worst loss / gradient error."""
+OpenMPI's variables the way srun / mpirun would, or runs it under a real ``mpirun``): the process
+group is initialised from them -- by ``autopar.init()`` first, as the quick start does, when the
+second argument is "init", else by ``autopar.parallelize`` -- then it trains 3 AdamW steps of a
+small GPT under data parallelism next to one process, and prints one JSON line: rank, world size,
+local rank and world size, device, the worst loss / gradient error."""
 from __future__ import annotations
 
 import copy
@@ -18,6 +20,7 @@ from autopar import models
 
 def main() -> None:
     warnings.simplefilter("ignore")
+    launched = autopar.init(timeout=120) if sys.argv[2:] == ["init"] else None
     model, inputs = models.build("gpt", layers=2, batch=4)
     ref = copy.deepcopy(model)
     world = int(sys.argv[1])
@@ -38,7 +41,11 @@ def main() -> None:
             o.step()
             o.zero_grad()
     print(json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(), "worst": worst,
-                      "families": pm.plan.summary()["families"]}), flush=True)
+                      "families": pm.plan.summary()["families"],
+                      "launched": None if launched is None else
+                      {"rank": launched.rank, "world_size": launched.world_size, "local_rank": launched.local_rank,
+                       "local_world_size": launched.local_world_size, "device": str(launched.device),
+                       "backend": launched.backend}}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

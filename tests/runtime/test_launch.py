@@ -1,22 +1,17 @@
 """spawn: results in rank order, failures and hangs become RankError without hanging the caller;
-MeshGroups checks the world size. Ranks started by SLURM's srun or OpenMPI's mpirun (their
-environments set by hand) initialise from them and train exactly."""
+MeshGroups checks the world size. (Ranks started by torchrun, srun or mpirun: test_world.py.)"""
 from __future__ import annotations
 
-import json
 import os
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from autopar.errors import ConfigError, MeshError, RankError
-from autopar.runtime.launch import first_host, free_port, launch_env, spawn
+from autopar.runtime.launch import spawn
 from autopar.runtime.process_groups import MeshGroups
 from autopar.sharding_spec import Mesh
 
@@ -154,56 +149,3 @@ def test_mesh_groups_need_a_process_group():
         pytest.skip("this process already has a default process group")
     with pytest.raises(MeshError, match="init_process_group"):
         MeshGroups(Mesh((2,)))
-
-
-# ---- ranks started by SLURM (srun) or OpenMPI (mpirun), as their environments describe them ----------
-def _launched(env_of_rank, world: int) -> list[dict]:
-    """Start ``world`` processes of tests/runtime/launched_rank.py with the environments a launcher
-    would give them (no scheduler needed: the variables are the interface), collect their lines."""
-    script = Path(__file__).with_name("launched_rank.py")
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    base.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    procs = [subprocess.Popen([sys.executable, str(script), str(world)], env={**base, **env_of_rank(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=300)
-        assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
-
-
-def test_ranks_started_by_slurm_initialise_from_its_variables_and_train_exactly():
-    port = free_port()
-    env = lambda r: {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),  # noqa: E731
-                     "SLURM_JOB_NODELIST": "localhost", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "77",
-                     "MASTER_PORT": str(port)}
-    lines = _launched(env, 2)
-    assert sorted(x["rank"] for x in lines) == [0, 1] and {x["world"] for x in lines} == {2}
-    assert all(x["worst"] <= 1e-5 for x in lines), lines
-    assert lines[0]["families"].get("dp", 0) > 0
-
-
-def test_ranks_started_by_openmpi_initialise_from_its_variables_and_train_exactly():
-    port = free_port()
-    env = lambda r: {"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2",  # noqa: E731
-                     "OMPI_COMM_WORLD_LOCAL_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_PORT": str(port)}
-    lines = _launched(env, 2)
-    assert sorted(x["rank"] for x in lines) == [0, 1] and all(x["worst"] <= 1e-5 for x in lines), lines
-
-
-def test_launcher_environments_are_read_as_torch_rendezvous_wants_them():
-    slurm = launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "1234",
-                        "SLURM_JOB_NODELIST": "gpu[07-09,12],cpu3", "SLURM_NTASKS_PER_NODE": "4(x4)"})
-    assert slurm == {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-                     "MASTER_ADDR": "gpu07", "MASTER_PORT": str(29500 + 1234)}
-    assert first_host("node1,node2") == "node1" and first_host("a[1-2]") == "a1" and first_host("") is None
-    ompi = launch_env({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-                       "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "1234"})
-    assert ompi == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "n0",
-                    "MASTER_PORT": "1234"}
-    with pytest.raises(ConfigError, match="MASTER_ADDR"):  # across nodes mpirun names no master
-        launch_env({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
-    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "9"}
-    assert launch_env(torchrun) == torchrun and launch_env({}) is None
