@@ -94,6 +94,18 @@ FLOP_RULES: dict[str, Rule] = {
 }
 
 
+# The ops whose FLOPs a model-FLOPs utilization counts (matmuls, attention, convolutions; as
+# Megatron and torchtitan count them: not the pointwise ops, norms and reductions)
+MODEL_FLOP_OPS = frozenset({"aten.mm", "aten.bmm", "aten.matmul", "aten.linear", "aten.addmm", "aten.baddbmm",
+                            "aten.scaled_dot_product_attention", "aten.conv1d", "aten.conv2d", "aten.conv3d",
+                            "aten.convolution"})
+
+
+def counts_as_model_flops(target: str) -> bool:
+    """Whether a traced op's FLOPs are model FLOPs (``MODEL_FLOP_OPS``)."""
+    return target in MODEL_FLOP_OPS or target.rsplit(".", 1)[0] in MODEL_FLOP_OPS
+
+
 def rule_for(target: str) -> Rule:
     """The rule for ``target`` ("aten.mm.default"): by full name, then without the overload."""
     if target in FLOP_RULES:

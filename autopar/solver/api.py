@@ -58,7 +58,8 @@ def plan(model, mesh: Mesh, example_inputs=(), *, example_kwargs=None, config: P
         if choice is not None and (len(choice.stages) > 1 or choice.microbatches > 1 or choice.stages[0].recompute):
             pipelined = choice.to_plan()
             pipelined.solver.update(memory_budget=budget, memory_budget_from=budget_from,
-                                    call=call_facts(**call, notes=choice.graph.notes))
+                                    call=call_facts(**call, notes=choice.graph.notes,
+                                                    flops=choice.graph.model_flops() * choice.microbatches))
             if pipeline != "auto":  # the caller asked for this pipeline
                 return pipelined
         elif graph is None and choice is not None:

@@ -6,6 +6,7 @@ collectives; then, per layer, each op's strategy, the collectives autopar insert
 by its fields: ``Plan.explain`` calls it, so it imports nothing of ``solver.plan``."""
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from autopar.record.gradients import pending_axes
@@ -58,18 +59,71 @@ def call_words(call: dict) -> str:
     a step); 8.03B parameters in bfloat16, AdamW states priced"."""
     inputs = call.get("inputs") or {}
     parts = [", ".join(f"{n} {m}" for n, m in inputs.items()) or "no tensor inputs"]
-    first = next(iter(inputs.values()), "")
-    dtype, _, dims = first.partition("[")
-    shape = [int(d) for d in dims.rstrip("]").split(",") if d.strip()] if dims else []
-    if len(shape) >= 2 and dtype.startswith(("int", "uint")):
-        tokens = shape[0] * shape[1]
-        parts[0] += f" (batch {shape[0]} x sequence {shape[1]} = {_count(tokens)} tokens a step)"
-    elif shape:
-        parts[0] += f" (batch {shape[0]})"
+    batch, tokens = call_batch(call)
+    if tokens:
+        parts[0] += f" (batch {batch} x sequence {tokens // batch} = {_count(tokens)} tokens a step)"
+    elif batch:
+        parts[0] += f" (batch {batch})"
     n = call.get("parameters") or 0
     if n:
         parts.append(f"{_count(n)} parameters in {call.get('param_dtype')}, {call.get('optimizer', 'adamw')} states priced")
     return "; ".join(parts)
+
+
+def call_batch(call: dict) -> tuple[int | None, int | None]:
+    """(samples, tokens) a step of the call holds: its first input's leading dim, and where that
+    input is integer ids of two or more dims (a language model's), batch x sequence tokens."""
+    first = next(iter((call.get("inputs") or {}).values()), "")
+    dtype, _, dims = first.partition("[")
+    shape = [int(d) for d in dims.rstrip("]").split(",") if d.strip()] if dims else []
+    if not shape:
+        return None, None
+    tokens = shape[0] * shape[1] if len(shape) >= 2 and dtype.startswith(("int", "uint")) else None
+    return shape[0], tokens
+
+
+def throughput(plan) -> dict:
+    """What the predicted step reads as against published runs: ``mfu``, the model FLOPs of a
+    step (3 x the forward's matmuls, attention and convolutions: forward and backward,
+    recomputation not counted, as torchtitan and Megatron count them) over the step's time on
+    every device at its preset's peak for the compute dtype; ``tokens_per_s_per_device`` (a language model's) or ``samples_per_s_per_device``.
+    Empty for plans saved without the call's facts."""
+    from autopar.cluster import resolve_cluster
+
+    call, step = plan.solver.get("call") or {}, plan.predicted.get("step_time_s")
+    if not call or not step:
+        return {}
+    devices = math.prod(plan.mesh["shape"])
+    out = {}
+    if call.get("flops"):
+        cluster = resolve_cluster(plan.mesh.get("cluster"))
+        dtype = (plan.precision or {}).get("param_dtype") or call.get("param_dtype") or "float32"
+        peaks = dict(cluster.peak_flops)
+        peak = peaks.get(dtype, peaks.get("float32", max(peaks.values())))
+        out["model_flops"] = 3.0 * call["flops"]
+        out["mfu"] = out["model_flops"] / (step * devices * peak)
+    batch, tokens = call_batch(call)
+    if tokens:
+        out["tokens_per_s_per_device"] = tokens / step / devices
+    elif batch:
+        out["samples_per_s_per_device"] = batch / step / devices
+    return out
+
+
+def throughput_words(plan) -> list[str]:
+    """The line explain prints of ``throughput``, or none."""
+    t = throughput(plan)
+    if not t:
+        return []
+    parts = []
+    if "mfu" in t:
+        parts.append(f"model-FLOPs utilization {t['mfu']:.1%} ({_count(t['model_flops'])}FLOP a step, at the "
+                     "preset's peak)")
+    if "tokens_per_s_per_device" in t:
+        parts.append(f"{_count(t['tokens_per_s_per_device'])} tokens/s per device")
+    elif "samples_per_s_per_device" in t:
+        parts.append(f"{_count(t['samples_per_s_per_device'])} samples/s per device")
+    return ["predicted " + ", ".join(parts)]
 
 
 def _count(n: float) -> str:
@@ -139,6 +193,7 @@ def explain(plan, *, max_rows_per_layer: int | None = None, collapse_repeats: bo
         *_decided(plan),
         _step_line(plan.predicted),
         _memory_line(plan.predicted, plan.solver.get("memory_budget"), plan.solver.get("memory_budget_from")),
+        *throughput_words(plan),
         "costliest collectives per step:" + ("".join(f"\n  {line}" for line in costliest_collectives(plan)) or " none"),
         *returned_split_lines(plan),
         "",
@@ -219,6 +274,7 @@ def _explain_pipeline(plan, **kw) -> str:
         f"{fmt_s(p.bubble_fraction * plan.predicted['step_time_s'])} ({p.bubble_fraction:.0%}); "
         f"memory per device up to {fmt_bytes(plan.predicted['memory_bytes_per_device'])}"
         + (f" (budget {fmt_bytes(budget)}{whence})" if budget else ", no budget given"),
+        *throughput_words(plan),
         *([f"that is train_step's {p.schedule}; a call (pmodel(...) then backward()) runs GPipe's order, every "
            f"microbatch in flight: predicted {fmt_s(plan.predicted['call_step_time_s'])}"]
           if len(p.stages) > 1 and "call_step_time_s" in plan.predicted else []),

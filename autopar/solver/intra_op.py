@@ -36,9 +36,10 @@ log = logging.getLogger(__name__)
 TIE = 1e-6
 
 
-def call_facts(model, example_inputs, example_kwargs, optimizer: str, notes=(), graph=None) -> dict:
+def call_facts(model, example_inputs, example_kwargs, optimizer: str, notes=(), graph=None, flops: float = 0.0) -> dict:
     """What the plan is for, as explain's header says it: the call's tensor inputs (name -> "dtype[shape]"),
-    the parameters (count, dtype), the optimizer and what tracing noted."""
+    the parameters (count, dtype), the optimizer, the forward's model FLOPs of one step's batch
+    (``flops``; default: ``graph``'s: ``Graph.model_flops``) and what tracing noted."""
     import torch
 
     inputs: dict[str, str] = {}
@@ -53,7 +54,7 @@ def call_facts(model, example_inputs, example_kwargs, optimizer: str, notes=(), 
     dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in params)
     return {"inputs": inputs, "parameters": sum(p.numel() for p in params),
             "param_dtype": dtypes.most_common(1)[0][0] if dtypes else None, "optimizer": optimizer,
-            "notes": list(notes)}
+            "flops": float(flops or (graph.model_flops() if graph is not None else 0.0)), "notes": list(notes)}
 
 
 def default_budget(memory_budget, mesh: Mesh) -> tuple[float | None, str | None]:

@@ -698,6 +698,8 @@ def restrict(plan: Plan, graph, nodes: set[str], time_s: float, memory: float, b
     compute = sum(v.compute_s for k, v in node_plans.items() if graph.nodes[k].op == "call_function")
     predicted = {"step_time_s": time_s, "compute_s": compute, "comm_s": max(0.0, time_s - compute),
                  "memory_bytes_per_device": memory}
-    solver = dict(plan.solver, memory_budget=None if budget is None or math.isinf(budget) else budget)
+    # (the call's facts are the whole pipeline's, said once by its plan: not a stage's)
+    solver = {k: v for k, v in plan.solver.items() if k != "call"}
+    solver["memory_budget"] = None if budget is None or math.isinf(budget) else budget
     return Plan(plan.model_name, plan.model_fingerprint, plan.mesh, node_plans, edges, params, predicted,
                 solver, idle_axes=plan.idle_axes, precision=plan.precision)

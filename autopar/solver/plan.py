@@ -19,7 +19,7 @@ from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.spec import ShardingSpec
 from autopar.sharding_spec.strategy import Family
 from autopar.solver.diff import diff as diff_plans
-from autopar.solver.explain import axis_roles, explain as explain_plan
+from autopar.solver.explain import axis_roles, explain as explain_plan, throughput
 
 # 2: pipeline stages (version-1 files load as one-stage plans); 3: identical-gradient axes (an
 # older reader would run such a plan with the wrong gradient convention, so it must refuse it);
@@ -300,6 +300,7 @@ class Plan:
             "collectives": self.collectives(),
             "pipeline": self.pipeline_summary(),
             **self.degrees(),
+            **throughput(self),  # mfu, model_flops, tokens (or samples) per second per device
         }
 
     def degrees(self) -> dict:

@@ -75,11 +75,11 @@ def test_explain_code_prints_the_rank_program(capsys):
 
 
 def test_explain_code_prints_each_stage_program(capsys):
-    """A plan with stages (the default searches them; 600 MiB per device does not fit one stage):
-    --code prints the program of every stage, each reading what the stage before it sends."""
+    """A plan with stages (2 of them, within 600 MiB per device): --code prints the program of every
+    stage, each reading what the stage before it sends."""
     model = "gpt:layers=8,width=1024,heads=16,seq=256,vocab=8192,batch=16"
     code, out, err = run(capsys, "explain", model, "--mesh", "4", "--cluster", "a100-80g", "--memory-budget", "600MiB",
-                         "--code")
+                         "--pipeline", "stages=2,schedule=1f1b", "--code")
     assert code == 0, err
     stages = out.split("# stage ")[1:]
     assert len(stages) >= 2 and all("def forward(" in s for s in stages)
@@ -168,7 +168,7 @@ def test_explain_with_what_ifs(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["explain", "hf:cfg.json:layers=2", "--mesh", "2"], "options are batch, seq and dtype"),
     (["explain", "gpt:dtype=float99", "--mesh", "2"], "not a torch dtype"),
-    (["explain", "gpt:layers=1", "--mesh", "2", "--compare", "dp=2", "tp=2,recompute=selective"], "recompute=selective is not supported yet"),
+    (["explain", "gpt:layers=1", "--mesh", "2", "--compare", "dp=2", "tp=2,recompute=some"], "recompute must be none, full or selective"),
     (["explain", "gpt:layers=1", "--mesh", "2", "--compare", "dp=4"], "the mesh has 2 devices"),
 ])
 def test_cli_model_and_what_if_errors_are_one_line(capsys, tmp_path, monkeypatch, argv, message):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autopar
-from autopar import models
+from autopar import ir, models
 from autopar.solver.explain import axis_roles, costliest_collectives, layout_words
 
 
@@ -83,7 +83,8 @@ def test_pipelined_plan_in_words():
     plan = autopar.plan(model, autopar.Mesh((4,), cluster="a100-80g"), inputs, pipeline=autopar.Pipeline(stages=2),
                         memory_budget="800MiB")
     text = layout_words(plan)
-    assert text.startswith("pipeline parallel 2 x ")
+    per_rank = plan.pipeline.virtual_stages  # (the search may interleave stages)
+    assert text.startswith("pipeline parallel 2 x " if per_rank == 1 else f"pipeline parallel 2 ({per_rank} stages per rank) x ")
     assert f"{plan.pipeline.schedule}, {plan.pipeline.microbatches} microbatches" in text
     assert "of which bubble" in plan.explain()
 
@@ -221,3 +222,41 @@ def test_what_if_views_keep_the_hardware_and_pipelines_count_every_microbatch():
         per_micro += sum(c[2] for c in p.collectives()) - s
         sync += s
     assert bytes_per_step(plan) == pytest.approx(m * per_micro + sync)
+
+
+def test_the_predicted_model_flops_utilization_and_throughput():
+    """``summary()`` and ``explain`` read a plan against published runs: model FLOPs (3 x the
+    forward's matmuls and attention; an MLP's by hand: 2 x batch x in x out per linear) over the
+    step on every device at the preset's peak, and tokens (a language model's) or samples per
+    second per device; a pipeline's count the same FLOPs as one stage's."""
+    import math
+
+    from autopar.cluster import resolve_cluster
+
+    model, inputs = models.build("mlp", layers=2, width=32, hidden=64, batch=8)
+    plan = autopar.plan(model, autopar.Mesh((2,), cluster="a100-80g"), inputs)
+    s = plan.summary()
+    linears = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert s["model_flops"] == 3 * 2 * 8 * linears
+    peak = dict(resolve_cluster("a100-80g").peak_flops)["float32"]
+    assert s["mfu"] == pytest.approx(s["model_flops"] / (s["step_time_s"] * 2 * peak), rel=1e-12)
+    assert s["samples_per_s_per_device"] == pytest.approx(8 / s["step_time_s"] / 2) and "tokens_per_s_per_device" not in s
+
+    model, inputs = models.build("gpt", device="meta", layers=4, width=256, heads=8, seq=128, vocab=2048, batch=16)
+    mesh = autopar.Mesh((4,), cluster="h100-80g")
+    one = autopar.plan(model, mesh, inputs, pipeline=False, precision="bf16")
+    piped = autopar.plan(model, mesh, inputs, pipeline=autopar.Pipeline(stages=2, microbatches=4), precision="bf16")
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    graph = ir.trace(model, inputs)
+    attention = sum(n.flops for n in graph.nodes.values() if "scaled_dot_product" in n.target)
+    tokens = 16 * 128
+    peak = dict(resolve_cluster("h100-80g").peak_flops)["bfloat16"]
+    for plan in (one, piped):
+        s = plan.summary()
+        assert s["model_flops"] == pytest.approx(3 * (2 * tokens * weights + attention), rel=1e-12)
+        assert s["mfu"] == pytest.approx(s["model_flops"] / (s["step_time_s"] * 4 * peak), rel=1e-12)
+        assert s["tokens_per_s_per_device"] == pytest.approx(tokens / s["step_time_s"] / 4, rel=1e-12)
+        line = next(x for x in plan.explain().splitlines() if "model-FLOPs utilization" in x)
+        assert f"{s['mfu']:.1%}" in line and "tokens/s per device" in line
+        assert math.isclose(autopar.Plan.from_json(plan.to_json()).summary()["mfu"], s["mfu"])
+    assert piped.pipeline is not None and sum("model-FLOPs" in x for x in piped.explain().splitlines()) == 1
