@@ -5,7 +5,7 @@
 
 ``build(..., device="meta")`` puts parameters, buffers and example inputs on the meta device, so
 huge configurations can be traced and planned without memory. Published shapes have names of their
-own (``PUBLISHED``: ``gpt2-xl``, ``gpt3-175b``, ``llama2-7b``, ``llama3-8b``, ``llama3-70b``): they
+own (``PUBLISHED``: ``gpt2-xl``, ``gpt3-175b``, ``llama2-7b``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``): they
 build on the meta device in bfloat16 unless told otherwise, with the batch of their training runs. Weights are initialized from a fixed
 seed (``seed=``, default 0) without touching the global RNG, so every rank builds the same model.
 """
@@ -32,7 +32,8 @@ REGISTRY: dict[str, tuple[ModuleType, type]] = {
 
 # Published shapes: name -> (built-in, config fields). Widths, depths, heads, vocabularies and
 # context lengths from the papers and model cards; the batch is the training batch in sequences
-# (GPT-2: 512 x 1024 tokens; GPT-3 175B: 3.2M tokens; Llama 2: 4M tokens; Llama 3: 4M tokens chosen).
+# (GPT-2: 512 x 1024 tokens; GPT-3 175B: 3.2M tokens; Llama 2: 4M tokens; Llama 3 8B and 70B: 4M
+# tokens chosen; Llama 3 405B: 16M tokens, its final pre-training batch).
 PUBLISHED: dict[str, tuple[str, dict]] = {
     "gpt2-xl": ("gpt", dict(layers=48, width=1600, heads=25, seq=1024, vocab=50257, batch=512)),
     "gpt3-175b": ("gpt", dict(layers=96, width=12288, heads=96, seq=2048, vocab=51200, batch=1536)),
@@ -42,6 +43,9 @@ PUBLISHED: dict[str, tuple[str, dict]] = {
                                 batch=512, rope_theta=500000.0)),
     "llama3-70b": ("llama", dict(layers=80, width=8192, heads=64, kv_heads=8, hidden=28672, seq=8192, vocab=128256,
                                  batch=512, rope_theta=500000.0)),
+    # the paper's last stage of pre-training: 16M tokens a step at 8192 tokens a sequence
+    "llama3-405b": ("llama", dict(layers=126, width=16384, heads=128, kv_heads=8, hidden=53248, seq=8192,
+                                  vocab=128256, batch=2048, rope_theta=500000.0)),
 }
 
 

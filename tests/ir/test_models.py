@@ -99,7 +99,8 @@ def test_config_errors(name, overrides, words):
 
 
 # published parameter counts (papers / model cards), in billions
-PUBLISHED_PARAMS = {"gpt2-xl": 1.56, "gpt3-175b": 175.0, "llama2-7b": 6.74, "llama3-8b": 8.03, "llama3-70b": 70.6}
+PUBLISHED_PARAMS = {"gpt2-xl": 1.56, "gpt3-175b": 175.0, "llama2-7b": 6.74, "llama3-8b": 8.03, "llama3-70b": 70.6,
+                    "llama3-405b": 405.9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
