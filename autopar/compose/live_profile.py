@@ -32,6 +32,12 @@ from autopar.sharding_spec.mesh import Mesh
 
 log = logging.getLogger(__name__)
 
+
+def _say(level: int, message: str, *args) -> None:
+    """Log what every rank would say alike, once: by rank 0."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.log(level, message, *args)
+
 # The short communication profile taken when the mesh has no cluster: 3 sizes, 5
 # timed calls each, every collective kind on every mesh axis (~2 s on 4 CPU gloo ranks). A full
 # profile (``autopar profile --mesh``, cached in the same directory) is used instead when present.
@@ -175,9 +181,8 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
         drift = max(contention / out["rank_contention"], out["rank_contention"] / contention,
                     *((pace / out["pace_s"], out["pace_s"] / pace) if out.get("pace_s") else ()))
         if drift > HOST_DRIFT:
-            if dist.get_rank() == 0:
-                log.warning("the host drifted from its cached profile (rank contention %.2f, now %.2f): measuring "
-                            "it again", out["rank_contention"], contention)
+            _say(logging.WARNING, "the host drifted from its cached profile (rank contention %.2f, now %.2f): "
+                 "measuring it again", out["rank_contention"], contention)
             out = host()
         out["checked_at"] = time.time()
         _store(what, device, directory, out)
@@ -243,7 +248,7 @@ def calibrated(model, graph, example, mesh: Mesh, device, *, directory=None) -> 
             table = live_op_table(graph, flat, device, Layout(dp=world), directory=directory)
             predicted = _on_rank0(lambda: _dp_compute_s(model, flat, graph, world, table))
         except AutoparError as err:
-            log.info("no in-situ factor: the data-parallel plan could not be priced (%s)", err)
+            _say(logging.INFO, "no in-situ factor: the data-parallel plan could not be priced (%s)", err)
             return none
         # a step waits for its slowest rank at its first collective: each round's slowest, the median round
         measured = statistics.median(max(rounds) for rounds in zip(*together))
@@ -256,7 +261,7 @@ def calibrated(model, graph, example, mesh: Mesh, device, *, directory=None) -> 
     lo, hi = IN_SITU_RANGE
     factor = min(hi, max(lo, got["factor"]))
     if factor != got["factor"]:
-        log.warning("in-situ factor %.2f (model %.3g s, its ops %.3g s) clamped to %.2f", got["factor"],
+        _say(logging.WARNING, "in-situ factor %.2f (model %.3g s, its ops %.3g s) clamped to %.2f", got["factor"],
                     got["measured_s"], got["predicted_s"], factor)
     source = (f"{cluster.source}; in situ x{factor:.2f}: the model's forward+backward on {world} ranks "
               f"{got['measured_s']:.3g} s vs its profiled ops {got['predicted_s']:.3g} s")
@@ -313,7 +318,7 @@ def _forward_backward_s(model, inputs, kwargs, device) -> list[float] | None:
     dist.all_gather_object(every, warm)
     try:
         if any(w is None for w in every):
-            log.info("no in-situ factor: the model's forward and backward on its share of the batch failed (%s)", error)
+            _say(logging.INFO, "no in-situ factor: the model's forward and backward on its share of the batch failed (%s)", error)
             return None
         longest = max(max(every), 1e-6)  # a pass longer than the window is a window: one a round
         count = 1 if longest > IN_SITU_WINDOW_S else max(IN_SITU_REPEATS, min(200, math.ceil(IN_SITU_WINDOW_S / longest)))
@@ -327,7 +332,7 @@ def _forward_backward_s(model, inputs, kwargs, device) -> list[float] | None:
                 rounds.append((time.perf_counter() - t0) / count)
         return rounds
     except Exception as err:  # (after the warm-ups ran: the caller's gather still hears None from here)
-        log.info("no in-situ factor: the model failed while timed (%s)", err)
+        log.info("no in-situ factor: the model failed while timed on this rank (%s)", err)
         return None
     finally:
         with torch.no_grad():
