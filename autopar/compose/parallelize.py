@@ -119,6 +119,9 @@ def parallelize(
     if not dist.is_initialized():  # ranks started by torchrun, srun or mpirun: take the launcher's word
         _start_world(mesh, device if device is not None else _model_device(model, on_meta), timeout)
     device = resolve_device(device if device is not None else _model_device(model, on_meta), dist.get_backend())
+    if dist.get_backend() == "nccl" and device.type != "cuda":
+        raise ConfigError(f"the process group runs NCCL but the model's shards would live on {device}: move the "
+                          "model to its GPU first (model.to(autopar.init().device)), or pass device=")
     mesh.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
     _check_same_inputs(graph)

@@ -29,7 +29,7 @@ class Recompute(enum.Enum):
         full), or None (left to the planner)."""
         if value is None or isinstance(value, Recompute):
             return value
-        if isinstance(value, bool):
+        if isinstance(value, bool) or value in (0, 1):
             return Recompute.FULL if value else Recompute.NONE
         if isinstance(value, str) and value.lower() in {r.value for r in Recompute}:
             return Recompute(value.lower())
@@ -55,6 +55,16 @@ SAVED_ATEN_OPS = (
     "_scaled_dot_product_flash_attention.default", "_scaled_dot_product_flash_attention_for_cpu.default",
     "_scaled_dot_product_efficient_attention.default", "_scaled_dot_product_cudnn_attention.default",
 )
+
+
+def attention_dropout(node) -> float:
+    """The dropout probability of a traced ``aten.scaled_dot_product_attention`` node (0 for other
+    ops). Attention with dropout runs torch's math path on CPU (a matmul of the scores, softmax,
+    dropout, a matmul of the values), whose two matmul outputs selective recomputation keeps."""
+    if not str(node.target).startswith("aten.scaled_dot_product_attention"):
+        return 0.0
+    p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else 0.0
 
 
 def saved_by_selective(target: str) -> bool:

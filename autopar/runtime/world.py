@@ -54,59 +54,52 @@ def init(backend: str | None = None, device=None, timeout=None) -> World:
     if dist.is_initialized():
         return _world(dist.get_backend(), device)
     env = launch_env()
-    if env is None:  # no launcher: a world of this one process
-        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())}
-    os.environ.update(env)
+    if env is not None:
+        os.environ.update(env)
     device = resolve_device(device, backend)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S if timeout is None else float(timeout)) \
         if not isinstance(timeout, datetime.timedelta) else timeout
-    dist.init_process_group(backend, timeout=timeout)
+    if env is None:  # no launcher: a world of this one process (no rendezvous, nothing set for children)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return _world(backend, device)
 
 
 def _world(backend: str, device) -> World:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(device, backend)
-    return World(dist.get_rank(), dist.get_world_size(), local_rank,
-                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")), device, backend)
+    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
+                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")), resolve_device(device, backend), backend)
 
 
 def resolve_device(device, backend: str | None) -> torch.device:
-    """The device this rank computes on (see ``init``)."""
+    """The device this rank computes on (see ``init``): a GPU by its local rank among the GPUs this
+    process sees (one GPU per task, as ``srun --gpus-per-task=1`` binds them: that one)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device is None:
-        gpu = torch.cuda.is_available() and backend != "gloo"
-        return torch.device("cuda", local_rank) if gpu else torch.device("cpu")
+        return torch.device("cuda", local_rank % gpus) if gpus and backend != "gloo" else torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", local_rank)
+        return torch.device("cuda", local_rank % gpus if gpus else local_rank)
     return device
-
-
-def _free_port() -> int:
-    from autopar.runtime.launch import free_port
-
-    return free_port()
 
 
 # ---- launchers' environments ---------------------------------------------------------------------
 def launch_env(environ=None) -> dict[str, str] | None:
     """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT of this process
     as torch's ``env://`` rendezvous reads them, from the launcher that started it: torchrun (they
-    are set), SLURM's ``srun`` (``_slurm_env``) or OpenMPI's ``mpirun`` (OMPI_COMM_WORLD_RANK,
-    _SIZE, _LOCAL_RANK, _LOCAL_SIZE; MASTER_ADDR from the environment, or 127.0.0.1 when every rank
-    is on this node). None when no launcher's variables are there."""
+    are set), OpenMPI's ``mpirun`` (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE;
+    MASTER_ADDR from the environment, or 127.0.0.1 when every rank is on this node; read before
+    SLURM's, whose variables its ranks inherit inside an allocation) or SLURM's ``srun``
+    (``_slurm_env``). None when no launcher's variables are there."""
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         out = {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                if k in env}
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        out = _slurm_env(env)
-    elif "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+    elif "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:  # (mpirun inside a SLURM allocation too)
         local_size = env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")
         one_node = local_size == env["OMPI_COMM_WORLD_SIZE"]
         if "MASTER_ADDR" not in env and not one_node:
@@ -116,6 +109,8 @@ def launch_env(environ=None) -> dict[str, str] | None:
                "LOCAL_RANK": env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"), "LOCAL_WORLD_SIZE": local_size,
                "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
                "MASTER_PORT": env.get("MASTER_PORT", str(DEFAULT_MASTER_PORT))}
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        out = _slurm_env(env)
     else:
         return None
     out.setdefault("LOCAL_RANK", "0")
@@ -142,9 +137,9 @@ def _slurm_env(env) -> dict[str, str]:
     if env.get("MASTER_PORT"):
         port = env["MASTER_PORT"]
     else:
-        step_id = step if step is not None and step.isdigit() else "0"
-        ids = int(job) * 100 + int(step_id) if job.isdigit() else 0
-        port = str(_SLURM_PORTS[0] + ids % _SLURM_PORTS[1])
+        step_id = int(step) if step is not None and step.isdigit() else 0
+        mixed = int(job) + 7919 * step_id if job.isdigit() else 0  # (a prime: steps of one job spread apart)
+        port = str(_SLURM_PORTS[0] + mixed % _SLURM_PORTS[1])
     out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(tasks), "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
            "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodes) or "127.0.0.1", "MASTER_PORT": port}
     local = _tasks_on_node(env)

@@ -378,7 +378,7 @@ def pipeline_words(plan) -> str:
         return f"a {blocks}-stage pipeline"
     if p.microbatches > 1:
         return f"gradient accumulation over {p.microbatches} microbatches"
-    return "recomputation"
+    return "selective recomputation" if p.stages[0].selective else "recomputation"
 
 
 def layout_words(plan) -> str:

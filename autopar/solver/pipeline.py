@@ -370,7 +370,11 @@ def _recompute_variants(p: UnitPrices, recompute: Recompute | None) -> list[Unit
     """``p`` as the DP may use it (``Pipeline.recompute``): as is, or recomputed whole or
     selectively; None: every one (the DP chooses per stage)."""
     kinds = list(Recompute) if recompute is None else [recompute]
-    return [p.recomputed(k) if k else p for k in kinds]
+    if p.selective_refused:
+        if recompute is Recompute.SELECTIVE:
+            raise ConfigError(f"Pipeline(recompute='selective'): {p.selective_refused}")
+        kinds = [k for k in kinds if k is not Recompute.SELECTIVE]
+    return [p.recomputed(k) for k in kinds]
 
 
 class _Search:

@@ -35,7 +35,7 @@ from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role, needs_grad, runs_backward
 from autopar.ir.precision import MixedPrecision
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES
-from autopar.record.recompute import Recompute, saved_by_selective
+from autopar.record.recompute import Recompute, attention_dropout, saved_by_selective
 from autopar.ir.losses import unread_outputs
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.reshard import local_bytes
@@ -147,6 +147,7 @@ class UnitPrices:
     # and the outputs it keeps of the others, per microbatch
     unsaved_forward_s: np.ndarray | None = None
     saved_bytes: np.ndarray | None = None
+    selective_refused: str | None = None  # why these prices are not offered recomputed selectively
 
     def receive_s(self, i: int, mesh: Mesh) -> float:
         """Seconds per microbatch a stage starting at unit i spends on the values it receives
@@ -215,7 +216,10 @@ class UnitPrices:
         ``torch.utils.checkpoint`` runs it: per microbatch in flight a unit keeps its input (and
         under selective recomputation the outputs of the ops it saves); the forward runs again
         (under selective, that of the other ops); while one unit's backward runs, the activations
-        it recomputed are live again (the largest unit's, held once per stage)."""
+        it recomputed are live again (the largest unit's, held once per stage). ``Recompute.NONE``:
+        these prices."""
+        if not kind:
+            return self
         if kind is Recompute.SELECTIVE:
             again, kept, live = self.unsaved_forward_s, self.boundary_bytes + self.saved_bytes, \
                 np.maximum(0.0, self.activation_bytes - self.saved_bytes)
@@ -236,6 +240,7 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
     n = len(graph.layers)
     micro, step, static, act, boundary, boundary_grads, forward, peak, weight_grads, tail, cover, unsaved, saved = (
         np.zeros(n) for _ in range(13))
+    refused = None  # why selective recomputation is not offered (None: it is)
     last_weight_op: dict[int, int] = {}  # unit -> graph position of its last op reading a parameter
     position = {name: k for k, name in enumerate(graph.nodes)}
     readers = node_readers(graph)
@@ -264,7 +269,13 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
             micro[u] += np_.compute_s + forward_s + backward_s + in_op_comm_s(np_, graph, mesh, plan.identical_axes)
             forward[u] += np_.compute_s / 3 + forward_s  # node compute is forward + 2x backward
             if saved_by_selective(node.target):  # what lives at the forward's peak is there once anyway
-                saved[u] += max(0.0, local_nbytes(node.meta, np_.output, mesh) - np_.peak_bytes)
+                out = local_nbytes(node.meta, np_.output, mesh)
+                saved[u] += max(0.0, out - np_.peak_bytes)
+                if attention_dropout(node):  # (the math path: the scores are kept too, key length over head dim)
+                    saved[u] += out * graph.nodes[node.inputs[1]].meta.shape[-2] / node.meta.shape[-1]
+                if np_.family.ring is not None:
+                    refused = (f"{name} runs ring attention, whose blocks selective recomputation would each keep "
+                               "(priced as one output): recompute it whole or not at all")
             else:
                 unsaved[u] += np_.compute_s / 3 + forward_s
             act[u] += np_.memory_bytes - np_.peak_bytes
@@ -287,7 +298,7 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
     syncs = _unit_syncs(plan, graph, mesh, unit, readers, cover, step_share, bucket_bytes)
     return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_params=tuple(shared), peak_bytes=peak,
                       weight_grad_bytes=weight_grads, tail_bytes=tail, syncs=syncs, boundary_grad_bytes=boundary_grads,
-                      unsaved_forward_s=unsaved, saved_bytes=saved)
+                      unsaved_forward_s=unsaved, saved_bytes=saved, selective_refused=refused)
 
 
 def _reader_units(param: str, unit, readers) -> list[int]:
@@ -351,7 +362,7 @@ def grouped_prices(p: UnitPrices, groups) -> UnitPrices:
                       p.syncs.grouped(groups),
                       None if p.boundary_grad_bytes is None else np.asarray([p.boundary_grad_bytes[g[0]] for g in groups]),
                       None if p.unsaved_forward_s is None else total(p.unsaved_forward_s),
-                      None if p.saved_bytes is None else total(p.saved_bytes))
+                      None if p.saved_bytes is None else total(p.saved_bytes), p.selective_refused)
 
 
 def fastest_prices(model, sm, graph, intra_op_plan, config) -> UnitPrices | None:

@@ -26,7 +26,7 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 
 def _base_env() -> dict:
     base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith(("SLURM_", "OMPI_"))}
-    base.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    base.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")  # (CPU ranks, even on a GPU host)
     return base
 
 
@@ -48,7 +48,7 @@ def test_srun_tasks_are_read_as_torch_rendezvous_wants_them():
     step = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "1234",
             "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "gpu[07-09,12],cpu3", "SLURM_NTASKS_PER_NODE": "4(x4)"}
     assert launch_env(step) == {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-                                "MASTER_ADDR": "gpu07", "MASTER_PORT": str(20000 + 123400 % 10000)}
+                                "MASTER_ADDR": "gpu07", "MASTER_PORT": str(20000 + 1234 % 10000)}
     # 2 nodes x 2 tasks, hosts named with a suffix; the step's own node list and tasks per node
     two = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1",
            "SLURM_NODEID": "1", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3", "SLURM_JOB_NODELIST": "n[1-4]-ib",
@@ -193,3 +193,30 @@ def test_the_readme_quick_start_runs_under_mpirun(tmp_path):
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     printed = [f.read_text() for f in (tmp_path / "out").rglob("stdout")]
     assert sum("plan for GPT2LMHeadModel on mesh 4" in p for p in printed) == 1, printed  # rank 0 alone
+
+
+def test_mpirun_inside_a_slurm_allocation_is_read_as_mpirun():
+    """Ranks mpirun starts inside an allocation inherit SLURM's variables (a batch step's: no step
+    id): OpenMPI's are read first."""
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n1",
+           "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    assert launch_env(env)["RANK"] == "2" and launch_env(env)["WORLD_SIZE"] == "4"
+
+
+def test_jobs_whose_ids_differ_by_a_hundred_get_other_ports():
+    step = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "n1"}
+    ports = {launch_env({**step, "SLURM_JOB_ID": str(job)})["MASTER_PORT"] for job in (1200, 1300, 1400, 2200)}
+    assert len(ports) == 4
+
+
+def test_a_gpu_is_picked_among_those_the_process_sees(monkeypatch):
+    """Four tasks on a node each bound to its own GPU (``srun --gpus-per-task=1``) see one GPU
+    each: cuda:0, whatever their local rank; with all four visible, their own."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device(None, "nccl") == resolve_device("cuda", "nccl") == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert resolve_device(None, None) == torch.device("cuda", 3)
+    assert resolve_device(None, "gloo") == torch.device("cpu")  # gloo asked for: the CPU

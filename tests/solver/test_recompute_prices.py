@@ -91,3 +91,32 @@ def test_a_schedule_that_splits_the_backward_refuses_selective_recomputation_too
 
     with pytest.raises(ConfigError, match="recompute='selective'"):
         autopar.Pipeline(schedule="zero-bubble", recompute="selective")
+
+
+def test_attention_with_dropout_keeps_its_scores_too():
+    """Attention with dropout runs torch's math path on CPU, whose two matmuls' outputs selective
+    recomputation keeps: the scores (batch x heads x seq x seq) besides the output."""
+    shape = dict(SHAPE, dropout=0.1)
+    model, inputs = models.build("gpt", device="meta", **shape)
+    graph = ir.trace(model, inputs)
+    mesh = autopar.Mesh((4,), cluster="a100-80g")
+    plan = autopar.plan(model, mesh, graph=graph, force=autopar.Layout(dp=4), pipeline=False)
+    p = unit_prices(plan, graph, mesh)
+    b, t, c, h = shape["batch"] // 4, shape["seq"], shape["width"], shape["heads"]
+    assert list(p.saved_bytes[1:3]) == [(10 * b * t * c + b * h * t * t) * 4] * 2
+    assert p.recomputed(Recompute.NONE) is p
+
+
+def test_ring_attention_is_not_recomputed_selectively():
+    """Ring attention's blocks would each be kept: a plan splitting the sequence over a ring is
+    recomputed whole or not at all, and asking for selective says why."""
+    from autopar.errors import ConfigError
+
+    model, inputs = models.build("gpt", device="meta", **dict(SHAPE, seq=256, batch=2))
+    mesh = autopar.Mesh((4,), cluster="a100-80g")
+    with pytest.raises(ConfigError, match="recompute='selective'.*ring attention"):
+        autopar.plan(model, mesh, inputs, force=autopar.Layout(cp=4), memory_budget=None,
+                     pipeline=autopar.Pipeline(stages=1, microbatches=1, recompute="selective"))
+    plan = autopar.plan(model, mesh, inputs, force=autopar.Layout(cp=4), memory_budget=None,
+                        pipeline=autopar.Pipeline(stages=1, microbatches=1, recompute=None))
+    assert _recomputed(plan) is not Recompute.SELECTIVE
