@@ -25,9 +25,11 @@ from autopar.solver.explain import axis_roles, explain as explain_plan, throughp
 # older reader would run such a plan with the wrong gradient convention, so it must refuse it);
 # 4: each stage's reshards of the values it receives (``StagePlan.received``; older files load
 # without them, and ``solver.receives.with_received`` computes them from the graph); 5: a parameter's
-# gradient sync as an object (``GradSync``; older files spelt it ``[kind, axes, bytes]``, read as such)
-SCHEMA_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# gradient sync as an object (``GradSync``; older files spelt it ``[kind, axes, bytes]``, read as such);
+# 6: a stage's recomputation may be selective (``StagePlan.selective``: an older reader would run
+# it whole, against its memory and time, so it must refuse it; older files read as whole)
+SCHEMA_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 # The backward of each resharding step under the dual-layout gradient convention.
 BACKWARD_OF = {

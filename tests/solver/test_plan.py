@@ -22,7 +22,7 @@ def test_json_round_trip_is_exact(gpt_plan, tmp_path):
     loaded = autopar.Plan.load(path)
     assert loaded == gpt_plan
     assert loaded.to_json() == gpt_plan.to_json()
-    assert json.loads(path.read_text())["schema_version"] == 5
+    assert json.loads(path.read_text())["schema_version"] == 6
     loaded.save(tmp_path / "again.json")
     assert (tmp_path / "again.json").read_text() == path.read_text()
 
