@@ -214,7 +214,7 @@ def _start_world(mesh: Mesh, device, timeout) -> None:
 
     if mesh.size > 1 and launch_env() is None:
         raise ConfigError(
-            f"autopar.parallelize runs inside each of the mesh's {mesh.size} ranks: start them with torchrun, srun "
+            f"autopar.parallelize runs inside each rank (the mesh has {mesh.size}): start them with torchrun, srun "
             "(SLURM), mpirun (OpenMPI) or autopar.runtime.launch.spawn, or call autopar.init() / "
             "torch.distributed.init_process_group first"
         )

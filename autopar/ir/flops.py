@@ -106,6 +106,11 @@ def counts_as_model_flops(target: str) -> bool:
     return target in MODEL_FLOP_OPS or target.rsplit(".", 1)[0] in MODEL_FLOP_OPS
 
 
+def model_flops(graph) -> int:
+    """A graph's forward FLOPs in matmuls, attention and convolutions (``MODEL_FLOP_OPS``)."""
+    return sum(n.flops for n in graph.nodes.values() if n.op == "call_function" and counts_as_model_flops(n.target))
+
+
 def rule_for(target: str) -> Rule:
     """The rule for ``target`` ("aten.mm.default"): by full name, then without the overload."""
     if target in FLOP_RULES:

@@ -255,12 +255,6 @@ class Graph:
     def total_flops(self) -> int:
         return sum(n.flops for n in self.nodes.values())
 
-    def model_flops(self) -> int:
-        """The forward's FLOPs in matmuls, attention and convolutions (``flops.MODEL_FLOP_OPS``)."""
-        from autopar.ir.flops import counts_as_model_flops
-
-        return sum(n.flops for n in self.nodes.values() if n.op == "call_function" and counts_as_model_flops(n.target))
-
     def num_parameters(self) -> int:
         """Elements over unique parameters (a tied weight counts once)."""
         return sum(self.nodes[name].meta.numel for name in self.params.values())

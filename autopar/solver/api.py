@@ -6,6 +6,7 @@ import logging
 
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir.precision import working_call
+from autopar.ir.flops import model_flops
 from autopar.sharding_spec.mesh import Mesh
 from autopar.solver.config import PlanConfig
 from autopar.solver.explain import pipeline_words
@@ -59,7 +60,7 @@ def plan(model, mesh: Mesh, example_inputs=(), *, example_kwargs=None, config: P
             pipelined = choice.to_plan()
             pipelined.solver.update(memory_budget=budget, memory_budget_from=budget_from,
                                     call=call_facts(**call, notes=choice.graph.notes,
-                                                    flops=choice.graph.model_flops() * choice.microbatches))
+                                                    flops=model_flops(choice.graph) * choice.microbatches))
             if pipeline != "auto":  # the caller asked for this pipeline
                 return pipelined
         elif graph is None and choice is not None:

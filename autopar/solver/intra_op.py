@@ -19,6 +19,7 @@ from autopar.cost_model.step import graph_overheads_s, step_time, zero2_totals
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES
 from autopar.errors import ConfigError, PlanError
 from autopar.ir import trace
+from autopar.ir.flops import model_flops
 from autopar.ir.graph import Role
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.strategy import active_axes
@@ -39,7 +40,7 @@ TIE = 1e-6
 def call_facts(model, example_inputs, example_kwargs, optimizer: str, notes=(), graph=None, flops: float = 0.0) -> dict:
     """What the plan is for, as explain's header says it: the call's tensor inputs (name -> "dtype[shape]"),
     the parameters (count, dtype), the optimizer, the forward's model FLOPs of one step's batch
-    (``flops``; default: ``graph``'s: ``Graph.model_flops``) and what tracing noted."""
+    (``flops``; default: ``graph``'s: ``ir.flops.model_flops``) and what tracing noted."""
     import torch
 
     inputs: dict[str, str] = {}
@@ -54,7 +55,7 @@ def call_facts(model, example_inputs, example_kwargs, optimizer: str, notes=(), 
     dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in params)
     return {"inputs": inputs, "parameters": sum(p.numel() for p in params),
             "param_dtype": dtypes.most_common(1)[0][0] if dtypes else None, "optimizer": optimizer,
-            "flops": float(flops or (graph.model_flops() if graph is not None else 0.0)), "notes": list(notes)}
+            "flops": float(flops or (model_flops(graph) if graph is not None else 0.0)), "notes": list(notes)}
 
 
 def default_budget(memory_budget, mesh: Mesh) -> tuple[float | None, str | None]:

@@ -29,7 +29,7 @@ def test_explain_builtin_model_and_json(capsys, tmp_path):
     assert "plan for MLP on mesh 2x2" in out and "predicted step time" in out and "layers.0" in out
     plan = autopar.Plan.load(path)
     assert plan.mesh["shape"] == [2, 2] and plan.mesh["cluster"]["name"] == "a100-80g"
-    assert json.loads(path.read_text())["schema_version"] == 5
+    assert json.loads(path.read_text())["schema_version"] == 6
 
 
 def test_explain_user_factory(capsys):

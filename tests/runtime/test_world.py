@@ -156,7 +156,7 @@ def test_without_a_launcher_init_is_a_world_of_one_and_parallelize_says_how_to_s
             "autopar.parallelize(model, autopar.Mesh((4,)), x)\n")
     run = subprocess.run([sys.executable, "-c", code], env=_base_env(), capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "ConfigError" in run.stderr
-    assert "runs inside each of the mesh's 4 ranks: start them with torchrun" in run.stderr
+    assert "runs inside each rank (the mesh has 4): start them with torchrun" in run.stderr
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed (.ci/run installs openmpi-bin)")
