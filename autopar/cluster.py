@@ -148,11 +148,14 @@ class ClusterSpec:
         if not self.peak_flops or any(v <= 0 for _, v in self.peak_flops):
             raise ConfigError(f"cluster {self.name!r}: peak_flops needs a positive FLOP/s per dtype")
 
-    def flops(self, dtype: str) -> float:
-        """Sustained FLOP/s for a dtype name (peak x ``compute_efficiency``); falls back to
-        float32's figure for dtypes not listed."""
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for a dtype name; float32's figure for dtypes not listed."""
         table = dict(self.peak_flops)
-        return table.get(dtype, table.get("float32", max(table.values()))) * self.compute_efficiency
+        return table.get(dtype, table.get("float32", max(table.values())))
+
+    def flops(self, dtype: str) -> float:
+        """Sustained FLOP/s for a dtype name (``peak`` x ``compute_efficiency``)."""
+        return self.peak(dtype) * self.compute_efficiency
 
     @property
     def sustained_memory_bandwidth(self) -> float:

@@ -116,9 +116,10 @@ def parallelize(
 
     from autopar.runtime.world import resolve_device
 
+    wanted = device if device is not None else _model_device(model, on_meta)  # None: where the world computes
     if not dist.is_initialized():  # ranks started by torchrun, srun or mpirun: take the launcher's word
-        _start_world(mesh, device if device is not None else _model_device(model, on_meta), timeout)
-    device = resolve_device(device if device is not None else _model_device(model, on_meta), dist.get_backend())
+        _start_world(mesh, wanted, timeout)
+    device = resolve_device(wanted, dist.get_backend())
     if dist.get_backend() == "nccl" and device.type != "cuda":
         raise ConfigError(f"the process group runs NCCL but the model's shards would live on {device}: move the "
                           "model to its GPU first (model.to(autopar.init().device)), or pass device=")

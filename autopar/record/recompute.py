@@ -25,12 +25,12 @@ class Recompute(enum.Enum):
 
     @staticmethod
     def of(value) -> "Recompute | None":
-        """``value`` as a Recompute: one, its name ("none", "full", "selective"), a bool (True:
-        full), or None (left to the planner)."""
+        """``value`` as a Recompute: one, its name ("none", "full", "selective"), a bool or 0/1
+        (True, 1: full), or None (left to the planner)."""
         if value is None or isinstance(value, Recompute):
             return value
-        if isinstance(value, bool) or value in (0, 1):
-            return Recompute.FULL if value else Recompute.NONE
+        if isinstance(value, bool) or value in (0, 1, "0", "1"):
+            return Recompute.FULL if value in (True, 1, "1") else Recompute.NONE
         if isinstance(value, str) and value.lower() in {r.value for r in Recompute}:
             return Recompute(value.lower())
         raise ConfigError(f"recompute={value!r}: use 'none', 'full', 'selective' (or True/False, or None to let "

@@ -4,6 +4,7 @@
 microbatch's loss weighs in the step's (``loss_weights``)."""
 from __future__ import annotations
 
+import functools
 import torch
 import torch.nn as nn
 
@@ -100,10 +101,11 @@ def _saving_contexts():
     """Selective checkpointing's contexts: the outputs of ``SAVED_ATEN_OPS`` kept, the rest recomputed."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts(_saved_ops())
+    return create_selective_checkpoint_contexts(list(_saved_ops()))
 
 
-def _saved_ops() -> list:
+@functools.cache
+def _saved_ops() -> tuple:
     """The installed torch's overloads of ``SAVED_ATEN_OPS``."""
     found = []
     for name in SAVED_ATEN_OPS:
@@ -111,7 +113,7 @@ def _saved_ops() -> list:
         op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
         if op is not None:
             found.append(op)
-    return found
+    return tuple(found)
 
 
 def checkpointed_by_layer(gm, unit_of: dict, groups, recompute: Recompute = Recompute.FULL) -> nn.Module:

@@ -26,9 +26,6 @@ from autopar.solver.mesh_views import config_mesh
 from autopar.solver.units import fmt_bytes, fmt_s
 
 KEYS = ("dp", "tp", "pp", "mb", "zero", "vocab", "recompute")
-# recompute's words (and 0/1)
-RECOMPUTE = {"none": Recompute.NONE, "0": Recompute.NONE, "full": Recompute.FULL, "1": Recompute.FULL,
-             "selective": Recompute.SELECTIVE}
 
 
 @dataclasses.dataclass
@@ -52,10 +49,10 @@ def parse_config(text: str) -> dict:
         if not eq or key not in KEYS:
             raise ConfigError(f"what-if {text!r}: write items like tp=8,dp=16 (keys {', '.join(KEYS)}); got {item!r}")
         if key == "recompute":
-            word = value.strip().lower()
-            if word not in RECOMPUTE:
-                raise ConfigError(f"what-if {text!r}: recompute must be none, full or selective, got {value!r}")
-            out[key] = RECOMPUTE[word]
+            try:
+                out[key] = Recompute.of(value.strip())
+            except ConfigError:
+                raise ConfigError(f"what-if {text!r}: recompute must be none, full or selective, got {value!r}") from None
             continue
         try:
             out[key] = int(value)

@@ -98,8 +98,7 @@ def throughput(plan) -> dict:
     if call.get("flops"):
         cluster = resolve_cluster(plan.mesh.get("cluster"))
         dtype = (plan.precision or {}).get("param_dtype") or call.get("param_dtype") or "float32"
-        peaks = dict(cluster.peak_flops)
-        peak = peaks.get(dtype, peaks.get("float32", max(peaks.values())))
+        peak = cluster.peak(dtype)
         out["model_flops"] = 3.0 * call["flops"]
         out["mfu"] = out["model_flops"] / (step * devices * peak)
     batch, tokens = call_batch(call)
