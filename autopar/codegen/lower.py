@@ -38,7 +38,7 @@ import torch.fx as fx
 from autopar.codegen import ops
 from autopar.codegen.lowerings import lowering
 from autopar.record.gradients import grad_sum_reads, identical_ok, output_whole_axes, whole_on
-from autopar.record.gathers import param_gather_groups
+from autopar.record.gathers import grouped_route, param_gather_groups
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.aliasing import in_place_reads, written_values
 from autopar.ir.graph import NodeRef, Role
@@ -256,11 +256,13 @@ class _Emitter:
             raise PlanError(f"edge {src} -> {dst}: the plan starts from {edge.src_spec} but {src} holds {have}")
         if want is not None and edge.dst_spec != want:
             raise PlanError(f"edge {src} -> {dst}: the plan ends at {edge.dst_spec} but {dst} reads {want}")
-        if (dst, pos) in self.group_of:
-            return self._gathered_param(self.group_of[(dst, pos)], src)
-        spec = edge.src_spec
         identical = tuple(sorted(set(self.identical) | set(whole)))
-        for step in edge.steps:
+        if (dst, pos) in self.group_of:  # the group's one gather, then this read's local steps
+            value = self._gathered_param(self.group_of[(dst, pos)], src)
+            spec, steps = self.specs[value.name], [edge.steps[j] for j in grouped_route(edge.steps)[1]]
+        else:
+            spec, steps = edge.src_spec, edge.steps
+        for step in steps:
             spec = spec_after(spec, step)
             fn = ops.STEP_FUNCTIONS[step.kind]
             value = self._emit(fn, (value,), ops.step_kwargs(step, identical), name=f"{src}_{step.kind}", spec=spec)
@@ -303,15 +305,16 @@ class _Emitter:
         if (key, param) not in self.gathered:
             members = self.param_groups[key]  # [(param, edge)]
             axes = key[1]
-            dims = tuple(e.steps[0].src_dim for _, e in members)
+            gathers = [e.steps[grouped_route(e.steps)[0]] for _, e in members]
+            dims = tuple(g.src_dim for g in gathers)
             kw = {"axes": axes, "dims": dims}
             if whole_on(axes, self.identical):
                 kw["whole"] = True
             call = self._emit(ops.autopar_all_gather_group, tuple(self.env[p] for p, _ in members), kw,
                               name=f"{members[0][0]}_group_all_gather")
-            for i, (p, e) in enumerate(members):
+            for i, ((p, e), g) in enumerate(zip(members, gathers)):
                 self.gathered[(key, p)] = self._emit(operator.getitem, (call, i), name=f"{p}_all_gather",
-                                                     spec=spec_after(e.src_spec, e.steps[0]))
+                                                     spec=spec_after(e.src_spec, g))
         return self.gathered[(key, param)]
 
     def _read_inputs(self, node, node_plan) -> list[fx.Node]:

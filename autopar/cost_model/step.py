@@ -26,14 +26,14 @@ from __future__ import annotations
 import math
 
 from autopar.cost_model.comm import layout_copy_time, mesh_collective_time, packed_gather_bytes
-from autopar.cost_model.gradients import backward_reshard_s, grad_sum_s
+from autopar.cost_model.gradients import backward_reshard_s, backward_route_s, grad_sum_s
 from autopar.record.gradients import whole_on
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.ir.graph import runs_backward
 from autopar.ir.losses import counted_from_inputs
 from autopar.cost_model.grad_sync import group_latencies, sync_price
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES, assign_buckets, first_reads, zero2_saved_bytes
-from autopar.record.gathers import param_gather_groups
+from autopar.record.gathers import grouped_route, param_gather_groups
 from autopar.record.recompute import Recompute, saved_by_selective
 from autopar.sharding_spec.reshard import local_bytes
 from autopar.sharding_spec.strategy import needs_lowering
@@ -101,6 +101,13 @@ def reshard_s(graph, edges, mesh, identical=()) -> float:
     return sum(reshard_by_read(graph, edges, mesh, identical).values())
 
 
+def local_steps_s(steps, costs, backward: bool, mesh, identical=()) -> float:
+    """Seconds of the local steps a grouped parameter read runs on what its group gathers
+    (``record.gathers.grouped_route``), each forward priced ``costs``, forward and, where a
+    gradient flows back, backward."""
+    return sum(costs) + (backward_route_s(steps, costs, mesh, identical) if backward else 0.0)
+
+
 def reshard_by_read(graph, edges, mesh, identical=()) -> dict[tuple[str, int], float]:
     """(consumer, input position) -> seconds of ``edges``' reshards there, forward and backward,
     as the runtime runs them: parameters gathered whole in groups (``param_gather_groups``: one
@@ -109,11 +116,16 @@ def reshard_by_read(graph, edges, mesh, identical=()) -> dict[tuple[str, int], f
     (``cost_model.gradients.backward_reshard_s``). The step model sums it; the stage tables
     attribute it to layers."""
     groups, grouped = param_gather_groups(graph, edges, least=1)
-    out = {(e.dst, e.position): e.forward_s + backward_reshard_s(e, mesh, identical)
-           for e in edges if (e.dst, e.position) not in grouped}
+    out = {}
+    for e in edges:
+        if (e.dst, e.position) in grouped:  # the local steps run on what the group gathers
+            rest = [e.steps[j] for j in grouped_route(e.steps)[1]]
+            out[(e.dst, e.position)] = local_steps_s(rest, [s.cost_s for s in rest], e.backward, mesh, identical)
+        else:
+            out[(e.dst, e.position)] = e.forward_s + backward_reshard_s(e, mesh, identical)
     cluster = mesh.resolved_cluster()
     for (_, axes), members in groups.items():  # one gather per group, one reduce-scatter back
-        nbytes = sum(e.steps[0].nbytes for _, e in members)
+        nbytes = sum(e.steps[grouped_route(e.steps)[0]].nbytes for _, e in members)
         # the shards packed into the buffer sent, every full tensor cut out of the one received
         copies = packed_gather_bytes(nbytes, math.prod(mesh.shape[a] for a in axes))
         seconds = mesh_collective_time("all_gather", nbytes, mesh, axes) + layout_copy_time(copies, cluster)

@@ -31,11 +31,12 @@ from autopar.cost_model.comm import layout_copy_time, mesh_collective_time, pack
 from autopar.cost_model.lowered import lowered_comm_s
 from autopar.cost_model.ops import alias_roots
 from autopar.cost_model.grad_sync import grad_bytes_total, sync_price, zero2_pool_bytes
-from autopar.cost_model.step import accumulate_s, optimizer_s
+from autopar.cost_model.step import accumulate_s, local_steps_s, optimizer_s
 from autopar.ir.aliasing import in_place_reads
 from autopar.ir.graph import NodeRef, Role, edge_itemsize, needs_grad, runs_backward
 from autopar.ir.losses import counted_from_inputs, unread_outputs
 from autopar.record.buckets import DEFAULT_BUCKET_BYTES, zero2_saved_bytes
+from autopar.record.gathers import grouped_route
 from autopar.record.gradients import loss_class_axes, output_whole_axes, partial_read_axes, partly_whole, whole_on
 from autopar.record.grad_sync import ZERO2_SUMS, GradSync
 from autopar.sharding_spec.reshard import local_bytes
@@ -378,10 +379,11 @@ def edge_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh
 
 def gather_masks(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, with_backward: bool = False,
                  identical=()) -> dict[tuple, tuple]:
-    """Mesh axes -> (mask, bytes): the (producer strategy, consumer strategy) pairs whose reshard
-    is one all-gather over those axes, and its bytes: a parameter stored split and read whole,
-    which the runtime gathers in one call with the rest of its layer's
-    (``cost_model.step.param_gather_groups``)."""
+    """Mesh axes -> (mask, bytes, seconds): the (producer strategy, consumer strategy) pairs whose
+    reshard is one all-gather over those axes with local steps around it, its bytes, and the local
+    steps' seconds (forward and the backward the step model prices: ``cost_model.step.local_steps_s``):
+    a parameter stored split and read whole, which the runtime gathers in one call with the rest
+    of its layer's (``record.gathers.param_gather_groups``)."""
     consumer = graph.nodes[cons.name]
     itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
     srcs, dsts = _pair_specs(graph, prod, cons, position)
@@ -389,18 +391,24 @@ def gather_masks(graph, prod: NodeChoices, cons: NodeChoices, position: int, mes
     dst_ids, dst_keys = _index(dsts)
     axes_of = np.full((len(src_keys), len(dst_keys)), None, dtype=object)
     nbytes = np.zeros((len(src_keys), len(dst_keys)))
+    local = np.zeros((len(src_keys), len(dst_keys)))
     for a, src in enumerate(src_keys):
         for b, dst in enumerate(dst_keys):
             if src is None or dst is None or src == dst or not src.is_even(mesh.shape):
                 continue
-            steps = plan_reshard(src, dst, mesh, itemsize, with_backward=with_backward, identical=identical).steps
-            if len(steps) == 1 and steps[0].kind == "all_gather":
-                axes_of[a, b], nbytes[a, b] = tuple(steps[0].axes), steps[0].nbytes
-    axes_of, nbytes = axes_of[np.ix_(src_ids, dst_ids)], nbytes[np.ix_(src_ids, dst_ids)]
+            route = plan_reshard(src, dst, mesh, itemsize, with_backward=with_backward, identical=identical)
+            at = grouped_route(route.steps)
+            if at is not None:
+                gather = route.steps[at[0]]
+                axes_of[a, b], nbytes[a, b] = tuple(gather.axes), gather.nbytes
+                local[a, b] = local_steps_s([route.steps[j] for j in at[1]], [route.costs[j] for j in at[1]],
+                                            with_backward, mesh, identical)
+    pick = np.ix_(src_ids, dst_ids)
+    axes_of, nbytes, local = axes_of[pick], nbytes[pick], local[pick]
     out = {}
     for axes in {x for x in axes_of.flat if x is not None}:
         mask = np.array([[x == axes for x in row] for row in axes_of], dtype=bool).reshape(axes_of.shape)
-        out[axes] = (mask, np.where(mask, nbytes, 0.0))
+        out[axes] = (mask, np.where(mask, nbytes, 0.0), np.where(mask, local, 0.0))
     return out
 
 
@@ -541,7 +549,7 @@ def _edge_prices(graph, prod, cons, pos, mesh, backward: bool, in_place: bool, p
     """(the edge's matrix, axes -> (mask, latency s, bytes -> (mask, seconds)) of its pairs that
     gather a parameter in its layer's call, (spec, axes) -> (seconds, mask) of its pairs whose
     read sums the value's gradient over identical axes with no reshard between: ``_grad_sums``).
-    A gathering pair costs nothing on the edge: the group's latency and the parameter's bytes are
+    A gathering pair costs its local steps on the edge: the group's latency and the parameter's bytes are
     once-paid costs (``build_problem``), priced as the step model prices a group
     (``cost_model.step.reshard_s``: an all-gather and, with a backward off the identical axes, a
     reduce-scatter, each with its packing copies). Other reshards of a parameter run per reading
@@ -554,7 +562,7 @@ def _edge_prices(graph, prod, cons, pos, mesh, backward: bool, in_place: bool, p
         return mat if sums is None else mat + sums, {}, once_sums
     calls = {}
     cluster = mesh.resolved_cluster()
-    for axes, (mask, nbytes) in gather_masks(graph, prod, cons, pos, mesh, backward, identical).items():
+    for axes, (mask, nbytes, local) in gather_masks(graph, prod, cons, pos, mesh, backward, identical).items():
         kinds = ("all_gather", "reduce_scatter") if backward and not whole_on(axes, identical) else ("all_gather",)
         latency = sum(mesh_collective_time(k, 0, mesh, axes) for k in kinds)
         group = math.prod(mesh.shape[a] for a in axes)
@@ -562,7 +570,7 @@ def _edge_prices(graph, prod, cons, pos, mesh, backward: bool, in_place: bool, p
         for n in set(nbytes[mask].tolist()):
             seconds = sum(mesh_collective_time(k, n, mesh, axes) + layout_copy_time(packed_gather_bytes(n, group), cluster) for k in kinds)
             by_bytes[n] = (mask & (nbytes == n), seconds - latency)
-        mat = np.where(mask & np.isfinite(mat), 0.0, mat)
+        mat = np.where(mask & np.isfinite(mat), local, mat)
         calls[axes] = (mask, latency, by_bytes)
     return mat if sums is None else mat + sums, calls, once_sums
 
