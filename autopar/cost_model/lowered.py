@@ -37,11 +37,18 @@ def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int
     backward's all-reduce is not run; ``counted_locally``: a mean's denominator needs no
     all-reduce (see the module docstring). Ring attention: ``compute_s`` its compute (forward and
     backward, a third forward), ``value_itemsize`` its tensors' element size."""
+    return sum(lowered_comm_parts(target, family, inputs, output, mesh, itemsize, identical, counted_locally,
+                                  compute_s, value_itemsize))
+
+
+def lowered_comm_parts(target: str, family: str, inputs, output, mesh, itemsize: int = 4, identical=(),
+                       counted_locally: bool = False, compute_s: float = 0.0, value_itemsize: int = 4) -> tuple[float, float]:
+    """``lowered_comm_s`` as (forward, backward): a recomputed forward runs the first again."""
     family = Family(family)
-    total = 0.0
+    forward = backward = 0.0
     ring = family.ring
     if ring is not None:
-        return ring_attention_s(inputs, output, mesh, compute_s, value_itemsize, ring == RING_CAUSAL)
+        return ring_attention_parts(inputs, output, mesh, compute_s, value_itemsize, ring == RING_CAUSAL)
     if family.has(VOCAB_LOSS) and inputs and inputs[0] is not None:
         x = inputs[0]
         cdim = 1 if x.ndim >= 2 else 0
@@ -50,33 +57,41 @@ def lowered_comm_s(target: str, family: str, inputs, output, mesh, itemsize: int
         local = x.local_shape(mesh)
         samples = math.prod(local) // max(local[cdim], 1)
         if class_axes:
-            backward = 0 if whole_on(class_axes, identical) else 1
-            total += ((1 + backward) * mesh_collective_time("all_reduce", samples * itemsize, mesh, class_axes)  # max
-                      + mesh_collective_time("all_reduce", 2 * samples * itemsize, mesh, class_axes))  # sum exp, target
+            the_max = mesh_collective_time("all_reduce", samples * itemsize, mesh, class_axes)
+            forward += the_max + mesh_collective_time("all_reduce", 2 * samples * itemsize, mesh, class_axes)  # sum exp, target
+            if not whole_on(class_axes, identical):
+                backward += the_max
         if batch_axes and not counted_locally:
-            total += mesh_collective_time("all_reduce", itemsize, mesh, batch_axes)
+            forward += mesh_collective_time("all_reduce", itemsize, mesh, batch_axes)
     elif family.has(MEAN_SPLIT) and any(k in target for k in _CLASS_LOSSES) and not counted_locally:
         out = output[0] if isinstance(output, tuple) else output
         if out is not None and out.partial:
-            total += mesh_collective_time("all_reduce", itemsize, mesh, tuple(out.partial))
-    return total
+            forward += mesh_collective_time("all_reduce", itemsize, mesh, tuple(out.partial))
+    return forward, backward
 
 
 def ring_attention_s(inputs, output, mesh, compute_s: float, itemsize: int, causal: bool) -> float:
     """The exposed seconds of ring attention's passes (see the module docstring); ``inputs``: the
     q, k, v specs first."""
+    return sum(ring_attention_parts(inputs, output, mesh, compute_s, itemsize, causal))
+
+
+def ring_attention_parts(inputs, output, mesh, compute_s: float, itemsize: int, causal: bool) -> tuple[float, float]:
+    """``ring_attention_s`` as (forward, backward)."""
     axes = ring_axes(output)
     n = math.prod(mesh.shape[a] for a in axes)
     if n <= 1:
-        return 0.0
+        return 0.0, 0.0
     q, k, v = inputs[:3]
     q_bytes, k_bytes, v_bytes = (math.prod(s.local_shape(mesh)) * itemsize for s in (q, k, v))
     out_bytes = math.prod(output.local_shape(mesh)) * itemsize
     step_f, step_b = compute_s / 3 / n, compute_s * 2 / 3 / n
     grad_bytes = (k_bytes + v_bytes) * 4 / itemsize  # fp32 sums
-    total = ((n - 1) * max(0.0, ring_pass_time(k_bytes + v_bytes, mesh, axes) - step_f)
-             + (n - 1) * max(0.0, ring_pass_time(k_bytes + v_bytes + grad_bytes, mesh, axes) - step_b)
-             + ring_pass_time(grad_bytes, mesh, axes))
+    forward = (n - 1) * max(0.0, ring_pass_time(k_bytes + v_bytes, mesh, axes) - step_f)
+    backward = ((n - 1) * max(0.0, ring_pass_time(k_bytes + v_bytes + grad_bytes, mesh, axes) - step_b)
+                + ring_pass_time(grad_bytes, mesh, axes))
     if causal:  # the balanced cut: the queries and the output there and back, and their gradients
-        total += 2 * (ring_pass_time(q_bytes, mesh, axes) + ring_pass_time(out_bytes, mesh, axes))
-    return total
+        there_and_back = ring_pass_time(q_bytes, mesh, axes) + ring_pass_time(out_bytes, mesh, axes)
+        forward += there_and_back
+        backward += there_and_back
+    return forward, backward

@@ -53,6 +53,7 @@ from autopar.cost_model.ops import (
     workspace_bytes,
 )
 from autopar.errors import ConfigError
+from autopar.ir.blocks import unit_of_nodes
 from autopar.ir.graph import needs_grad, per_graph
 from autopar.sharding_spec.strategy import active_axes
 
@@ -179,6 +180,23 @@ def saved_inputs(graph) -> frozenset[tuple[str, int]]:
                 out.add((node.name, pos))
                 kept.add(name)
     return frozenset(out)
+
+
+@per_graph
+def run_again(graph) -> frozenset[str]:
+    """The ops a recomputed layer runs again in backward: torch's checkpoint (non-reentrant, as
+    ``runtime.stage_program`` runs each layer's piece) stops recomputing once it has every tensor
+    the piece's backward saved, so the ops after a layer's last op that saves one (a residual add,
+    a tensor-parallel output's all-reduce) do not run again. Their collectives, emitted with the op
+    that reads them, likewise."""
+    unit = unit_of_nodes(graph)
+    order = {name: k for k, name in enumerate(graph.nodes)}
+    last: dict[int, int] = {}  # unit -> graph position of its last op saving a tensor for backward
+    for node, _, idx, saves_output in _saves(graph):
+        if (idx or saves_output) and node.name in unit:
+            last[unit[node.name]] = max(last.get(unit[node.name], -1), order[node.name])
+    return frozenset(name for name, node in graph.nodes.items()
+                     if node.op == "call_function" and name in unit and order[name] <= last.get(unit[name], -1))
 
 
 def held_reshard_bytes(src_static: bool, src_spec, dst_spec, mesh, itemsize: int) -> int:

@@ -26,9 +26,10 @@ from __future__ import annotations
 import math
 
 from autopar.cost_model.comm import layout_copy_time, mesh_collective_time, packed_gather_bytes
-from autopar.cost_model.gradients import backward_reshard_s, backward_route_s, grad_sum_s
+from autopar.cost_model.gradients import backward_route_s, grad_sum_s
 from autopar.record.gradients import whole_on
-from autopar.cost_model.lowered import lowered_comm_s
+from autopar.cost_model.lowered import lowered_comm_parts
+from autopar.cost_model.memory import run_again
 from autopar.ir.graph import runs_backward
 from autopar.ir.losses import counted_from_inputs
 from autopar.cost_model.grad_sync import group_latencies, sync_price
@@ -68,12 +69,17 @@ def in_op_comm_s(node_plan, graph, mesh, identical=()) -> float:
     """Seconds of the collectives a lowered family runs inside its op, forward and backward
     (``cost_model.lowered``), on a plan whose gradients are whole on the ``identical`` axes; 0 for
     the families run as the plain local op."""
+    return sum(in_op_comm_parts(node_plan, graph, mesh, identical))
+
+
+def in_op_comm_parts(node_plan, graph, mesh, identical=()) -> tuple[float, float]:
+    """``in_op_comm_s`` as (forward, backward)."""
     if not needs_lowering(node_plan.family):
-        return 0.0
+        return 0.0, 0.0
     node = graph.nodes[node_plan.name]
-    return lowered_comm_s(node_plan.target, node_plan.family, node_plan.inputs, node_plan.output, mesh,
-                          identical=identical, counted_locally=counted_from_inputs(graph, node),
-                          compute_s=node_plan.compute_s, value_itemsize=getattr(node.meta, "itemsize", 4))
+    return lowered_comm_parts(node_plan.target, node_plan.family, node_plan.inputs, node_plan.output, mesh,
+                              identical=identical, counted_locally=counted_from_inputs(graph, node),
+                              compute_s=node_plan.compute_s, value_itemsize=getattr(node.meta, "itemsize", 4))
 
 
 def optimizer_s(elements: float, tensors: float, cluster) -> float:
@@ -102,37 +108,45 @@ def reshard_s(graph, edges, mesh, identical=()) -> float:
 
 
 def local_steps_s(steps, costs, backward: bool, mesh, identical=()) -> float:
-    """Seconds of the local steps a grouped parameter read runs on what its group gathers
-    (``record.gathers.grouped_route``), each forward priced ``costs``, forward and, where a
-    gradient flows back, backward."""
+    """Seconds of reshard ``steps`` each priced ``costs`` forward, and where a gradient flows
+    back their backward (``cost_model.gradients.backward_route_s``)."""
     return sum(costs) + (backward_route_s(steps, costs, mesh, identical) if backward else 0.0)
 
 
 def reshard_by_read(graph, edges, mesh, identical=()) -> dict[tuple[str, int], float]:
     """(consumer, input position) -> seconds of ``edges``' reshards there, forward and backward,
-    as the runtime runs them: parameters gathered whole in groups (``param_gather_groups``: one
+    as the runtime runs them (``reshard_parts_by_read``). The step model sums it; the stage
+    tables attribute it to layers."""
+    return {k: f + b for k, (f, b) in reshard_parts_by_read(graph, edges, mesh, identical).items()}
+
+
+def reshard_parts_by_read(graph, edges, mesh, identical=()) -> dict[tuple[str, int], tuple[float, float]]:
+    """(consumer, input position) -> (forward, backward) seconds of ``edges``' reshards there, as
+    the runtime runs them: parameters gathered whole in groups (``param_gather_groups``: one
     all-gather per group of a layer, each parameter once, one reduce-scatter back, charged to the
-    group's first read), every other edge its steps and their duals
-    (``cost_model.gradients.backward_reshard_s``). The step model sums it; the stage tables
-    attribute it to layers."""
+    group's first read; a read's local steps on what its group gathers charged to it), every other
+    edge its steps and their duals (``cost_model.gradients.backward_route_s``). A recomputed
+    forward runs the first part again."""
     groups, grouped = param_gather_groups(graph, edges, least=1)
     out = {}
     for e in edges:
+        steps = e.steps
         if (e.dst, e.position) in grouped:  # the local steps run on what the group gathers
-            rest = [e.steps[j] for j in grouped_route(e.steps)[1]]
-            out[(e.dst, e.position)] = local_steps_s(rest, [s.cost_s for s in rest], e.backward, mesh, identical)
-        else:
-            out[(e.dst, e.position)] = e.forward_s + backward_reshard_s(e, mesh, identical)
+            steps = [e.steps[j] for j in grouped_route(e.steps)[1]]
+        costs = [s.cost_s for s in steps]
+        out[(e.dst, e.position)] = (sum(costs), backward_route_s(steps, costs, mesh, identical) if e.backward else 0.0)
     cluster = mesh.resolved_cluster()
     for (_, axes), members in groups.items():  # one gather per group, one reduce-scatter back
         nbytes = sum(e.steps[grouped_route(e.steps)[0]].nbytes for _, e in members)
         # the shards packed into the buffer sent, every full tensor cut out of the one received
-        copies = packed_gather_bytes(nbytes, math.prod(mesh.shape[a] for a in axes))
-        seconds = mesh_collective_time("all_gather", nbytes, mesh, axes) + layout_copy_time(copies, cluster)
+        copies = layout_copy_time(packed_gather_bytes(nbytes, math.prod(mesh.shape[a] for a in axes)), cluster)
+        forward = mesh_collective_time("all_gather", nbytes, mesh, axes) + copies
+        backward = 0.0
         if any(e.backward for _, e in members) and not whole_on(axes, identical):
-            seconds += mesh_collective_time("reduce_scatter", nbytes, mesh, axes) + layout_copy_time(copies, cluster)
+            backward = mesh_collective_time("reduce_scatter", nbytes, mesh, axes) + copies
         first = members[0][1]
-        out[(first.dst, first.position)] = out.get((first.dst, first.position), 0.0) + seconds
+        f, b = out.get((first.dst, first.position), (0.0, 0.0))
+        out[(first.dst, first.position)] = (f + forward, b + backward)
     return out
 
 
@@ -183,13 +197,16 @@ def step_time(plan, graph, mesh, *, runs: int = 1, overlapped: bool = True, reco
     hidden behind the backward of the last run where ``overlapped`` (GPipe and 1F1B launch them
     there), else after every run (interleaved and zero-bubble schedules); ``recomputed``: its
     forward runs again in backward (its compute's third and the ops' forward overheads; under
-    selective recomputation, those of the ops it does not save: ``record.recompute``). The
+    selective recomputation, those of the ops it does not save: ``record.recompute``; the
+    forward of their collectives either way, reshards and those inside ops: no policy saves them;
+    up to each layer's last op that saves a tensor: ``cost_model.memory.run_again``). The
     activations it receives are not in it (``stage_prices.stage_tables``)."""
     from autopar.ir.graph import needs_grad
 
     cluster = mesh.resolved_cluster()
     grad_total_bytes = graph.param_bytes() if grad_total_bytes is None else grad_total_bytes
     grad = needs_grad(graph)
+    rerun = run_again(graph) if recomputed else frozenset()
     compute = overhead = 0.0
     backward_compute = 0.0
     for name, n in plan.nodes.items():
@@ -197,15 +214,19 @@ def step_time(plan, graph, mesh, *, runs: int = 1, overlapped: bool = True, reco
         if node is None or node.op != "call_function":
             continue
         forward_s, backward_s = op_overheads_s(node, grad, cluster)
-        again = recomputed is Recompute.FULL or (recomputed is Recompute.SELECTIVE and not saved_by_selective(node.target))
+        again = name in rerun and (recomputed is Recompute.FULL or not saved_by_selective(node.target))
         compute += n.compute_s * (4 / 3 if again else 1)  # node compute is forward + 2x backward
         overhead += forward_s * (2 if again else 1) + backward_s
         if runs_backward(node, grad):
             backward_compute += n.compute_s * 2 / 3  # node compute is forward + backward (x2)
     identical = plan.identical_axes
-    reshard = reshard_s(graph, plan.edges, mesh, identical)
-    in_ops = sum(in_op_comm_s(n, graph, mesh, identical) for n in plan.nodes.values())
-    in_ops += grad_sum_s(plan, graph, mesh, identical)
+    reshards = reshard_parts_by_read(graph, plan.edges, mesh, identical)
+    in_op_parts = {name: in_op_comm_parts(n, graph, mesh, identical) for name, n in plan.nodes.items()}
+    reshard = sum(f + b for f, b in reshards.values())
+    in_ops = sum(f + b for f, b in in_op_parts.values()) + grad_sum_s(plan, graph, mesh, identical)
+    # the collectives of what runs again, selective or not (no policy keeps a collective's output)
+    reshard += sum(f for (dst, _), (f, _) in reshards.items() if dst in rerun)
+    in_ops += sum(f for name, (f, _) in in_op_parts.items() if name in rerun)
 
     # gradient syncs priced per group of the reducer's buckets (``cost_model.grad_sync``)
     priced = sync_prices(plan, graph, mesh, bucket_bytes=bucket_bytes, grad_total_bytes=grad_total_bytes)

@@ -29,7 +29,8 @@ import numpy as np
 from autopar.cost_model.comm import mesh_collective_time, send_time
 from autopar.cost_model.ops import is_view, local_nbytes
 from autopar.cost_model.grad_sync import grad_bytes_total
-from autopar.cost_model.step import in_op_comm_s, op_overheads_s, reshard_by_read, sync_prices
+from autopar.cost_model.step import in_op_comm_parts, op_overheads_s, reshard_parts_by_read, sync_prices
+from autopar.cost_model.memory import run_again
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role, needs_grad, runs_backward
@@ -123,7 +124,7 @@ class UnitPrices:
     activation_bytes: np.ndarray
     boundary_bytes: np.ndarray  # what a stage starting at unit u receives (activations, the inputs later units read)
     plan: object  # the intra-op Plan these came from
-    forward_s: np.ndarray | None = None  # the forward part of per_microbatch_s's compute
+    forward_s: np.ndarray | None = None  # the forward part of per_microbatch_s: compute, overheads, collectives
     recompute: Recompute = Recompute.NONE
     stage_extra_bytes: float = 0.0  # held once by any stage on these prices
     # parameters read by several units (a tied embedding and head: ``SharedParam``); each of them
@@ -143,8 +144,8 @@ class UnitPrices:
     syncs: UnitSyncs | None = None
     # of boundary_bytes, the gradients a stage starting at unit u sends back (None: all of them)
     boundary_grad_bytes: np.ndarray | None = None
-    # selective recomputation (``record.recompute``): the forward work of the ops it runs again,
-    # and the outputs it keeps of the others, per microbatch
+    # selective recomputation (``record.recompute``): the forward work of the ops it runs again
+    # (the collectives' included), and the outputs it keeps of the others, per microbatch
     unsaved_forward_s: np.ndarray | None = None
     saved_bytes: np.ndarray | None = None
     selective_refused: str | None = None  # why these prices are not offered recomputed selectively
@@ -241,6 +242,7 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
     micro, step, static, act, boundary, boundary_grads, forward, peak, weight_grads, tail, cover, unsaved, saved = (
         np.zeros(n) for _ in range(13))
     refused = None  # why selective recomputation is not offered (None: it is)
+    rerun = run_again(graph)
     last_weight_op: dict[int, int] = {}  # unit -> graph position of its last op reading a parameter
     position = {name: k for k, name in enumerate(graph.nodes)}
     readers = node_readers(graph)
@@ -266,8 +268,11 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
             if runs_backward(node, grad):  # what a sync launched in backward runs beside
                 cover[u] += cluster.comm_overlap * step_share * np_.compute_s * 2 / 3
             forward_s, backward_s = op_overheads_s(node, grad, cluster)
-            micro[u] += np_.compute_s + forward_s + backward_s + in_op_comm_s(np_, graph, mesh, plan.identical_axes)
-            forward[u] += np_.compute_s / 3 + forward_s  # node compute is forward + 2x backward
+            in_forward, in_backward = in_op_comm_parts(np_, graph, mesh, plan.identical_axes)
+            micro[u] += np_.compute_s + forward_s + backward_s + in_forward + in_backward
+            if name in rerun:  # node compute is forward + 2x backward; a collective is run again either way
+                forward[u] += np_.compute_s / 3 + forward_s + in_forward
+                unsaved[u] += in_forward + (0.0 if saved_by_selective(node.target) else np_.compute_s / 3 + forward_s)
             if saved_by_selective(node.target):  # what lives at the forward's peak is there once anyway
                 out = local_nbytes(node.meta, np_.output, mesh)
                 saved[u] += max(0.0, out - np_.peak_bytes)
@@ -276,16 +281,17 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
                 if np_.family.ring is not None:
                     refused = (f"{name} runs ring attention, whose blocks selective recomputation would each keep "
                                "(priced as one output): recompute it whole or not at all")
-            else:
-                unsaved[u] += np_.compute_s / 3 + forward_s
             act[u] += np_.memory_bytes - np_.peak_bytes
             peak[u] += np_.peak_bytes
             if not is_view(node.target) and any(param_source(graph, i) is not None for i in node.inputs):
                 weight_grads[u] += local_nbytes(node.meta, np_.output, mesh)
                 last_weight_op[u] = max(last_weight_op.get(u, -1), position[name])
-    for (dst, pos), seconds in reshard_by_read(graph, plan.edges, mesh, plan.identical_axes).items():
+    for (dst, pos), (forward_s, backward_s) in reshard_parts_by_read(graph, plan.edges, mesh, plan.identical_axes).items():
         if dst in unit and (dst, pos) not in unread:
-            micro[unit[dst]] += seconds
+            micro[unit[dst]] += forward_s + backward_s
+            if dst in rerun:
+                forward[unit[dst]] += forward_s
+                unsaved[unit[dst]] += forward_s
     for v, nbytes, u_made, u_last in _crossing_values(plan, graph, unit, readers, mesh):
         boundary[u_made + 1:u_last + 1] += nbytes  # sent on by every stage up to its last reader
         if v in grad:  # its gradient comes back

@@ -6,7 +6,8 @@ import pytest
 
 import autopar
 from autopar import ir, models
-from autopar.cost_model.step import op_overheads_s, step_time
+from autopar.cost_model.step import in_op_comm_parts, op_overheads_s, reshard_parts_by_read, step_time
+from autopar.cost_model.memory import run_again
 from autopar.ir.blocks import unit_of_nodes
 from autopar.ir.graph import needs_grad
 from autopar.record.recompute import Recompute, saved_by_selective
@@ -45,8 +46,9 @@ def test_selective_runs_again_the_forward_of_what_it_does_not_keep(priced):
     again = [0.0] * len(graph.layers)
     for name, n in plan.nodes.items():
         node = graph.nodes[name]
-        if node.op == "call_function" and not saved_by_selective(node.target):
+        if node.op == "call_function" and not saved_by_selective(node.target) and name in run_again(graph):
             again[unit[name]] += n.compute_s / 3 + op_overheads_s(node, grad, cluster)[0]
+    again = [a + c for a, c in zip(again, _forward_comm(plan, graph, mesh, unit))]  # (the next test's)
     selective, full = p.recomputed(Recompute.SELECTIVE), p.recomputed(Recompute.FULL)
     assert list(selective.per_microbatch_s - p.per_microbatch_s) == pytest.approx(again, rel=1e-12)
     assert (p.per_microbatch_s < selective.per_microbatch_s).all()
@@ -55,6 +57,62 @@ def test_selective_runs_again_the_forward_of_what_it_does_not_keep(priced):
     steps = {r: step_time(plan, graph, mesh, recomputed=r)["step_time_s"] for r in Recompute}
     assert steps[Recompute.SELECTIVE] - steps[Recompute.NONE] == pytest.approx(sum(again), rel=1e-9)
     assert steps[Recompute.NONE] < steps[Recompute.SELECTIVE] < steps[Recompute.FULL]
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_layer_runs_again_up_to_its_last_op_that_saves_a_tensor(name):
+    """torch's checkpoint stops recomputing once it has every tensor backward saved: after a
+    block's last matmul (its input saved) come only the dropout (GPT's, p = 0) and the residual add,
+    which do not run again; in the last unit the head and the loss save their inputs, so all runs."""
+    model, inputs = models.build(name, device="meta", **SHAPE)
+    graph = ir.trace(model, inputs)
+    unit = unit_of_nodes(graph)
+    skipped = [n for n, node in graph.nodes.items() if node.op == "call_function" and n not in run_again(graph)]
+    per_unit = {u: [graph.nodes[n].target for n in skipped if unit[n] == u] for u in range(len(graph.layers))}
+    tail = ["aten.dropout.default", "aten.add.Tensor"] if name == "gpt" else ["aten.add.Tensor"]
+    assert per_unit == {**{u: tail for u in range(len(graph.layers) - 1)}, len(graph.layers) - 1: []}
+
+
+def _forward_comm(plan, graph, mesh, unit) -> list[float]:
+    """Per unit, the forward seconds of the collectives its ops run: its reads' reshards and
+    those inside its ops."""
+    comm = [0.0] * len(graph.layers)
+    for (dst, _), (forward, _) in reshard_parts_by_read(graph, plan.edges, mesh, plan.identical_axes).items():
+        if dst in run_again(graph):
+            comm[unit[dst]] += forward
+    for name, n in plan.nodes.items():
+        if name in run_again(graph):
+            comm[unit[name]] += in_op_comm_parts(n, graph, mesh, plan.identical_axes)[0]
+    return comm
+
+
+@pytest.mark.parametrize("force", [autopar.Layout(dp=2, tp=2), autopar.Layout(tp=4), autopar.Layout(dp=4, zero=3)])
+def test_recomputation_runs_the_forward_collectives_again(force):
+    """Every piece of a recomputed stage is checkpointed, and no policy saves a collective's
+    output: whole or selective, the forward of its reshards (a ZeRO-3 group's gather once) and
+    of the collectives inside its ops (the vocabulary-parallel loss's) run again in backward."""
+    model, inputs = models.build("gpt", device="meta", **SHAPE)
+    graph = ir.trace(model, inputs)
+    mesh = autopar.Mesh((2, 2) if force.dp == 2 else (4,), cluster="a100-80g")
+    plan = autopar.plan(model, mesh, graph=graph, force=force, pipeline=False)
+    cluster, grad, unit = mesh.resolved_cluster(), needs_grad(graph), unit_of_nodes(graph)
+    compute = {r: [0.0] * len(graph.layers) for r in Recompute}
+    for name, n in plan.nodes.items():
+        node = graph.nodes[name]
+        if node.op == "call_function" and name in run_again(graph):
+            again = n.compute_s / 3 + op_overheads_s(node, grad, cluster)[0]
+            compute[Recompute.FULL][unit[name]] += again
+            compute[Recompute.SELECTIVE][unit[name]] += 0.0 if saved_by_selective(node.target) else again
+    comm = _forward_comm(plan, graph, mesh, unit)
+    assert sum(comm) > 0
+    if force.zero == 3:  # a group's gather is once per layer, not once per parameter read
+        assert sum(comm) < sum(e.forward_s for e in plan.edges)
+    p = unit_prices(plan, graph, mesh)
+    base = step_time(plan, graph, mesh)["step_time_s"]
+    for r in (Recompute.FULL, Recompute.SELECTIVE):
+        want = [c + m for c, m in zip(compute[r], comm)]
+        assert list(p.recomputed(r).per_microbatch_s - p.per_microbatch_s) == pytest.approx(want, rel=1e-9)
+        assert step_time(plan, graph, mesh, recomputed=r)["step_time_s"] - base == pytest.approx(sum(want), rel=1e-9)
 
 
 def test_the_planner_recomputes_selectively_where_that_fits_and_whole_is_slower(priced):
