@@ -41,7 +41,8 @@ def scaled_graph(first: Graph, first_batch: int, second: Graph, second_batch: in
             node.flops = count_flops(node.target, ins, node.meta)
     return Graph(model_name=first.model_name, nodes=nodes, exported=first.exported, params=dict(first.params),
                  buffers=dict(first.buffers), param_aliases=dict(first.param_aliases), inputs=list(first.inputs),
-                 outputs=list(first.outputs), layers=list(first.layers), blocks=[list(b) for b in first.blocks])
+                 outputs=list(first.outputs), layers=list(first.layers), blocks=[list(b) for b in first.blocks],
+                 notes=first.notes)
 
 
 class _Scale:

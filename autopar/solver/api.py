@@ -7,6 +7,7 @@ import logging
 from autopar.errors import ConfigError, PlanError, TraceError
 from autopar.ir.precision import working_call
 from autopar.ir.flops import model_flops
+from autopar.ir.trace import trace
 from autopar.sharding_spec.mesh import Mesh
 from autopar.solver.config import PlanConfig
 from autopar.solver.explain import pipeline_words
@@ -44,7 +45,7 @@ def plan(model, mesh: Mesh, example_inputs=(), *, example_kwargs=None, config: P
     pipeline = config.pipeline
     if pipeline == "auto" and not can_pipeline(model, mesh, example_inputs, example_kwargs, config.force):
         pipeline = None
-    pipelined, search_notes = None, []
+    pipelined, search_notes, scaled = None, [], False
     if pipeline is not None:
         try:  # (stages keep the dual gradient convention)
             choice = search(model, mesh, example_inputs, example_kwargs, memory_budget=budget,
@@ -68,17 +69,30 @@ def plan(model, mesh: Mesh, example_inputs=(), *, example_kwargs=None, config: P
             graph = choice.graph
             log.info("traced %s: %d nodes, %d layers (in the pipeline search)", graph.model_name, len(graph.nodes),
                      len(graph.layers))
+        if graph is None and choice is not None and choice.whole is not None:
+            # the whole batch's graph as the search holds it: a trace saved where it was read off two
+            graph, scaled = choice.whole, not choice.whole_traced
+    one, chosen = _one_stage_or_pipeline(graph, mesh, call, budget, budget_from, config, pipelined)
+    if scaled and chosen is one:  # a one-stage plan is run on its own trace: planned on a scaled graph, check it
+        inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        traced = trace(model, tuple(inputs), example_kwargs)
+        if traced.fingerprint() != graph.fingerprint():
+            one, chosen = _one_stage_or_pipeline(traced, mesh, call, budget, budget_from, config, pipelined)
+    if pipeline is not None and search_notes:  # said once, in the plan explain prints
+        chosen.solver["call"]["notes"] = list(chosen.solver["call"].get("notes", [])) + list(search_notes)
+    return chosen
+
+
+def _one_stage_or_pipeline(graph, mesh, call, budget, budget_from, config, pipelined):
+    """(the one-stage plan or None where there is none beside a pipeline, the plan chosen)."""
     try:
         one = one_stage(graph, mesh, call, budget, budget_from, config)
     except (PlanError, ConfigError) as err:
         if pipelined is None:
             raise
         pipelined.solver["decided"] = f"a pipeline: one stage cannot be planned ({str(err).splitlines()[0].split('. ')[0]})"
-        one = None
-    chosen = pipelined if one is None else one if pipelined is None else simpler_unless_faster(one, pipelined, mesh)
-    if pipeline is not None and search_notes:  # said once, in the plan explain prints
-        chosen.solver["call"]["notes"] = list(chosen.solver["call"].get("notes", [])) + list(search_notes)
-    return chosen
+        return None, pipelined
+    return one, one if pipelined is None else simpler_unless_faster(one, pipelined, mesh)
 
 
 # A plan with more parts (stages, microbatches, recomputation) must be predicted faster than the

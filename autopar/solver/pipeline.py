@@ -70,6 +70,10 @@ class PipelineChoice:
     timing: dict = dataclasses.field(default_factory=dict)
     notes: list = dataclasses.field(default_factory=list)  # what the search had to give up, and why
     mesh: Mesh | None = None  # the mesh searched (a stage's own may view its devices otherwise)
+    # the whole batch's graph where the search holds it without a trace: traced (``whole_traced``),
+    # or read off two traces (``ir.batch_scaling``); None: not without tracing it
+    whole: object | None = None
+    whole_traced: bool = False
 
     @property
     def stages(self) -> list[StagePlan]:
@@ -425,6 +429,17 @@ class _Search:
             self.graphs[count] = scaled if scaled is not None else self.trace(count)
         return self.graphs[count]
 
+    def untraced(self, count: int):
+        """The graph at ``count`` where it is held or can be read off two traces; None where only
+        a trace would give it."""
+        if count not in self.graphs and len(self.real) >= 2:
+            real = self.real
+            scaled = scaled_graph(self.graphs[real[0]], self.batch // real[0], self.graphs[real[1]],
+                                  self.batch // real[1], self.batch // count)
+            if scaled is not None:
+                self.graphs[count] = scaled
+        return self.graphs.get(count)
+
     # ---- microbatch counts ----
     def microbatch_counts(self) -> tuple[list[int], list[str]]:
         """The counts to search, and notes on why there are fewer (one, where splitting dim 0 would
@@ -658,7 +673,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, config: Pl
     virtual = best.schedule.stages_per_rank(pipeline.virtual_stages)
     stages = _stage_plans(best, mesh, virtual, run.budget)
     return PipelineChoice(PipelinePlan(best.schedule.name, best.count, stages, virtual), best.sol.step_time, best.graph,
-                          time.perf_counter() - t0, run.timing, notes, mesh)
+                          time.perf_counter() - t0, run.timing, notes, mesh, run.untraced(1), 1 in run.real)
 
 
 def _stage_plans(found: Found, mesh: Mesh, virtual: int, budget: float) -> list[StagePlan]:

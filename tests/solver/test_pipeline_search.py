@@ -951,3 +951,64 @@ def test_a_stage_holds_a_tied_weight_once():
     (b, _, _, units), = prices.shared_params
     cut = units[0]  # stages [0, cut] and [cut + 1, n - 1] hold one copy each
     assert prices.static_between(0, cut) + prices.static_between(cut + 1, n - 1) == pytest.approx(state + tied)
+
+
+def test_the_one_stage_plan_reads_the_whole_batch_off_the_searchs_traces(monkeypatch):
+    """Beside a pipeline search the one-stage plan is priced on the whole batch's graph read off the
+    search's two traces, not on a trace of its own: the same plans and choice as tracing it. Where
+    the one-stage plan is chosen on such a graph, the whole batch is traced to check it, and a
+    scaled graph that is not the trace is planned again on the trace."""
+    import autopar.solver.api as api_module
+    import autopar.solver.intra_op as intra_module
+    import autopar.solver.pipeline as pipeline_module
+
+    model, inputs = models.build("gpt", device="meta", layers=8, width=1024, heads=16, seq=256, vocab=8192, batch=16)
+    mesh = autopar.Mesh((4,), cluster="a100-80g")
+    whole = ir.trace(model, inputs)
+    traces = []
+    for module in (api_module, intra_module):
+        real = module.trace
+        monkeypatch.setattr(module, "trace", lambda *a, _real=real, **k: traces.append(1) or _real(*a, **k))
+
+    def planned(**kw):
+        traces.clear()
+        p = autopar.plan(model, mesh, inputs, memory_budget="800MiB", **kw)
+        return p, len(traces)
+
+    scaled, n_scaled = planned()
+    assert scaled.pipeline is not None and n_scaled == 0  # (one stage does not fit 800 MiB)
+    with monkeypatch.context() as m:
+        m.setattr(pipeline_module, "scaled_graph", lambda *a: None)
+        traced, n_traced = planned()
+    assert n_traced == 1 and traced.summary() == scaled.summary()
+    # where the one-stage plan is chosen on the search's scaled graph (here one stage is fastest; the
+    # search, asked for 2 stages, is made to answer as if it had scaled the whole batch's graph):
+    # checked against the trace, kept where it is the trace, planned again where it is not
+    import copy
+    import dataclasses
+
+    real_search = api_module.search
+
+    def scaled_whole(wrong: bool):
+        def fake(*a, **k):
+            choice = real_search(*a, **{**k, "config": k["config"].replace(pipeline=Pipeline(stages=2, microbatches=4))})
+            g = copy.deepcopy(whole)  # (its two stages' search traced one microbatch count: nothing to scale)
+            if wrong:  # a scaled graph that is not what tracing gives
+                node = next(n for n in g.nodes.values() if n.op == "call_function" and n.args and isinstance(n.args[-1], int))
+                node.args = (*node.args[:-1], node.args[-1] + 1)
+            return dataclasses.replace(choice, whole=g, whole_traced=False)
+        return fake
+
+    def one_stage_planned(wrong):
+        traces.clear()
+        with monkeypatch.context() as m:
+            m.setattr(api_module, "search", scaled_whole(wrong))
+            p = autopar.plan(model, mesh, inputs)
+        return p, len(traces)
+
+    free = autopar.plan(model, mesh, inputs)
+    assert free.pipeline is None
+    for wrong in (False, True):
+        one, n_one = one_stage_planned(wrong)
+        assert n_one == 1 and one.model_fingerprint == whole.fingerprint(), wrong
+        assert (one.nodes, one.edges, one.params, one.predicted) == (free.nodes, free.edges, free.params, free.predicted)
