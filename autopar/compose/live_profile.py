@@ -150,7 +150,7 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
     AdamW per element and per tensor, on CPU the memory bandwidth, warm and into new tensors
                       (``measure_memory_work``): timed
                       on every rank at once (they share the host's memory bandwidth), the ranks' mean
-    collective_overhead_s  with ``groups``: the extra latency of a collective reached from compute
+    collective_overhead_s  with ``groups``: the extra wall time of a collective reached from compute
                       (``measure_collective_overhead``) on the mesh's axis groups, median over ranks
     comm_overlap      on CPU, whether a core is left for gloo's threads (1 when the ranks' threads
                       fill at most half the cores, 0 when they fill them all, linear between); 1 on GPUs
@@ -196,7 +196,7 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
             return {"collective_overhead_s": statistics.median(parts)}
 
         shape = "x".join(map(str, groups.mesh.shape))
-        out.update(_cached(f"skew-v2-mesh{shape}", device, directory, skew))  # v2: the mean wait
+        out.update(_cached(f"skew-v3-mesh{shape}", device, directory, skew))  # v3: the group's wall time
     if device.type == "cuda":
         out["comm_overlap"] = 1.0
     else:

@@ -123,42 +123,51 @@ def _adamw_time(n: int, size: int, device, sync, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_collective_overhead(pgs, device="cpu", repeats: int = 24) -> float:
-    """Extra seconds a small all-reduce takes when its ranks come to it from compute, as they do in
-    a training step, over the same call made right after a barrier (how ``profile_comm`` times
-    collectives): the peers' skew, and on shared cores the wait for a descheduled peer. The mean
-    over ``repeats`` calls, not the median: a step pays the sum of its waits, and their
-    distribution has a long tail (4 ranks on 2 cores: median 3.4 ms, mean 3.6, from 1 to 20 ms; a
-    median of 9 calls read 0.55 ms in one run and 3.1 ms in the next, and tensor parallel's ~70
-    collectives a step ran 20% over their price with the first). The median over ``pgs`` (process
-    groups this rank belongs to; every member calls this, same order). A collective."""
+def measure_collective_overhead(pgs, device="cpu", repeats: int = 16, rounds: int = 2) -> float:
+    """Extra wall seconds a small all-reduce costs when its ranks come to it from compute, as they
+    do in a training step, over the same call made right after a barrier (how ``profile_comm``
+    times collectives): the peers' skew, and on shared cores the wake-up of a descheduled peer.
+    Timed as the group's wall time, not a rank's wait: ``repeats`` stretches of compute with an
+    all-reduce after each, less the same compute with none, per call (the median of ``rounds``
+    alternations), less the call after a barrier. A rank that waits where ranks share cores frees
+    its core for a peer still computing, so its wait is mostly not lost: on 4 ranks of 2 cores the
+    mean wait read 5-10 ms a call, the wall time 1.5-5 ms more than the idle call. The median over
+    ``pgs`` (process groups this rank belongs to; every member calls this, same order). A
+    collective."""
     import torch.distributed as dist
 
     device = torch.device(device)
     sync = synchronizer(device)
     x = torch.zeros(256, device=device)
-    a = torch.randn(256, 256, device=device) / 16
+    a0 = torch.randn(256, 256, device=device) / 16
+
+    def wall(pg, with_calls: bool) -> float:
+        a = a0
+        dist.barrier(group=pg)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            for _ in range(COMPUTE_BETWEEN):  # a layer's worth of compute (~10 ms on one CPU core)
+                a = torch.tanh(a @ a)
+            if with_calls:
+                dist.all_reduce(x, group=pg)
+        dist.all_reduce(x, group=pg)  # both end when the last rank does
+        sync()
+        return time.perf_counter() - t0
+
     extra = []
     for pg in pgs:
-        idle, loaded = [], []
+        idle = []
         for it in range(repeats + 1):
             dist.barrier(group=pg)
             sync()
             t0 = time.perf_counter()
             dist.all_reduce(x, group=pg)
             sync()
-            t1 = time.perf_counter()
-            dist.barrier(group=pg)
-            for _ in range(COMPUTE_BETWEEN):  # a layer's worth of compute (~10 ms on one CPU core)
-                a = torch.tanh(a @ a)
-            sync()
-            t2 = time.perf_counter()
-            dist.all_reduce(x, group=pg)
-            sync()
             if it:
-                idle.append(t1 - t0)
-                loaded.append(time.perf_counter() - t2)
-        extra.append(max(statistics.fmean(loaded) - statistics.fmean(idle), 0.0))
+                idle.append(time.perf_counter() - t0)
+        per_call = [(wall(pg, True) - wall(pg, False)) / repeats for _ in range(rounds)]
+        extra.append(max(statistics.median(per_call) - statistics.fmean(idle), 0.0))
     return statistics.median(extra) if extra else 0.0
 
 
