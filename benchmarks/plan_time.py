@@ -1,53 +1,99 @@
-"""Planning time (trace + strategies + solve) and ILP size for the built-in GPT, one stage (the intra-op
-ILP; benchmarks/gpt3_pipeline.py times the pipeline search).
+"""How long planning takes: published models on simulated clusters of growing size, every option at
+its default (the pipeline search included), as a launch script or a what-if loop calls it.
 
-    .venv/bin/python benchmarks/plan_time.py [--layers 2,4,8,16,24,48] [--meshes 8,2x4,4x4,8x8]
+    .venv/bin/python benchmarks/plan_time.py [--cases gpt2-xl@1x8,llama3-8b@8x8,...] [--out FILE]
 
-The GPT is the benchmark size (models.build("gpt", size="bench"): width 320, ~10M parameters at 6
-layers) with the given layer counts, built on the meta device;
-meshes are simulated with the a100-80g cluster preset. Prints one row per (layers, mesh).
+Each case is ``model@mesh`` (``autopar.models.PUBLISHED`` at its published batch, on the meta device;
+the mesh's rows x devices a node, cluster preset per model: ``CLUSTER``), planned once with
+``autopar.plan`` in this process after the model is built (the CLI's start, ~2 s of imports, is not
+in it). Printed and written to ``results/plan_time.json``: per case the devices, the plan's time,
+where it went (tracing, the intra-op ILPs, the stage DP, as the pipeline search reports it in ``plan.solver``), its
+predicted step and the layout. ``results/plan_time.png`` plots planning seconds against devices,
+one line per model (needs matplotlib).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import time
 import warnings
+from pathlib import Path
+
+import torch
 
 import autopar
-from autopar import ir, models
+from autopar import models
+from autopar.solver.explain import pipeline_words
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CLUSTER = {"gpt2-xl": "a100-80g", "gpt3-175b": "a100-80g", "llama3-8b": "h100-80g", "llama3-70b": "h100-80g",
+           "llama3-405b": "h100-80g"}
+# a fixed list: three sizes of one model for the line against devices, and each headline case
+CASES = ["gpt2-xl@1x8", "llama3-8b@1x8", "llama3-8b@8x8", "llama3-8b@64x8", "llama3-70b@8x8", "llama3-70b@64x8",
+         "gpt3-175b@16x8", "gpt3-175b@128x8"]
 
 
-def run(layers, meshes, repeats: int = 1):
-    warnings.simplefilter("ignore")
-    print(f"{'layers':>6} {'mesh':>6} {'nodes':>6} {'trace s':>8} {'build s':>8} {'solve s':>8} {'total s':>8} "
-          f"{'ilp nodes':>9} {'ilp vars':>9} {'step ms':>8}")
-    for n_layers in layers:
-        model, inputs = models.build("gpt", size="bench", layers=n_layers, device="meta")
-        for shape in meshes:
-            best = None
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                graph = ir.trace(model, inputs)
-                t1 = time.perf_counter()
-                plan = autopar.plan(model, autopar.Mesh(shape, cluster="a100-80g"), inputs, graph=graph, pipeline=False)
-                total = time.perf_counter() - t0
-                if best is None or total < best[0]:
-                    best = (total, t1 - t0, plan)
-            total, trace_s, plan = best
-            s = plan.solver
-            mesh = "x".join(map(str, shape))
-            print(f"{n_layers:>6} {mesh:>6} {s['graph_nodes']:>6} {trace_s:>8.2f} {s['build_s']:>8.2f} {s['solve_s']:>8.2f} "
-                  f"{total:>8.2f} {s['ilp_nodes_solved']:>9} {s['ilp_variables']:>9} {plan.predicted['step_time_s'] * 1e3:>8.2f}",
-                  flush=True)
+def plan_case(case: str) -> dict:
+    name, mesh_text = case.split("@")
+    shape = tuple(int(v) for v in mesh_text.split("x"))
+    model, inputs = models.build(name, device="meta")
+    mesh = autopar.Mesh(shape, cluster=CLUSTER.get(name, "h100-80g"))
+    t0 = time.perf_counter()
+    plan = autopar.plan(model, mesh, inputs)
+    seconds = time.perf_counter() - t0
+    timing = plan.solver  # the pipeline search's (a one-stage plan chosen has its own build and solve times)
+    return {"case": case, "model": name, "mesh": list(shape), "devices": math.prod(shape),
+            "cluster": CLUSTER.get(name, "h100-80g"), "plan_s": seconds,
+            "trace_s": timing.get("trace_s"), "intra_op_s": timing.get("intra_op_s"), "dp_s": timing.get("dp_s"),
+            "traces": timing.get("traces"), "step_s": plan.predicted["step_time_s"],
+            "memory_gib": plan.predicted["memory_bytes_per_device"] / 2**30,
+            "layout": pipeline_words(plan) if plan.pipeline is not None else "one stage"}
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = sorted((r["devices"], r["plan_s"]) for r in rows if r["model"] == name)
+        ax.plot([d for d, _ in mine], [s for _, s in mine], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("devices")
+    ax.set_ylabel("planning time (s)")
+    ax.set_title("autopar.plan, every option at its default")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", default="2,4,8,16,24,48")
-    p.add_argument("--meshes", default="8,2x4,4x4,8x8")
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--out", default=str(RESULTS / "plan_time.json"))
     a = p.parse_args()
-    run([int(x) for x in a.layers.split(",")], [tuple(int(v) for v in m.split("x")) for m in a.meshes.split(",")], a.repeats)
+    warnings.simplefilter("ignore")
+    rows = []
+    print(f"{'case':>20} {'devices':>7} {'plan s':>7} {'trace s':>7} {'ILPs s':>7} {'DP s':>6} {'step s':>8}  layout")
+    for case in a.cases.split(","):
+        r = plan_case(case)
+        rows.append(r)
+        fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+        print(f"{case:>20} {r['devices']:>7} {r['plan_s']:>7.1f} {fmt(r['trace_s']):>7} {fmt(r['intra_op_s']):>7} "
+              f"{fmt(r['dp_s']):>6} {r['step_s']:>8.3f}  {r['layout']}", flush=True)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "command": "benchmarks/plan_time.py --cases " + a.cases,
+            "date": time.strftime("%Y-%m-%d")}
+    out.write_text(json.dumps({"rows": rows, "meta": meta}, indent=1))
+    print(f"wrote {out}" + (f" and {out.with_suffix('.png').name}" if plot(rows, out.with_suffix(".png")) else
+                            " (no plot: matplotlib is not installed)"))
 
 
 if __name__ == "__main__":

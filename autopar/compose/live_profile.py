@@ -192,11 +192,12 @@ def live_overheads(device, *, groups=None, directory=None) -> dict:
         def skew():
             pgs = [groups.group((a,)) for a, n in enumerate(groups.mesh.shape) if n > 1]
             parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, measure_collective_overhead(pgs, device))
+            world = groups.group(tuple(range(len(groups.mesh.shape))))
+            dist.all_gather_object(parts, measure_collective_overhead(pgs, device, world))
             return {"collective_overhead_s": statistics.median(parts)}
 
         shape = "x".join(map(str, groups.mesh.shape))
-        out.update(_cached(f"skew-v3-mesh{shape}", device, directory, skew))  # v3: the group's wall time
+        out.update(_cached(f"skew-v4-mesh{shape}", device, directory, skew))  # v4: the world's wall time, the axes in turn
     if device.type == "cuda":
         out["comm_overlap"] = 1.0
     else:

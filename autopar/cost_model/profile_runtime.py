@@ -123,41 +123,45 @@ def _adamw_time(n: int, size: int, device, sync, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_collective_overhead(pgs, device="cpu", repeats: int = 16, rounds: int = 2) -> float:
+def measure_collective_overhead(pgs, device="cpu", world=None, repeats: int = 16, rounds: int = 2) -> float:
     """Extra wall seconds a small all-reduce costs when its ranks come to it from compute, as they
     do in a training step, over the same call made right after a barrier (how ``profile_comm``
     times collectives): the peers' skew, and on shared cores the wake-up of a descheduled peer.
-    Timed as the group's wall time, not a rank's wait: ``repeats`` stretches of compute with an
-    all-reduce after each, less the same compute with none, per call (the median of ``rounds``
-    alternations), less the call after a barrier. A rank that waits where ranks share cores frees
-    its core for a peer still computing, so its wait is mostly not lost: on 4 ranks of 2 cores the
-    mean wait read 5-10 ms a call, the wall time 1.5-5 ms more than the idle call. The median over
-    ``pgs`` (process groups this rank belongs to; every member calls this, same order). A
-    collective."""
+    Timed as the world's wall time, not a rank's wait: ``repeats`` stretches of compute with an
+    all-reduce after each, over ``pgs`` in turn (process groups this rank belongs to, one per
+    mesh axis; every rank calls this, same order; ``world``: the group of them all, default the
+    first), as a step's collectives alternate between the axes and so chain every rank to every
+    other; less the same compute with none, per call (the
+    median of ``rounds`` alternations), less the mean call after a barrier. A rank that waits
+    where ranks share cores frees its core for a peer still computing, so its wait is mostly not
+    lost: on 4 ranks of 2 cores the mean wait (the measure this replaced) read 5-10 ms a call, the
+    wall time 1.5-5 ms over the idle call. A collective."""
     import torch.distributed as dist
 
+    if not pgs:
+        return 0.0
     device = torch.device(device)
     sync = synchronizer(device)
     x = torch.zeros(256, device=device)
     a0 = torch.randn(256, 256, device=device) / 16
+    world = pgs[0] if world is None else world
 
-    def wall(pg, with_calls: bool) -> float:
+    def wall(with_calls: bool) -> float:
         a = a0
-        dist.barrier(group=pg)
+        dist.barrier(group=world)
         sync()
         t0 = time.perf_counter()
-        for _ in range(repeats):
+        for i in range(repeats):
             for _ in range(COMPUTE_BETWEEN):  # a layer's worth of compute (~10 ms on one CPU core)
                 a = torch.tanh(a @ a)
             if with_calls:
-                dist.all_reduce(x, group=pg)
-        dist.all_reduce(x, group=pg)  # both end when the last rank does
+                dist.all_reduce(x, group=pgs[i % len(pgs)])
+        dist.all_reduce(x, group=world)  # both end when the last rank does
         sync()
         return time.perf_counter() - t0
 
-    extra = []
+    idle = []
     for pg in pgs:
-        idle = []
         for it in range(repeats + 1):
             dist.barrier(group=pg)
             sync()
@@ -166,9 +170,8 @@ def measure_collective_overhead(pgs, device="cpu", repeats: int = 16, rounds: in
             sync()
             if it:
                 idle.append(time.perf_counter() - t0)
-        per_call = [(wall(pg, True) - wall(pg, False)) / repeats for _ in range(rounds)]
-        extra.append(max(statistics.median(per_call) - statistics.fmean(idle), 0.0))
-    return statistics.median(extra) if extra else 0.0
+    per_call = [(wall(True) - wall(False)) / repeats for _ in range(rounds)]
+    return max(statistics.median(per_call) - statistics.fmean(idle), 0.0)
 
 
 def contention_workload(device="cpu", seconds: float = 0.15) -> float:
