@@ -1,11 +1,12 @@
-"""How long planning takes: published models on simulated clusters of growing size, every option at
-its default (the pipeline search included), as a launch script or a what-if loop calls it.
+"""How long planning takes: published models on simulated clusters of growing size, in Megatron's
+recipe and every other option at its default (the pipeline search included), as a launch script or
+a what-if loop calls it.
 
     .venv/bin/python benchmarks/plan_time.py [--cases gpt2-xl@1x8,llama3-8b@8x8,...] [--out FILE]
 
 Each case is ``model@mesh`` (``autopar.models.PUBLISHED`` at its published batch, on the meta device;
 the mesh's rows x devices a node, cluster preset per model: ``CLUSTER``), planned once with
-``autopar.plan`` in this process after the model is built (the CLI's start, ~2 s of imports, is not
+``autopar.plan`` (``precision="bf16"``, 80 GB a device) in this process after the model is built (the CLI's start, ~2 s of imports, is not
 in it). Printed and written to ``results/plan_time.json``: per case the devices, the plan's time,
 where it went (tracing, the intra-op ILPs, the stage DP, as the pipeline search reports it in ``plan.solver``), its
 predicted step and the layout. ``results/plan_time.png`` plots planning seconds against devices,
@@ -24,14 +25,16 @@ import torch
 
 import autopar
 from autopar import models
+from autopar.errors import PlanError
 from autopar.solver.explain import pipeline_words
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CLUSTER = {"gpt2-xl": "a100-80g", "gpt3-175b": "a100-80g", "llama3-8b": "h100-80g", "llama3-70b": "h100-80g",
            "llama3-405b": "h100-80g"}
 # a fixed list: three sizes of one model for the line against devices, and each headline case
-CASES = ["gpt2-xl@1x8", "llama3-8b@1x8", "llama3-8b@8x8", "llama3-8b@64x8", "llama3-70b@8x8", "llama3-70b@64x8",
+CASES = ["llama3-8b@2x8", "llama3-8b@8x8", "llama3-8b@64x8", "llama3-70b@8x8", "llama3-70b@64x8",
          "gpt3-175b@16x8", "gpt3-175b@128x8"]
+PRECISION = "bf16"  # Megatron's recipe, as benchmarks/whatif_grid.py plans them
 
 
 def plan_case(case: str) -> dict:
@@ -40,7 +43,11 @@ def plan_case(case: str) -> dict:
     model, inputs = models.build(name, device="meta")
     mesh = autopar.Mesh(shape, cluster=CLUSTER.get(name, "h100-80g"))
     t0 = time.perf_counter()
-    plan = autopar.plan(model, mesh, inputs)
+    try:
+        plan = autopar.plan(model, mesh, inputs, precision=PRECISION, memory_budget="80GB")
+    except PlanError as err:  # (said, and timed: answering "nothing fits" is an answer too)
+        return {"case": case, "model": name, "mesh": list(shape), "devices": math.prod(shape),
+                "plan_s": time.perf_counter() - t0, "error": str(err).splitlines()[0], "layout": "nothing fits"}
     seconds = time.perf_counter() - t0
     timing = plan.solver  # the pipeline search's (a one-stage plan chosen has its own build and solve times)
     return {"case": case, "model": name, "mesh": list(shape), "devices": math.prod(shape),
@@ -66,7 +73,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("devices")
     ax.set_ylabel("planning time (s)")
-    ax.set_title("autopar.plan, every option at its default")
+    ax.set_title("autopar.plan (bf16, 80 GB a device), pipeline search included")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -85,8 +92,8 @@ def main():
         r = plan_case(case)
         rows.append(r)
         fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-        print(f"{case:>20} {r['devices']:>7} {r['plan_s']:>7.1f} {fmt(r['trace_s']):>7} {fmt(r['intra_op_s']):>7} "
-              f"{fmt(r['dp_s']):>6} {r['step_s']:>8.3f}  {r['layout']}", flush=True)
+        print(f"{case:>20} {r['devices']:>7} {r['plan_s']:>7.1f} {fmt(r.get('trace_s')):>7} {fmt(r.get('intra_op_s')):>7} "
+              f"{fmt(r.get('dp_s')):>6} {fmt(r.get('step_s')):>8}  {r['layout']}", flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "command": "benchmarks/plan_time.py --cases " + a.cases,
