@@ -420,13 +420,12 @@ class _Search:
         then read off two traces where that holds (``ir.batch_scaling``; a trace costs seconds)."""
         if count not in self.graphs:
             t0 = time.perf_counter()
-            real, batch = self.real, self.batch
-            scaled = (scaled_graph(self.graphs[real[0]], batch // real[0], self.graphs[real[1]], batch // real[1],
-                                   batch // count) if len(real) >= 2 else None)
+            scaled = self.untraced(count)
             self.timing["trace_s"] += time.perf_counter() - t0
             if scaled is not None:
                 self.timing["scaled_graphs"] += 1
-            self.graphs[count] = scaled if scaled is not None else self.trace(count)
+            else:
+                self.graphs[count] = self.trace(count)
         return self.graphs[count]
 
     def untraced(self, count: int):
