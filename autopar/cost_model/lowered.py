@@ -70,14 +70,9 @@ def lowered_comm_parts(target: str, family: str, inputs, output, mesh, itemsize:
     return forward, backward
 
 
-def ring_attention_s(inputs, output, mesh, compute_s: float, itemsize: int, causal: bool) -> float:
-    """The exposed seconds of ring attention's passes (see the module docstring); ``inputs``: the
-    q, k, v specs first."""
-    return sum(ring_attention_parts(inputs, output, mesh, compute_s, itemsize, causal))
-
-
 def ring_attention_parts(inputs, output, mesh, compute_s: float, itemsize: int, causal: bool) -> tuple[float, float]:
-    """``ring_attention_s`` as (forward, backward)."""
+    """(forward, backward) exposed seconds of ring attention's passes (see the module docstring);
+    ``inputs``: the q, k, v specs first."""
     axes = ring_axes(output)
     n = math.prod(mesh.shape[a] for a in axes)
     if n <= 1:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 from autopar.cost_model.comm import layout_copy_time, mesh_collective_time, packed_gather_bytes
-from autopar.cost_model.gradients import backward_route_s, grad_sum_s
+from autopar.cost_model.gradients import backward_reshard_s, backward_route_s, grad_sum_s
 from autopar.record.gradients import whole_on
 from autopar.cost_model.lowered import lowered_comm_parts
 from autopar.cost_model.memory import run_again
@@ -65,15 +65,10 @@ def graph_overheads_s(graph, cluster) -> float:
     return sum(sum(op_overheads_s(n, grad, cluster)) for n in graph.nodes.values() if n.op == "call_function")
 
 
-def in_op_comm_s(node_plan, graph, mesh, identical=()) -> float:
-    """Seconds of the collectives a lowered family runs inside its op, forward and backward
+def in_op_comm_parts(node_plan, graph, mesh, identical=()) -> tuple[float, float]:
+    """(forward, backward) seconds of the collectives a lowered family runs inside its op
     (``cost_model.lowered``), on a plan whose gradients are whole on the ``identical`` axes; 0 for
     the families run as the plain local op."""
-    return sum(in_op_comm_parts(node_plan, graph, mesh, identical))
-
-
-def in_op_comm_parts(node_plan, graph, mesh, identical=()) -> tuple[float, float]:
-    """``in_op_comm_s`` as (forward, backward)."""
     if not needs_lowering(node_plan.family):
         return 0.0, 0.0
     node = graph.nodes[node_plan.name]
@@ -103,8 +98,8 @@ def accumulate_s(nbytes: float, bucketed: bool, step_share: float, cluster) -> f
 
 def reshard_s(graph, edges, mesh, identical=()) -> float:
     """Seconds of ``edges``' reshards, forward and backward, as the runtime runs them
-    (``reshard_by_read``), summed."""
-    return sum(reshard_by_read(graph, edges, mesh, identical).values())
+    (``reshard_parts_by_read``), summed."""
+    return sum(f + b for f, b in reshard_parts_by_read(graph, edges, mesh, identical).values())
 
 
 def local_steps_s(steps, costs, backward: bool, mesh, identical=()) -> float:
@@ -113,28 +108,23 @@ def local_steps_s(steps, costs, backward: bool, mesh, identical=()) -> float:
     return sum(costs) + (backward_route_s(steps, costs, mesh, identical) if backward else 0.0)
 
 
-def reshard_by_read(graph, edges, mesh, identical=()) -> dict[tuple[str, int], float]:
-    """(consumer, input position) -> seconds of ``edges``' reshards there, forward and backward,
-    as the runtime runs them (``reshard_parts_by_read``). The step model sums it; the stage
-    tables attribute it to layers."""
-    return {k: f + b for k, (f, b) in reshard_parts_by_read(graph, edges, mesh, identical).items()}
-
-
 def reshard_parts_by_read(graph, edges, mesh, identical=()) -> dict[tuple[str, int], tuple[float, float]]:
     """(consumer, input position) -> (forward, backward) seconds of ``edges``' reshards there, as
     the runtime runs them: parameters gathered whole in groups (``param_gather_groups``: one
     all-gather per group of a layer, each parameter once, one reduce-scatter back, charged to the
     group's first read; a read's local steps on what its group gathers charged to it), every other
-    edge its steps and their duals (``cost_model.gradients.backward_route_s``). A recomputed
-    forward runs the first part again."""
+    edge its steps and their duals (``cost_model.gradients.backward_reshard_s``). The step model
+    sums them; the stage tables attribute them to layers; a recomputed forward runs the first
+    part again."""
     groups, grouped = param_gather_groups(graph, edges, least=1)
     out = {}
     for e in edges:
-        steps = e.steps
         if (e.dst, e.position) in grouped:  # the local steps run on what the group gathers
             steps = [e.steps[j] for j in grouped_route(e.steps)[1]]
-        costs = [s.cost_s for s in steps]
-        out[(e.dst, e.position)] = (sum(costs), backward_route_s(steps, costs, mesh, identical) if e.backward else 0.0)
+            costs = [s.cost_s for s in steps]
+            out[(e.dst, e.position)] = (sum(costs), backward_route_s(steps, costs, mesh, identical) if e.backward else 0.0)
+        else:
+            out[(e.dst, e.position)] = (e.forward_s, backward_reshard_s(e, mesh, identical))
     cluster = mesh.resolved_cluster()
     for (_, axes), members in groups.items():  # one gather per group, one reduce-scatter back
         nbytes = sum(e.steps[grouped_route(e.steps)[0]].nbytes for _, e in members)

@@ -281,6 +281,14 @@ def test_scaled_graphs_give_the_searchs_answer_with_fewer_traces(monkeypatch):
     assert scaled.graph.fingerprint() == traced.graph.fingerprint() and scaled.graph.nodes[scaled.graph.inputs[0]].fx_node is not None
 
 
+def _one_integer_off(graph):
+    """``graph`` with the last integer argument of its first op that has one made one larger: a
+    graph that is not what tracing gives."""
+    node = next(n for n in graph.nodes.values() if n.op == "call_function" and n.args and isinstance(n.args[-1], int))
+    node.args = (*node.args[:-1], node.args[-1] + 1)
+    return graph
+
+
 def test_a_scaled_graph_that_is_not_the_trace_is_priced_on_the_trace(monkeypatch):
     """Where the model's program changes with the batch (the scaled graph is not what tracing the
     chosen count gives), the search prices that count again on its trace."""
@@ -289,10 +297,7 @@ def test_a_scaled_graph_that_is_not_the_trace_is_priced_on_the_trace(monkeypatch
 
     def off_by_one(*args):  # a prediction that is wrong somewhere
         g = scaled_graph(*args)
-        if g is not None:
-            node = next(n for n in g.nodes.values() if n.op == "call_function" and n.args and isinstance(n.args[-1], int))
-            node.args = (*node.args[:-1], node.args[-1] + 1)
-        return g
+        return None if g is None else _one_integer_off(g)
 
     model, inputs = models.build("gpt", device="meta", layers=8, width=1024, heads=16, seq=256, vocab=8192, batch=64)
     mesh = autopar.Mesh((4, 2), cluster="a100-80g")
@@ -993,9 +998,8 @@ def test_the_one_stage_plan_reads_the_whole_batch_off_the_searchs_traces(monkeyp
         def fake(*a, **k):
             choice = real_search(*a, **{**k, "config": k["config"].replace(pipeline=Pipeline(stages=2, microbatches=4))})
             g = copy.deepcopy(whole)  # (its two stages' search traced one microbatch count: nothing to scale)
-            if wrong:  # a scaled graph that is not what tracing gives
-                node = next(n for n in g.nodes.values() if n.op == "call_function" and n.args and isinstance(n.args[-1], int))
-                node.args = (*node.args[:-1], node.args[-1] + 1)
+            if wrong:
+                g = _one_integer_off(g)
             return dataclasses.replace(choice, whole=g, whole_traced=False)
         return fake
 
