@@ -28,7 +28,9 @@ there (``forward_peak``, found on the replicated timeline), and on edges, the co
 of a value backward keeps (``saved_inputs``, ``held_reshard_bytes``). Approximations:
 
 - the peak is that of the forward pass; backward frees saved tensors as it goes but adds gradient
-  buffers of about one activation at a time, which is not counted;
+  buffers of about one activation at a time, which is not counted, and the gradients of a bucket's
+  parameters, which the reducer takes together (``grad_parts_in_flight``: they outlast a
+  microbatch's activations only where a bucket holds more than one microbatch saves);
 - parameters, buffers and constants are not activations (``param_memory`` counts them); user
   inputs are, from the start to their last reader;
 - small saved statistics (layer-norm mean/rstd, attention logsumexp) are ignored; a dropout mask
@@ -65,13 +67,15 @@ STATIC_ROLES = frozenset({"parameter", "buffer", "constant"})
 
 
 def param_memory_parts(param_meta, storage_spec, mesh, optimizer: str = "adamw", opt_state_sharded_axes=(),
-                       precision=None) -> dict:
+                       precision=None, accumulated: bool = False) -> dict:
     """Bytes one device holds for one parameter, by kind: ``parameters``, ``gradients``,
     ``optimizer_states``. ``param_meta``: a TensorMeta or a parameter Node; ``storage_spec`` None:
     replicated. With ``opt_state_sharded_axes`` (ZeRO-2, as ``runtime.reducer`` runs it) a device
     holds the working copy the program reads (the storage shard), its own chunk of it that the
     optimizer updates, and that chunk's gradient; the whole gradient lives only in the reducer's
-    buckets during backward.
+    buckets during backward. ``accumulated`` (a step of several microbatches, which add up in the
+    buckets until the last one's backward sums them): ZeRO-2's whole gradient lives in its bucket
+    from the first microbatch to the sum, in the gradient's accumulation dtype (the master's).
 
     ``precision`` (an ``ir.precision.MixedPrecision`` that casts; the meta's dtype is then the
     working dtype): what the runtime keeps instead: the master (the parameter the optimizer sees:
@@ -92,19 +96,22 @@ def param_memory_parts(param_meta, storage_spec, mesh, optimizer: str = "adamw",
         # a gradient summed in another dtype: its all-reduce bucket keeps the buffer it sends
         summed = any(a not in already for a in active_axes(mesh))
         wire = precision.reduce_dtype.itemsize if (ways == 1 and summed and precision.reduce_dtype != precision.master_dtype) else 0
-        return {"parameters": chunk * master + numel * size, "gradients": chunk * master + numel * wire,
+        accumulating = numel * master if ways > 1 and accumulated else 0
+        return {"parameters": chunk * master + numel * size, "gradients": chunk * master + numel * wire + accumulating,
                 "optimizer_states": chunk * states * master}
     # Without a policy torch's optimizer keeps its states in the parameter's own dtype, no master.
     per_element = states * size
     if ways > 1:
-        return {"parameters": (numel + chunk) * size, "gradients": chunk * size, "optimizer_states": chunk * per_element}
+        return {"parameters": (numel + chunk) * size, "gradients": (chunk + (numel if accumulated else 0)) * size,
+                "optimizer_states": chunk * per_element}
     return {"parameters": numel * size, "gradients": numel * size, "optimizer_states": numel * per_element}
 
 
 def param_memory(param_meta, storage_spec, mesh, optimizer: str = "adamw", opt_state_sharded_axes=(),
-                 precision=None) -> int:
+                 precision=None, accumulated: bool = False) -> int:
     """``param_memory_parts`` summed."""
-    return sum(param_memory_parts(param_meta, storage_spec, mesh, optimizer, opt_state_sharded_axes, precision).values())
+    return sum(param_memory_parts(param_meta, storage_spec, mesh, optimizer, opt_state_sharded_axes, precision,
+                                  accumulated).values())
 
 
 def total_param_memory(graph, storage_specs: Mapping | None, mesh, optimizer: str = "adamw", opt_state_sharded_axes=()) -> int:
@@ -197,6 +204,33 @@ def run_again(graph) -> frozenset[str]:
             last[unit[node.name]] = max(last.get(unit[node.name], -1), order[node.name])
     return frozenset(name for name, node in graph.nodes.items()
                      if node.op == "call_function" and name in unit and order[name] <= last.get(unit[name], -1))
+
+
+def accumulating_bytes(param_meta, storage_spec, mesh, opt_state_sharded_axes=(), precision=None) -> int:
+    """Of ``param_memory_parts(..., accumulated=True)``'s gradients, the whole bucket ZeRO-2 adds the
+    microbatches up in: alive from the first microbatch's backward, so not beside the activations
+    of the microbatch the forward's peak adds last (``accumulation_overlap``)."""
+    kw = dict(opt_state_sharded_axes=opt_state_sharded_axes, precision=precision)
+    return (param_memory_parts(param_meta, storage_spec, mesh, accumulated=True, **kw)["gradients"]
+            - param_memory_parts(param_meta, storage_spec, mesh, **kw)["gradients"])
+
+
+def accumulation_overlap(accumulating: float, activation_bytes: float) -> float:
+    """What a step of several microbatches holds less than its state and its forward's peak
+    summed: the buckets ZeRO-2 adds gradients up in (``accumulating``) exist from the first
+    backward on, when one microbatch's ``activation_bytes`` have gone (under GPipe all forwards
+    come first; under 1F1B the peak's last forward precedes the first backward)."""
+    return min(float(accumulating), float(activation_bytes))
+
+
+def grad_parts_in_flight(part_bytes: float, bucket_bytes: float, activation_bytes: float) -> float:
+    """What a backward holds beyond the forward's peak while the reducer collects a bucket: the
+    reducer takes a bucket's gradient parts together (one autograd node), so up to a bucket of
+    them (``part_bytes`` those of the parameters there are, in the dtype the program reads them)
+    lives at once, late in the microbatch's backward when most of its ``activation_bytes`` are
+    freed: the excess of the one over the other. Nothing for a model whose microbatch saves more
+    than a bucket; most of a small model's gradients where one bucket holds them all."""
+    return max(0.0, min(float(bucket_bytes), float(part_bytes)) - float(activation_bytes))
 
 
 def held_reshard_bytes(src_static: bool, src_spec, dst_spec, mesh, itemsize: int) -> int:

@@ -48,6 +48,15 @@ class Schedule:
             return 0
         return min(stage + 1, count)
 
+    def held_inflight(self, stage: int, stages: int, count: int, virtual: int = 1) -> int:
+        """Microbatches whose activations stage ``stage`` (in pipeline order, of ``stages * virtual``:
+        stage s runs on the block s mod ``stages``) holds at its rank's peak: ``inflight`` with one
+        stage per rank; interleaved, the count of ``interleaved_inflight`` for the stage's place
+        among its rank's stages."""
+        if virtual == 1 or not self.interleaved:
+            return self.inflight(stage % stages, stages, count)
+        return interleaved_inflight(stage % stages, stages, virtual, count)[stage // stages]
+
     def __str__(self) -> str:
         return self.name
 
@@ -116,6 +125,35 @@ def schedule_orders(p: int, count: int, schedule) -> list[list[tuple[str, int]]]
             order += [("W", k) for k in range(weights, count)]
         orders.append(order)
     return orders
+
+
+def interleaved_inflight(rank: int, ranks: int, local_stages: int, count: int) -> list[int]:
+    """Under torch's interleaved 1F1B (``ScheduleInterleaved1F1B``, torch 2.13), the microbatches
+    each of ``rank``'s ``local_stages`` stages holds (forward run, backward not yet) at the moment the
+    rank holds the most: its order replayed. Microbatches go in rounds of ``count / rounds``
+    (``rounds = max(1, count // ranks)``), forwards cycling over the local stages round by round;
+    ``(local_stages - 1) * per_round + 2 * (ranks - 1 - rank)`` warm-up forwards, then a forward
+    and a backward (last local stage first) each step. Rank 0 of 16 with 2 stages and 96
+    microbatches: 31 and 16 (a one-stage-per-rank 1F1B count would say 16 and 16)."""
+    rounds = max(1, count // ranks)
+    per_round = count // rounds
+    total = count * local_stages
+    warmup = min((local_stages - 1) * per_round + 2 * (ranks - 1 - rank), total)
+    held = [0] * local_stages
+    best, at_best = -1, list(held)
+
+    def note():
+        nonlocal best, at_best
+        if sum(held) > best:
+            best, at_best = sum(held), list(held)
+
+    for op in range(total + warmup):  # torch's steps: a forward (all but the cool-down), then a backward (past the warm-up)
+        if op < total:
+            held[(op // per_round) % local_stages] += 1
+            note()
+        if op >= warmup:
+            held[local_stages - 1 - ((op - warmup) // per_round) % local_stages] -= 1
+    return at_best
 
 
 # ---- the registry ------------------------------------------------------------------------------------

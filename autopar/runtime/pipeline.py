@@ -76,6 +76,12 @@ def make_stage_groups(plan, mesh: Mesh, shared_blocks, timeout=None) -> StageGro
                           "autopar.plan(..., pipeline=...) for parallelize: it plans equal stages)")
     if any(st.ranks != blocks[s % n_blocks] for s, st in enumerate(stages)):
         raise ConfigError("the plan's stages do not cycle over the same blocks of ranks (stage s on block s mod blocks)")
+    views = [(s, tuple(st.mesh_shape), tuple(stages[s % n_blocks].mesh_shape)) for s, st in enumerate(stages)]
+    mixed = [(s, v, first) for s, v, first in views if v != first]
+    if mixed:
+        s, v, first = mixed[0]
+        raise ConfigError(f"the plan's stage {s} views its ranks as a {v} mesh and stage {s % n_blocks}, on the same ranks, "
+                          f"as {first}: a rank's stages run on one set of process groups; plan again")
     me = dist.get_rank()
     mine = None
     for b, ranks in enumerate(blocks):

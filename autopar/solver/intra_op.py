@@ -20,7 +20,8 @@ from autopar.record.buckets import DEFAULT_BUCKET_BYTES
 from autopar.errors import ConfigError, PlanError
 from autopar.ir import trace
 from autopar.ir.flops import model_flops
-from autopar.ir.graph import Role
+from autopar.cost_model.ops import local_nbytes
+from autopar.ir.graph import Role, needs_grad
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.strategy import active_axes
 import autopar.solver.ilp as ilp
@@ -498,17 +499,41 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
                 precision=precision.to_dict() if precision is not None else None)
     # The ILP's objective ranks plans; the prediction prices what the runtime runs (buckets,
     # overheads, optimizer): see autopar.cost_model.step.
+    parts = memory_parts(plan, graph, mesh, memory, precision, bucket_bytes, accumulated=step_share < 1.0)
+    # the ILP's memory is the forward's peak; a bucket's gradient parts may outlast it (memory.grad_parts_in_flight)
+    in_flight = memory_model.grad_parts_in_flight(_grad_part_bytes(plan, graph, mesh), bucket_bytes, parts["activations"])
+    # and ZeRO-2's accumulating buckets are not there at the forward's peak (memory.accumulation_overlap)
+    overlap = memory_model.accumulation_overlap(_accumulating_bytes(plan, graph, mesh, precision), parts["activations"]) \
+        if step_share < 1.0 else 0.0
+    parts["gradients"] += in_flight
+    parts["activations"] -= overlap
     plan.predicted = dict(step_time(plan, graph, mesh, runs=round(1 / step_share), bucket_bytes=bucket_bytes,
-                                    grad_total_bytes=total), memory_bytes_per_device=memory,
-                          memory_parts=memory_parts(plan, graph, mesh, memory, precision, bucket_bytes))
+                                    grad_total_bytes=total), memory_bytes_per_device=memory + in_flight - overlap,
+                          memory_parts=parts)
     return plan
 
 
-def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+def _grad_part_bytes(plan, graph, mesh) -> float:
+    """The gradient parts a backward hands the reducer: every trained parameter's local shard, in
+    the dtype the program reads it."""
+    grad = needs_grad(graph)
+    return float(sum(local_nbytes(graph.nodes[p.node].meta, p.storage, mesh) for p in plan.params.values()
+                     if not p.buffer and p.node in grad))
+
+
+def _accumulating_bytes(plan, graph, mesh, precision) -> float:
+    """ZeRO-2's whole buckets the microbatches' gradients add up in (``memory.accumulating_bytes``)."""
+    return float(sum(memory_model.accumulating_bytes(graph.nodes[p.node].meta, p.storage, mesh, p.grad_sync.axes, precision)
+                     for p in plan.params.values() if p.grad_sync is not None and p.grad_sync.split and not p.buffer))
+
+
+def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 accumulated: bool = False) -> dict:
     """Memory per device by kind: parameters (their stored shards; under ZeRO-2 the working copy
     and the updated chunk), gradients (with ZeRO-2's share of the reducer's pool of bucket
-    buffers), optimizer states (and fp32 master copies), and activations (the rest of the total:
-    saved values and the reshards kept for backward)."""
+    buffers, or over several microbatches, ``accumulated``, its whole buckets), optimizer states
+    (and fp32 master copies), and activations (the rest of the total: saved values and the
+    reshards kept for backward)."""
     zero2_bytes, saved = zero2_totals(plan, mesh)
     params = grads = held = 0.0
     for p in plan.params.values():
@@ -521,10 +546,10 @@ def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: 
             continue
         zero_axes = p.grad_sync.axes if p.grad_sync is not None and p.grad_sync.split else ()
         parts = memory_model.param_memory_parts(graph.nodes[p.node].meta, p.storage, mesh, opt_state_sharded_axes=zero_axes,
-                                                precision=precision)
+                                                precision=precision, accumulated=accumulated)
         params += parts["parameters"]
         grads += parts["gradients"]
-        if zero_axes:
+        if zero_axes and not accumulated:
             grads += zero2_pool_bytes(p.grad_sync.nbytes, p.grad_sync.sum_by, zero2_bytes, saved, bucket_bytes)
     return {"parameters": params, "gradients": grads, "optimizer_states": max(0.0, held - params - grads),
             "activations": max(0.0, total - held)}

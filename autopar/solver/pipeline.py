@@ -217,19 +217,25 @@ class StageMemory(NamedTuple):
     def kept(self, keep) -> "StageMemory":
         return StageMemory(*(a[:, :, keep] for a in self))
 
-    def at(self, i: int, j: int, m: int, pos: int, stages: int, count: int, schedule: Schedule) -> float:
-        """Bytes of the stage of units i..j (variant m) at place ``pos`` of ``stages`` under ``schedule``."""
-        return float(self.static[i, j, m] + schedule.inflight(pos, stages, count) * self.activations[i, j, m]
-                     + schedule.deferred(pos, stages, count) * self.deferred[i, j, m])
+    def at(self, i: int, j: int, m: int, stage: int, blocks: int, count: int, schedule: Schedule,
+           virtual: int = 1) -> float:
+        """Bytes of the stage of units i..j (variant m), stage ``stage`` in pipeline order on
+        ``blocks`` blocks of ranks (``virtual`` stages each) under ``schedule``."""
+        return float(self.static[i, j, m] + schedule.held_inflight(stage, blocks, count, virtual) * self.activations[i, j, m]
+                     + schedule.deferred(stage % blocks, blocks, count) * self.deferred[i, j, m])
 
 
-def _fits_inflight(sol, memory: StageMemory, schedule: Schedule, count: int, budget: float) -> bool:
-    """Every stage of the DP's answer (one stage per rank) within ``budget`` with the microbatches
-    the schedule holds in flight there: the DP counted each stage as the first of those from it
-    to the end, short of zero bubble's count (``Schedule.inflight``) and its deferred weight halves
-    (``Schedule.deferred``)."""
-    p = len(sol.stages)
-    return all(memory.at(i, j, m, pos, p, count, schedule) <= budget for pos, (i, j, m) in enumerate(sol.stages))
+def _fits_inflight(sol, memory: StageMemory, schedule: Schedule, count: int, budget: float, virtual: int = 1) -> bool:
+    """Every block of ranks of the DP's answer within ``budget``, its stages holding the
+    microbatches the schedule holds in flight there (``Schedule.held_inflight``: torch's
+    interleaved order replayed where a block runs several) and their deferred weight halves
+    (``Schedule.deferred``). The DP counted each stage as the first of those from it to the end,
+    short of zero bubble's count, and an interleaved one against the budget over its stages."""
+    blocks = len(sol.stages) // virtual
+    held = [0.0] * blocks
+    for s, (i, j, m) in enumerate(sol.stages):
+        held[s % blocks] += memory.at(i, j, m, s, blocks, count, schedule, virtual)
+    return all(h <= budget for h in held)
 
 
 def shared_core_time(sol, devices: np.ndarray, count: int, contention: float, total_rows: int,
@@ -274,7 +280,7 @@ class _StagePricer:
         if not all(math.isfinite(t) for t in times):
             return None
         sol = StageSolution(list(stages), step_time(self.schedule, times, count, self.virtual), max(times), times)
-        if self.virtual == 1 and not _fits_inflight(sol, self.memory, self.schedule, count, search.budget):
+        if not _fits_inflight(sol, self.memory, self.schedule, count, search.budget, self.virtual):
             return None
         overlapped = self.schedule.overlaps_sync
         per_step = [count * self.prices[m].per_step_between(i, j, overlapped) for i, j, m in stages]
@@ -609,33 +615,43 @@ class _Search:
         shared = multi_unit_params(graph)
         devices = np.array([rows for rows, _ in variants])
         recomputed = np.array([bool(p.recompute) for _, p in variants])
+        views = [tuple(p.plan.mesh["shape"]) for _, p in variants]
         for schedule, virtual in self._schedules():
             for keep, counts in _stage_shapes(devices, mesh.shape[0], self.pipeline.stages, self.equal_stages):
                 groups, grouped, time_t, memory = tables.for_stages(
                     next(iter(counts)) * virtual if counts is not None and len(counts) == 1 else None, schedule)
                 if not schedule.recompute:  # (see Pipeline)
                     keep = keep & ~recomputed
-                if not keep.any():
-                    continue
                 # the stage counts (of ranks) torch's schedule class runs ``count`` microbatches over
                 counts = {c for c in (counts or range(1, mesh.shape[0] + 1)) if schedule.takes(c, count)}
                 if not counts:
                     continue
-                time_k, memory_k = time_t[:, :, keep], memory.kept(keep)
-                sol = self._solve(schedule, virtual, counts, count, devices[keep], time_k, memory_k)
-                if sol is None:
-                    continue
-                kept = np.flatnonzero(keep)  # the DP's variant index -> the variants list's
-                priced = _StagePricer(self, schedule, virtual, count, time_k, memory_k, devices[keep],
-                                      [grouped[k][1] for k in kept], graph, groups, shared)
-                sol = priced(sol.stages)
-                if self.contention > 1.0 and not schedule.interleaved:
-                    sol = _nudged(sol, priced)
-                if found is None or sol.step_time < found.sol.step_time - 1e-15:
-                    sol.stages = [(i, j, int(kept[m])) for i, j, m in sol.stages]
-                    found = Found(sol, count, schedule, variants, graph, groups)
+                for one_view in _by_view(keep, views, virtual):
+                    sol = self._dp_solution(schedule, virtual, counts, count, devices, one_view, time_t, memory,
+                                            grouped, graph, groups, shared)
+                    if sol is not None and (found is None or sol.step_time < found.sol.step_time - 1e-15):
+                        found = Found(sol, count, schedule, variants, graph, groups)
         self.timing["dp_s"] += time.perf_counter() - t_dp
         return found
+
+    def _dp_solution(self, schedule, virtual, counts, count, devices, keep, time_t, memory, grouped, graph, groups,
+                     shared):
+        """The DP over the variants ``keep`` marks, priced (``_StagePricer``), its stages indexing
+        the whole variants list; None when nothing fits."""
+        if not keep.any():
+            return None
+        time_k, memory_k = time_t[:, :, keep], memory.kept(keep)
+        sol = self._solve(schedule, virtual, counts, count, devices[keep], time_k, memory_k)
+        if sol is None:
+            return None
+        kept = np.flatnonzero(keep)  # the DP's variant index -> the variants list's
+        priced = _StagePricer(self, schedule, virtual, count, time_k, memory_k, devices[keep],
+                              [grouped[k][1] for k in kept], graph, groups, shared)
+        sol = priced(sol.stages)
+        if self.contention > 1.0 and not schedule.interleaved:
+            sol = _nudged(sol, priced)
+        sol.stages = [(i, j, int(kept[m])) for i, j, m in sol.stages]
+        return sol
 
     def _solve(self, schedule: Schedule, virtual: int, counts: set[int], count: int, devices, time_t,
                memory: StageMemory):
@@ -647,9 +663,18 @@ class _Search:
         sol = solve_stages(time_t, devices, self.mesh.shape[0] * virtual, count, mem=memory.static, act=memory.activations,
                            budget=self.budget / virtual, schedule=schedule.name, stage_counts=counts,
                            tolerance=self.tolerance)
-        if sol is None or (virtual == 1 and not _fits_inflight(sol, memory, schedule, count, self.budget)):
+        if sol is None or not _fits_inflight(sol, memory, schedule, count, self.budget, virtual):
             return None
         return sol
+
+
+def _by_view(keep, views: list, virtual: int) -> list:
+    """``keep`` as one mask, or under several stages per rank one mask per view of the devices
+    (sub-mesh shape): a rank's stages run on one set of process groups, so the stages that share
+    a block of ranks share its view."""
+    if virtual == 1:
+        return [keep]
+    return [keep & np.array([v == view for v in views]) for view in dict.fromkeys(views)]
 
 
 def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, config: PlanConfig | None = None,
@@ -689,8 +714,10 @@ def _stage_plans(found: Found, mesh: Mesh, virtual: int, budget: float) -> list[
         if virtual > 1:
             row = (len(stages) % blocks) * rows
         pos = len(stages) % blocks
-        mem = (prices.held_between(i, j) + schedule.inflight(pos, blocks, count) * prices.activation_bytes[i:j + 1].sum()
-               + schedule.deferred(pos, blocks, count) * prices.deferred_between(i, j) + prices.stage_extra_bytes)
+        inflight = schedule.held_inflight(len(stages), blocks, count, virtual)
+        mem = (prices.held_between(i, j) + inflight * prices.activation_bytes[i:j + 1].sum()
+               + schedule.deferred(pos, blocks, count) * prices.deferred_between(i, j) + prices.stage_extra_bytes
+               + prices.parts_in_flight_from(i)[j - i] - prices.overlap_from(i)[j - i])
         nodes = {name for name, u in unit.items() if i <= u <= j}
         if not stages:  # state nothing reads is held by the first stage (as codegen's cut_stages holds it)
             nodes |= {n for n, node in graph.nodes.items()

@@ -202,10 +202,13 @@ def _param_choices(node, mesh, optimizer: str, optimizer_sharding: bool = True,
             opt.append(optimizer_s(local / itemsize / ways, 1, cluster))
             costs.append(price.per_tensor_s)
             prices.append(price)
-            # the rank's ZeRO-2 gradients are not known here: its pool share as if all were, split as this one
+            # the rank's ZeRO-2 gradients are not known here: its pool share as if all were, split as this one;
+            # a step of several microbatches holds the whole gradient in its bucket instead (the pool's buffers)
+            accumulated = step_share < 1.0
             mems.append(memory_model.param_memory(meta, spec, mesh, optimizer=optimizer, opt_state_sharded_axes=repl,
-                                                  precision=precision)
-                        + zero2_pool_bytes(grad, sum_by, total_bytes, zero2_saved_bytes([(total_bytes, ways)]), bucket_bytes))
+                                                  precision=precision, accumulated=accumulated)
+                        + (0.0 if accumulated else
+                           zero2_pool_bytes(grad, sum_by, total_bytes, zero2_saved_bytes([(total_bytes, ways)]), bucket_bytes)))
             syncs.append(GradSync.zero2(sum_by, repl, grad))
             acc.append(accumulate_s(grad, True, step_share, cluster))
     comp = [o * step_share + a for o, a in zip(opt, acc)]

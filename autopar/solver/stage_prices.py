@@ -30,7 +30,7 @@ from autopar.cost_model.comm import mesh_collective_time, send_time
 from autopar.cost_model.ops import is_view, local_nbytes
 from autopar.cost_model.grad_sync import grad_bytes_total
 from autopar.cost_model.step import in_op_comm_parts, op_overheads_s, reshard_parts_by_read, sync_prices
-from autopar.cost_model.memory import run_again
+from autopar.cost_model.memory import accumulating_bytes, accumulation_overlap, grad_parts_in_flight, run_again
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.blocks import node_readers, unit_of_nodes
 from autopar.ir.graph import Role, needs_grad, runs_backward
@@ -149,6 +149,33 @@ class UnitPrices:
     unsaved_forward_s: np.ndarray | None = None
     saved_bytes: np.ndarray | None = None
     selective_refused: str | None = None  # why these prices are not offered recomputed selectively
+    # the gradient parts its parameters hand the reducer per backward (``memory.grad_parts_in_flight``),
+    # and the reducer's bucket size they were planned for
+    grad_part_bytes: np.ndarray | None = None
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES
+    # of static_bytes, ZeRO-2's buckets the microbatches' gradients add up in (``memory.accumulation_overlap``)
+    accumulating_bytes: np.ndarray | None = None
+
+    def overlap_from(self, i: int) -> np.ndarray:
+        """For every j >= i, what a stage of units i..j holds less than its state and its
+        microbatches' activations summed (``memory.accumulation_overlap``)."""
+        n = len(self.static_bytes)
+        if self.accumulating_bytes is None:
+            return np.zeros(n - i)
+        acc = np.cumsum(self.accumulating_bytes[i:])
+        act = np.cumsum(self.activation_bytes[i:])
+        return np.asarray([accumulation_overlap(a, b) for a, b in zip(acc, act)])
+
+    def parts_in_flight_from(self, i: int) -> np.ndarray:
+        """For every j >= i, what a backward of a stage of units i..j holds beyond its forward's
+        peak while the reducer collects a bucket (``memory.grad_parts_in_flight``)."""
+        n = len(self.static_bytes)
+        if self.grad_part_bytes is None:
+            return np.zeros(n - i)
+        parts = np.cumsum(self.grad_part_bytes[i:])
+        # what the microbatch holds at its peak: its activations, and a recomputed layer's while it runs again
+        act = np.cumsum(self.activation_bytes[i:]) + self.stage_extra_bytes
+        return np.asarray([grad_parts_in_flight(p, self.bucket_bytes, a) for p, a in zip(parts, act)])
 
     def receive_s(self, i: int, mesh: Mesh) -> float:
         """Seconds per microbatch a stage starting at unit i spends on the values it receives
@@ -239,8 +266,11 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
     grad = needs_grad(graph)
     unit = unit_of_nodes(graph)
     n = len(graph.layers)
-    micro, step, static, act, boundary, boundary_grads, forward, peak, weight_grads, tail, cover, unsaved, saved = (
-        np.zeros(n) for _ in range(13))
+    micro, step, static, act, boundary, boundary_grads, forward, peak, weight_grads, tail, cover, unsaved, saved, parts, acc_bytes = (
+        np.zeros(n) for _ in range(15))
+    precision = MixedPrecision.from_dict(plan.precision) if plan.precision else None
+    zero2 = {p.node: p.grad_sync.axes for p in plan.params.values()
+             if step_share < 1.0 and p.grad_sync is not None and p.grad_sync.split and not p.buffer}
     refused = None  # why selective recomputation is not offered (None: it is)
     rerun = run_again(graph)
     last_weight_op: dict[int, int] = {}  # unit -> graph position of its last op reading a parameter
@@ -262,6 +292,10 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
                 shared.append(SharedParam(np_.memory_bytes, np_.compute_s, np_.compute_s - acc, tuple(users)))
             for uu in users:  # a tied weight read at both ends is held by both stages
                 static[uu] += np_.memory_bytes
+                if node.role == Role.PARAMETER and name in grad:
+                    parts[uu] += local_nbytes(node.meta, np_.output, mesh)
+                if name in zero2:
+                    acc_bytes[uu] += accumulating_bytes(node.meta, np_.output, mesh, zero2[name], precision)
                 step[uu] += np_.compute_s - acc  # the optimizer's share
                 micro[uu] += acc  # its gradient added up, every microbatch
         elif node.op == "call_function":
@@ -304,6 +338,7 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
     syncs = _unit_syncs(plan, graph, mesh, unit, readers, cover, step_share, bucket_bytes)
     return UnitPrices(micro, step, static, act, boundary, plan, forward, shared_params=tuple(shared), peak_bytes=peak,
                       weight_grad_bytes=weight_grads, tail_bytes=tail, syncs=syncs, boundary_grad_bytes=boundary_grads,
+                      grad_part_bytes=parts, bucket_bytes=bucket_bytes, accumulating_bytes=acc_bytes,
                       unsaved_forward_s=unsaved, saved_bytes=saved, selective_refused=refused)
 
 
@@ -368,7 +403,9 @@ def grouped_prices(p: UnitPrices, groups) -> UnitPrices:
                       p.syncs.grouped(groups),
                       None if p.boundary_grad_bytes is None else np.asarray([p.boundary_grad_bytes[g[0]] for g in groups]),
                       None if p.unsaved_forward_s is None else total(p.unsaved_forward_s),
-                      None if p.saved_bytes is None else total(p.saved_bytes), p.selective_refused)
+                      None if p.saved_bytes is None else total(p.saved_bytes), p.selective_refused,
+                      None if p.grad_part_bytes is None else total(p.grad_part_bytes), p.bucket_bytes,
+                      None if p.accumulating_bytes is None else total(p.accumulating_bytes))
 
 
 def fastest_prices(model, sm, graph, intra_op_plan, config) -> UnitPrices | None:
@@ -425,7 +462,7 @@ def stage_tables(variants, n_units: int, mesh: Mesh, overlapped: bool = True):
         c_act = np.concatenate([[0.0], np.cumsum(p.activation_bytes)])
         for i in range(n_units):
             time_t[i, i:, m] = p.time_from(i, overlapped) + p.receive_s(i, mesh)
-            mem_t[i, i:, m] = p.held_from(i) + p.stage_extra_bytes
+            mem_t[i, i:, m] = p.held_from(i) + p.stage_extra_bytes + p.parts_in_flight_from(i) - p.overlap_from(i)
             act_t[i, i:, m] = c_act[i + 1:] - c_act[i]
             deferred_t[i, i:, m] = p.deferred_from(i)
     return time_t, mem_t, act_t, deferred_t

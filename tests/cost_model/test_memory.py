@@ -84,6 +84,32 @@ def test_bf16_params_are_priced_as_torch_keeps_them_and_a_policy_as_it_runs():
         param_memory(FP32_1M, None, mesh, "lion")
 
 
+def test_zero2_over_several_microbatches_holds_the_whole_gradient_while_it_adds_up():
+    """A step of several microbatches adds ZeRO-2's gradients up in the reducer's whole buckets
+    until the last backward sums and splits them: the whole local gradient (in the master dtype)
+    besides the chunk's; data parallel's bucket is its gradient either way."""
+    from autopar.ir.precision import MixedPrecision
+
+    mesh = Mesh((2, 2))
+    assert param_memory_parts(FP32_1M, None, mesh, opt_state_sharded_axes=(0, 1), accumulated=True) == {
+        "parameters": 5 * M, "gradients": (1 + 4) * M, "optimizer_states": 2 * M}
+    assert param_memory_parts(BF16_1M, None, Mesh((2,)), opt_state_sharded_axes=(0,), precision=MixedPrecision(),
+                              accumulated=True) == {"parameters": (2 + 2) * M, "gradients": (2 + 4) * M,
+                                                    "optimizer_states": 4 * M}
+    for kw in (dict(), dict(storage_spec=_spec("[S0, R]", mesh))):
+        kw = dict(dict(storage_spec=None), **kw)
+        assert param_memory_parts(FP32_1M, mesh=mesh, accumulated=True, **kw) == param_memory_parts(FP32_1M, mesh=mesh, **kw)
+
+
+def test_a_buckets_gradient_parts_count_where_they_outlast_the_microbatchs_activations():
+    from autopar.cost_model.memory import grad_parts_in_flight
+
+    bucket = 25 << 20
+    assert grad_parts_in_flight(10 * M, bucket, 4 * M) == 6 * M  # a small model: its gradients in one bucket
+    assert grad_parts_in_flight(100 * M, bucket, 4 * M) == bucket - 4 * M  # at most a bucket at once
+    assert grad_parts_in_flight(100 * M, bucket, 200 * M) == 0.0  # a microbatch saving more than a bucket
+
+
 # ---- activations on a traced 1-hidden-layer MLP ----------------------------------------------------
 # x (8, 32) -> linear (8, 64) -> relu -> linear_1 (8, 64) -> relu_1 -> linear_2 (8, 32)
 #   -> broadcast_tensors(linear_2, targets) -> getitem, getitem_1 (views) -> mse_loss -> output

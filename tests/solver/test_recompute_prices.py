@@ -115,11 +115,13 @@ def test_recomputation_runs_the_forward_collectives_again(force):
         assert step_time(plan, graph, mesh, recomputed=r)["step_time_s"] - base == pytest.approx(sum(want), rel=1e-9)
 
 
-def test_the_planner_recomputes_selectively_where_that_fits_and_whole_is_slower(priced):
+def test_the_planner_recomputes_selectively_where_that_fits_and_whole_is_slower():
     """Left to choose (``Pipeline(recompute=None)``) under a budget that the plain layer does not
     fit and the selectively recomputed one does, the planner recomputes selectively; with room for
-    the plain one, not at all; with room only for whole recomputation, whole."""
-    model, inputs, *_ = priced
+    the plain one, not at all; with room only for whole recomputation, whole. (A batch whose
+    activations outweigh a bucket of gradients: below that the gradients the reducer collects set
+    the peak, recomputed or not: ``memory.grad_parts_in_flight``.)"""
+    model, inputs = models.build("gpt", device="meta", **dict(SHAPE, batch=64))
     mesh = autopar.Mesh((4,), cluster="a100-80g")
     held = {}
     for kind in Recompute:
