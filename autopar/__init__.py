@@ -66,6 +66,16 @@ def export(path, pmodel, dtype=None):
 
     return _export(path, pmodel, dtype)
 
+def dry_run(plan, model, example_inputs=(), **kwargs):
+    """Build and run ``plan``'s programs for sampled ranks in this process, on meta tensors over a
+    fake process group: every collective checked against its peers, each rank's peak memory
+    against the plan's (``ranks=None|"all"|[...]``, ``example_kwargs``, ``optimizer``). Returns a
+    ``DryRun`` (``.ok``, ``.report()``, ``.mismatches``, ``.runs``); see ``autopar.compose.dry_run``."""
+    from autopar.compose.dry_run import dry_run as _dry_run
+
+    return _dry_run(plan, model, example_inputs, **kwargs)
+
+
 # Imported on first access as ``autopar.<name>``.
 _SUBPACKAGES = ("cli", "codegen", "compose", "cost_model", "ir", "models", "runtime", "sharding_spec", "solver")
 
@@ -115,6 +125,7 @@ __all__ = [
     "ShardingSpec",
     "TraceError",
     "compare",
+    "dry_run",
     "export",
     "load",
     "load_full",

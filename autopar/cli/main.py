@@ -1,6 +1,7 @@
 """The `autopar` command line. Subcommands hold no logic of their own: they call the library.
 
     autopar explain MODEL --mesh 2x4 [--cluster NAME|FILE] [--memory-budget 40GB] [--json F] [--profiled] [--code]
+    autopar dry-run MODEL --mesh 128x8 [planning flags] [--plan FILE] [--ranks all|0,7,...] [--json F]
     autopar profile [--mesh 2x2] [--ops MODEL]
     autopar demo
 
@@ -218,6 +219,46 @@ def cmd_diff(args) -> int:
     return 0
 
 
+def cmd_dry_run(args) -> int:
+    """Plan (or read ``--plan``), run the sampled ranks' programs on meta tensors and a fake process
+    group, print what each ran; exit 0 only when every collective matched and memory is within
+    the tolerance of the prediction, 1 otherwise."""
+    import json
+
+    from autopar.compose.dry_run import dry_run
+    from autopar.solver.plan import Plan
+
+    _check_folder(args.json)
+    ranks = None if args.ranks is None else ("all" if args.ranks == "all" else _rank_list(args.ranks))
+    if args.plan is not None:
+        model, inputs, kwargs = load_model(args.model)
+        plan = Plan.load(args.plan)
+    else:
+        plan, _, model, inputs, kwargs, _, _ = _make_plan(args)
+    if not args.quiet:
+        print(f"dry run of {'all ranks' if ranks == 'all' else 'the sampled ranks' if ranks is None else 'ranks ' + args.ranks}"
+              f" of {plan.mesh_obj.size}", file=sys.stderr)
+    progress = None if args.quiet else (lambda r: print(f"  rank {r.rank}: {r.ops} ops, {len(r.step_collectives)} collectives a "
+                                                          f"step, peak {fmt_bytes(r.peak_bytes)} ({r.seconds:.1f} s)",
+                                                          file=sys.stderr))
+    result = dry_run(plan, model, inputs, example_kwargs=kwargs, ranks=ranks, optimizer=args.optimizer, progress=progress)
+    print(result.report(verbose=args.verbose))
+    if args.json:
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(result.to_json(), f)
+        except OSError as e:
+            raise ConfigError(f"cannot write the dry run to {args.json!r}: {e.strerror or e}") from None
+    return 0 if result.ok else 1
+
+
+def _rank_list(text: str) -> list[int]:
+    try:
+        return [int(r) for r in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--ranks takes all or ranks such as 0,7,1023; got {text!r}") from None
+
+
 def cmd_profile(args) -> int:
     from autopar.cli import profile
 
@@ -313,6 +354,17 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("a")
     df.add_argument("b")
     df.set_defaults(func=cmd_diff)
+
+    dr = sub.add_parser("dry-run", help="build and run sampled ranks' programs on fake tensors and a fake process group: "
+                        "every collective checked against its peers, memory against the plan")
+    dr.add_argument("model", help="as for explain (the model the plan is for)")
+    _planning_arguments(dr)
+    dr.add_argument("--plan", default=None, metavar="FILE", help="run this plan file instead of planning")
+    dr.add_argument("--ranks", default=None, metavar="all|R,R,...",
+                    help="ranks to run (default: first and last of every pipeline stage and the mesh corners)")
+    dr.add_argument("--verbose", action="store_true", help="list every sampled rank's collectives by group")
+    dr.add_argument("--json", default=None, help="also write every rank's record to this JSON file")
+    dr.set_defaults(func=cmd_dry_run)
 
     pr = sub.add_parser("profile", help="profile ops on this device, or collectives on a live CPU mesh")
     pr.add_argument("--mesh", type=parse_mesh, default=None, help="spawn this many local gloo ranks and fit alpha/beta per axis")

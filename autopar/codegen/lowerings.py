@@ -115,8 +115,9 @@ def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None, w
 
 def _as_autocast_loss_input(x: torch.Tensor) -> torch.Tensor:
     """The logits as autocast hands them to cross_entropy, an op it runs in float32: upcast when
-    autocast is on for their device (a custom autograd Function is outside autocast's op lists)."""
-    if x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(x.device.type):
+    autocast is on for their device (a custom autograd Function is outside autocast's op lists;
+    meta tensors, a dry run's, have no autocast)."""
+    if x.dtype in (torch.float16, torch.bfloat16) and x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
         return x.float()
     return x
 

@@ -43,6 +43,34 @@ _INPUT_ROLES = {
 }
 
 
+_REUSED: dict | None = None  # while ``reusing_traces()`` is open: call key -> Graph
+
+
+@contextlib.contextmanager
+def reusing_traces():
+    """Within it, a model traced again on a call like one traced before returns that graph, not a
+    new trace: a dry run builds one model's programs once per simulated rank, and tracing a
+    published model takes seconds each time. Alike: the model's class, its parameters' and
+    buffers' names, shapes and dtypes, and the call's structure, tensor shapes, dtypes and devices
+    and other values (so one model per scope: two models of one class and shapes would share)."""
+    global _REUSED
+    outer, _REUSED = _REUSED, {} if _REUSED is None else _REUSED
+    try:
+        yield
+    finally:
+        _REUSED = outer
+
+
+def _call_key(model, example_inputs, example_kwargs):
+    import torch.utils._pytree as pytree
+
+    state = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in
+                  list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)))
+    leaves, spec = pytree.tree_flatten((example_inputs, example_kwargs))
+    call = tuple((tuple(x.shape), str(x.dtype), x.device.type) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
+    return type(model).__qualname__, state, str(spec), call
+
+
 def trace(
     model: torch.nn.Module,
     example_inputs: Any,
@@ -53,11 +81,15 @@ def trace(
     """Export ``model`` called as ``model(*example_inputs, **example_kwargs)`` into a Graph.
 
     Raises TraceError (with torch's error as ``__cause__``) when torch.export cannot trace it.
+    Inside ``reusing_traces()`` a call like one traced before returns that graph.
     """
     if isinstance(example_inputs, list):
         example_inputs = tuple(example_inputs)
     elif not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    key = _call_key(model, example_inputs, example_kwargs) if _REUSED is not None and name is None else None
+    if key is not None and key in _REUSED:
+        return _REUSED[key]
     example_inputs, example_kwargs = unalias((example_inputs, dict(example_kwargs or {})))
     # Source lines per node are never read here, and collecting them is a quarter of the trace.
     saved = torch.fx.config.do_not_emit_stack_traces
@@ -77,6 +109,8 @@ def trace(
     graph.notes = tuple(notes)
     check_lookups(graph, model, example_inputs, example_kwargs)
     _release_weights(exported)
+    if key is not None:
+        _REUSED[key] = graph
     return graph
 
 

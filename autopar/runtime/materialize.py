@@ -104,6 +104,8 @@ def local_state(model: nn.Module, graph, plan, mesh, rank: int, *, state_dict=No
             raise ConfigError(f"the plan has no storage for {fqn}; it was made for another model")
         specs[ph] = plan.params[fqn].storage
         sources[ph] = _source(fqn, graph, named, state_dict)
+    if device is not None and torch.device(device).type == "meta":  # shapes only (a dry run): nothing to initialize
+        return {ph: shard_of(t.to("meta"), specs[ph], mesh, rank) for ph, t in sources.items()}
     wanted = {id(t): None for t in others if _is_meta(t)}
     wanted.update({id(t): specs[ph] for ph, t in sources.items() if _is_meta(t)})
     from_meta = meta_shards(model, wanted, mesh, rank, init_fn) if wanted else {}

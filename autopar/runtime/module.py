@@ -46,7 +46,7 @@ from autopar.ir.precision import kept_dtype
 from autopar.runtime.clip import ClipInfo, attach, clip_grad_norm_, counts_in_norm
 from autopar.runtime.outputs import ReadCheck, output_names, split_returned
 from autopar.runtime.programs import Program, call_key, start_loss_sum
-from autopar.runtime.reducer import GradReducer, SyncEntry, chunk_of, unchunk
+from autopar.runtime.reducer import GradReducer, SyncEntry, chunk_of, storage_of, unchunk
 from autopar.runtime.state import ParamLayout, device_mesh, local_part, to_dtensor
 
 
@@ -557,7 +557,7 @@ class _State:
             if i in skip:
                 continue
             master = state[i]
-            seen = (master._version, master.data_ptr())  # (``.data`` swapped, as ``module.to()`` does: a new pointer)
+            seen = (master._version, storage_of(master))  # (``.data`` swapped, as ``module.to()`` does: a new storage)
             kept = self._kept.get(i)
             if kept is None or kept[0] is not master or kept[1] != seen:
                 copy = kept[2] if kept is not None and kept[0] is master and kept[2].device == master.device else \

@@ -107,6 +107,12 @@ def chunk_of(full: torch.Tensor, index: int, n: int) -> torch.Tensor:
     return flat.narrow(0, start, min(c, flat.shape[0] - start))
 
 
+def storage_of(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage, the same for every view of it, on every device (a meta
+    tensor's ``data_ptr()`` is 0, and a dry run's program runs on meta tensors)."""
+    return t.untyped_storage()._cdata
+
+
 class _Pool:
     """Flat buffers that ZeRO-2 buckets use only while they are summed or gathered, kept for the
     next use. Made anew each time, their pages were faulted in again every step: on this 2-core
@@ -118,7 +124,7 @@ class _Pool:
     def __init__(self, cap_bytes: int | None = None):
         self.cap_bytes = cap_bytes
         self._free: list[torch.Tensor] = []  # byte buffers
-        self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its byte buffer
+        self._lent: dict[int, torch.Tensor] = {}  # storage of a lent view -> its byte buffer
 
     def take(self, numel: int, dtype: torch.dtype, device, at_least: int = 0) -> torch.Tensor:
         """A flat buffer of ``numel`` ``dtype`` elements; one made new has ``at_least`` bytes (a
@@ -130,14 +136,14 @@ class _Pool:
         else:
             buf = torch.empty(max(nbytes, at_least), dtype=torch.uint8, device=device)
         view = buf[: numel * dtype.itemsize].view(dtype)
-        self._lent[view.data_ptr()] = buf
+        self._lent[storage_of(view)] = buf
         return view
 
     def give(self, *views) -> None:
         """Return buffers lent by ``take`` (anything else is ignored)."""
         for v in views:
             if v is not None:
-                buf = self._lent.pop(v.data_ptr(), None)
+                buf = self._lent.pop(storage_of(v), None)
                 if buf is not None and (self.cap_bytes is None
                                         or sum(b.numel() for b in self._free) + buf.numel() <= self.cap_bytes):
                     self._free.append(buf)
@@ -223,8 +229,8 @@ class _Bucket:
         of it)."""
         buf = self._storage
         if buf is not None:
-            ptr = buf.untyped_storage().data_ptr()
-            if self._storage_busy or any(e.param.grad is not None and e.param.grad.untyped_storage().data_ptr() == ptr
+            key = storage_of(buf)
+            if self._storage_busy or any(e.param.grad is not None and storage_of(e.param.grad) == key
                                          for e in self.entries):
                 buf = None
         if buf is None:

@@ -109,6 +109,19 @@ def throughput(plan) -> dict:
     return out
 
 
+LOCAL_RANKS = 8  # the most ranks a plan is run with on one machine before it needs a cluster
+
+
+def dry_run_words(plan) -> list[str]:
+    """Where a plan is for more ranks than a machine runs: how to run its programs before a job does."""
+    size = math.prod(plan.mesh["shape"])
+    if size <= LOCAL_RANKS:
+        return []
+    return [f"before launching {size} ranks: `autopar dry-run` builds and runs sampled ranks' programs here, on "
+            "meta tensors over a fake process group, and checks every collective against its peers and the memory "
+            "against this plan"]
+
+
 def throughput_words(plan) -> list[str]:
     """The line explain prints of ``throughput``, or none."""
     t = throughput(plan)
@@ -193,6 +206,7 @@ def explain(plan, *, max_rows_per_layer: int | None = None, collapse_repeats: bo
         _step_line(plan.predicted),
         _memory_line(plan.predicted, plan.solver.get("memory_budget"), plan.solver.get("memory_budget_from")),
         *throughput_words(plan),
+        *dry_run_words(plan),
         "costliest collectives per step:" + ("".join(f"\n  {line}" for line in costliest_collectives(plan)) or " none"),
         *returned_split_lines(plan),
         "",
@@ -274,6 +288,7 @@ def _explain_pipeline(plan, **kw) -> str:
         f"memory per device up to {fmt_bytes(plan.predicted['memory_bytes_per_device'])}"
         + (f" (budget {fmt_bytes(budget)}{whence})" if budget else ", no budget given"),
         *throughput_words(plan),
+        *dry_run_words(plan),
         *([f"that is train_step's {p.schedule}; a call (pmodel(...) then backward()) runs GPipe's order, every "
            f"microbatch in flight: predicted {fmt_s(plan.predicted['call_step_time_s'])}"]
           if len(p.stages) > 1 and "call_step_time_s" in plan.predicted else []),

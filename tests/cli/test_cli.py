@@ -91,6 +91,10 @@ def test_explain_a_published_shape_by_name(capsys):
     code, out, _ = run(capsys, "explain", "gpt2-xl:layers=2,batch=16", "--mesh", "2x4", "--cluster", "a100-80g")
     assert code == 0
     assert "plan for GPT on mesh 2x4" in out and "predicted step time" in out
+    assert "autopar dry-run" not in out  # 8 ranks run here
+    code, out, _ = run(capsys, "explain", "gpt2-xl:layers=2,batch=16", "--mesh", "4x4", "--cluster", "a100-80g",
+                       "--pipeline", "off")
+    assert code == 0 and "before launching 16 ranks: `autopar dry-run`" in out
 
 
 def test_explain_a_transformers_config_file(capsys, tmp_path):
@@ -222,3 +226,24 @@ def test_profile_then_explain_profiled_a_cluster_file_and_a_kwargs_factory(capsy
     code, out, err = run(capsys, "explain", "factory_model:build_with_kwargs", "--mesh", "2", "--cluster", "a100-80g")
     assert code == 0, err
     assert "plan for _Keyed on mesh 2" in out
+
+
+def test_dry_run_a_plan_and_a_plan_file(capsys, tmp_path):
+    """`autopar dry-run`: every rank of a 2x2 plan run on meta tensors, its table and OK; a plan file
+    read back; ranks outside the mesh refused in one line."""
+    model, flags = "gpt:layers=2,width=128", ("--mesh", "2x2", "--cluster", "a100-80g", "--layout", "dp=2,tp=2",
+                                              "--pipeline", "off")
+    record = tmp_path / "dry.json"
+    code, out, err = run(capsys, "dry-run", model, *flags, "--ranks", "all", "--json", str(record))
+    assert code == 0, out + err
+    assert "dry run of 4 of 4 ranks" in out and "every collective matched" in out and out.splitlines()[-1] == "OK"
+    assert "all_reduce" in out and "ranks [0, 1]" in out
+    saved = json.loads(record.read_text())
+    assert saved["ok"] and [r["rank"] for r in saved["ranks"]] == [0, 1, 2, 3]
+    assert all(r["step_collectives"] > 0 and abs(r["peak_bytes"] / r["predicted_bytes"] - 1) <= 0.1 for r in saved["ranks"])
+    plan = tmp_path / "plan.json"
+    assert run(capsys, "plan", model, *flags, "-o", str(plan))[0] == 0
+    code, out, err = run(capsys, "dry-run", model, "--plan", str(plan), "--quiet")
+    assert code == 0 and "dry run of 4 of 4 ranks" in out  # the sample of a 2x2 mesh: its corners, every rank
+    code, out, err = run(capsys, "dry-run", model, "--plan", str(plan), "--ranks", "0,9")
+    assert code == 2 and "ranks [9] are not ranks of the plan's mesh of 4" in err
