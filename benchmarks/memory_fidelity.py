@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from autopar_variant import AutoparVariant  # noqa: E402
+from autopar.compose.dry_run import predicted_bytes  # noqa: E402
 from hybrid import RESULTS, SHAPES, TINY, allocation_peak, pyplot  # noqa: E402
 
 # name -> (mesh shape, Layout fields or None, Pipeline fields or None (one stage) or "auto")
@@ -132,13 +133,6 @@ def measure(v) -> dict:
                 forward_backward=int(resident + fb), after_backward=int(after_fb), optimizer=int(after_fb + opt))
 
 
-def predicted_for(plan, rank: int) -> float:
-    pipe = plan.pipeline
-    if pipe is None or len(pipe.stages) <= 1:
-        return float(plan.predicted["memory_bytes_per_device"])
-    return float(sum(s.memory_bytes for s in pipe.stages if rank in s.ranks))
-
-
 def rank_main(rank, world, model_name, model_kw, case):
     """One plan in fresh processes (a plan measured after others would count what they left)."""
     from autopar import Layout, Mesh, Pipeline
@@ -155,7 +149,7 @@ def rank_main(rank, world, model_name, model_kw, case):
     for _ in range(2):
         v.step()
     m = measure(v)
-    m.update(predicted=predicted_for(v.plan, rank), parts=v.plan.predicted.get("memory_parts", {}), layout=v.describe())
+    m.update(predicted=predicted_bytes(v.plan, rank), parts=v.plan.predicted.get("memory_parts", {}), layout=v.describe())
     return m
 
 

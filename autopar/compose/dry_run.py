@@ -28,7 +28,7 @@ import torch
 
 from autopar.errors import ConfigError
 from autopar.ir.trace import reusing_traces
-from autopar.runtime.dry_run import Collective, FakeWorld, Recorder, check
+from autopar.runtime.dry_run import Collective, FakeWorld, Recorder, check, ranks_text
 
 MEMORY_TOLERANCE = 0.10  # |measured / predicted - 1| a rank may show and pass
 OPTIMIZERS = {  # the optimizer a plan is priced with (PlanConfig.optimizer) -> how a user builds it
@@ -116,7 +116,7 @@ class DryRun:
         for r in shown:
             lines.append(f"rank {r.rank}'s step, collectives by group:")
             for ranks, kind, dtype, n, elements in sorted(r.by_group(), key=lambda x: (x[1], x[0])):
-                members = _members(ranks) if kind not in ("send", "recv") else f"{ranks[0]} -> {ranks[1]}"
+                members = ranks_text(ranks) if kind not in ("send", "recv") else f"{ranks[0]} -> {ranks[1]}"
                 lines.append(f"  {kind:<17} {dtype:<9} x{n:<4} {elements:>14,} elements  ranks {members}")
         if self.mismatches:
             lines.append(f"{len(self.mismatches)} disagreement(s) between ranks (a real job would hang or compute "
@@ -136,22 +136,13 @@ class DryRun:
                 "tolerance": self.tolerance, "ranks": [r.to_json() for r in self.runs]}
 
 
-def _members(ranks) -> str:
-    ranks = list(ranks)
-    return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:3]))}, ..., {ranks[-1]}] ({len(ranks)})"
-
-
 def sample_ranks(plan) -> list[int]:
     """The first and last rank of every pipeline stage, and the mesh's corners."""
     mesh = plan.mesh_obj
     out = {int(r) for s in (plan.pipeline.stages if plan.pipeline is not None else ()) for r in (s.ranks[0], s.ranks[-1])}
     for corner in itertools.product(*[(0, n - 1) for n in mesh.shape]):
-        out.add(int(sum(c * stride for c, stride in zip(corner, _strides(mesh.shape)))))
+        out.add(mesh.rank(corner))
     return sorted(out)
-
-
-def _strides(shape) -> list[int]:
-    return [math.prod(shape[i + 1:]) for i in range(len(shape))]
 
 
 def stages_of(plan, rank: int) -> tuple[int, ...]:

@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autopar.errors import ConfigError
+from autopar.runtime.reducer import storage_of
 
 c10d = torch.ops.c10d
 
@@ -83,13 +84,24 @@ class Collective:
             other.kind, other.group, other.shapes, other.dtypes, other.peer)
 
     def __str__(self) -> str:
-        tensors = ", ".join(f"{d}{list(s)}" for s, d in zip(self.shapes, self.dtypes)) or "no tensors"
+        tensors = tensors_text(self.shapes, self.dtypes) or "no tensors"
         peer = {"send": " to rank", "recv": " from rank"}.get(self.kind, " root rank")
         return f"{self.kind} of {tensors}" + (f"{peer} {self.peer}" if self.peer is not None else "")
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "group": self.group, "ranks": list(self.ranks), "shapes": [list(s) for s in self.shapes],
                 "dtypes": list(self.dtypes), "peer": self.peer}
+
+
+def tensors_text(shapes, dtypes) -> str:
+    """``float32[4, 8], int64[2]``."""
+    return ", ".join(f"{d}{list(s)}" for s, d in zip(shapes, dtypes))
+
+
+def ranks_text(ranks) -> str:
+    """A group's members, the first few and the last of a long one."""
+    ranks = list(ranks)
+    return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:4]))}, ..., {ranks[-1]}] ({len(ranks)})"
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -158,7 +170,7 @@ class Recorder(TorchDispatchMode):
         if t.device.type != self.device or isinstance(t, FakeTensor):  # a trace's shapes hold nothing
             return
         storage = t.untyped_storage()
-        key = storage._cdata
+        key = storage_of(t)
         if key in self._live:
             return
         self._live[key] = storage.nbytes()
@@ -363,7 +375,7 @@ def check(records: dict[int, list[Collective]]) -> list[str]:
         seqs = {r: [c for c in records[r] if c.group == name and c.kind not in POINT_TO_POINT] for r in sampled}
         first = sampled[0]
         for r in sampled[1:]:
-            problem = _first_difference(first, seqs[first], r, seqs[r], f"group {name} (ranks {_ranks(members)})")
+            problem = _first_difference(first, seqs[first], r, seqs[r], f"group {name} (ranks {ranks_text(members)})")
             if problem:
                 problems.append(problem)
                 break
@@ -377,11 +389,6 @@ def check(records: dict[int, list[Collective]]) -> list[str]:
             if problem:
                 problems.append(problem)
     return problems
-
-
-def _ranks(members) -> str:
-    members = list(members)
-    return str(members) if len(members) <= 8 else f"[{', '.join(map(str, members[:4]))}, ..., {members[-1]}] ({len(members)})"
 
 
 def _first_difference(a: int, xs: list[Collective], b: int, ys: list[Collective], where: str) -> str | None:
@@ -399,8 +406,8 @@ def _first_difference(a: int, xs: list[Collective], b: int, ys: list[Collective]
 def _first_p2p_difference(a: int, sends: list[Collective], b: int, recvs: list[Collective]) -> str | None:
     for i, (s, r) in enumerate(zip(sends, recvs)):
         if (s.shapes, s.dtypes, s.group) != (r.shapes, r.dtypes, r.group):
-            return (f"send {i} from rank {a} to rank {b}: rank {a} sends {', '.join(f'{d}{list(x)}' for x, d in zip(s.shapes, s.dtypes))}, "
-                    f"rank {b} receives {', '.join(f'{d}{list(x)}' for x, d in zip(r.shapes, r.dtypes))}")
+            return (f"send {i} from rank {a} to rank {b}: rank {a} sends {tensors_text(s.shapes, s.dtypes)}, "
+                    f"rank {b} receives {tensors_text(r.shapes, r.dtypes)}")
     if len(sends) != len(recvs):
         return f"rank {a} sends {len(sends)} messages to rank {b}, which receives {len(recvs)}: one of them would wait for ever"
     return None
