@@ -208,18 +208,19 @@ def run_again(graph) -> frozenset[str]:
 
 def accumulating_bytes(param_meta, storage_spec, mesh, opt_state_sharded_axes=(), precision=None) -> int:
     """Of ``param_memory_parts(..., accumulated=True)``'s gradients, the whole bucket ZeRO-2 adds the
-    microbatches up in: alive from the first microbatch's backward, so not beside the activations
-    of the microbatch the forward's peak adds last (``accumulation_overlap``)."""
+    microbatches up in: alive from the first microbatch's backward (``accumulation_overlap``)."""
     kw = dict(opt_state_sharded_axes=opt_state_sharded_axes, precision=precision)
     return (param_memory_parts(param_meta, storage_spec, mesh, accumulated=True, **kw)["gradients"]
             - param_memory_parts(param_meta, storage_spec, mesh, **kw)["gradients"])
 
 
 def accumulation_overlap(accumulating: float, activation_bytes: float) -> float:
-    """What a step of several microbatches holds less than its state and its forward's peak
-    summed: the buckets ZeRO-2 adds gradients up in (``accumulating``) exist from the first
-    backward on, when one microbatch's ``activation_bytes`` have gone (under GPipe all forwards
-    come first; under 1F1B the peak's last forward precedes the first backward)."""
+    """What a stage that runs all its forwards before its first backward (GPipe:
+    ``Schedule.forwards_first``) holds less than its state and its forward's peak summed: the
+    buckets ZeRO-2 adds gradients up in (``accumulating``) exist from the first backward on, when
+    one microbatch's ``activation_bytes`` have gone. Where forwards and backwards alternate (1F1B's
+    steady state, a loop of microbatches under ``no_sync()``) a later forward reaches the peak
+    beside the buckets: nothing."""
     return min(float(accumulating), float(activation_bytes))
 
 

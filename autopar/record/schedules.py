@@ -57,6 +57,14 @@ class Schedule:
             return self.inflight(stage % stages, stages, count)
         return interleaved_inflight(stage % stages, stages, virtual, count)[stage // stages]
 
+    def forwards_first(self, stage: int, stages: int, count: int, virtual: int = 1) -> bool:
+        """Whether the rank of stage ``stage`` (in pipeline order, of ``stages * virtual``) holds
+        its peak before any backward: its only stage runs all ``count`` forwards first (GPipe, or
+        no more microbatches than 1F1B's warm-up holds). Otherwise a later forward reaches the
+        same peak after a backward, beside what that backward left (ZeRO-2's accumulating buckets:
+        ``cost_model.memory.accumulation_overlap``)."""
+        return virtual == 1 and self.held_inflight(stage, stages, count) >= count
+
     def __str__(self) -> str:
         return self.name
 

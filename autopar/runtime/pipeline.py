@@ -144,9 +144,8 @@ def _split_backward_stage():
     zero-bubble schedules run), through autopar's gradient taps.
 
     torch finds each weight's branch of the stage's autograd graph from ``submod.parameters()``.
-    autopar's stage module owns no parameters, and the program reads most through a bucket's tap
-    (one autograd node for many parameters, which would join every weight's branch into one).
-    So under this stage the program reads every parameter through a view of its own
+    autopar's stage module owns no parameters, and the program reads them through the reducer's
+    taps (leaves whose gradients go to the reducer). So under this stage the program reads every parameter through a view of its own
     (``StageProgram.weight_reads``): torch's input half runs as is with those views as the
     weights (it computes the stage's input gradients only, keeping the gradients where each
     weight's branch leaves that path); the weight half (``backward_weights``) computes each view's

@@ -5,10 +5,10 @@ over some mesh axes ends backward with a *pending sum* there: each rank holds a 
 gradient is their sum. The reducer turns those parts into the true gradient the way DDP's reducer
 and FSDP2 do, with few, large, overlapped collectives:
 
-    forward     the program reads each synchronised parameter through a *tap* (one autograd
-                Function per bucket, identity forward), so that backward hands the tap the
-                parameter's local gradient instead of accumulating it into ``.grad``;
-    backward    each tap adds its gradients into its bucket's flat buffer; a bucket whose every
+    forward     the program reads each synchronised parameter through a *tap* (a leaf of its
+                own per forward, viewing the parameter), so that backward hands the reducer the
+                parameter's local gradient as soon as it is complete, not into ``.grad``;
+    backward    each tap adds its gradient into its bucket's flat buffer; a bucket whose every
                 parameter has reported launches its collective asynchronously at once (buckets
                 launch in bucket order, so every rank issues the same collectives in the same
                 order); a callback queued on the autograd engine launches what is left and waits
@@ -53,6 +53,7 @@ gathering masters, as Megatron's distributed optimizer and FSDP2 gather bf16 par
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 import math
 import weakref
@@ -388,31 +389,14 @@ class _Flight(NamedTuple):
         self.bucket.finish(self)
 
 
-class _BucketTap(torch.autograd.Function):
-    """Identity on what the program reads of a bucket's parameters in forward; in backward, hands
-    their gradients to the reducer and returns none (so autograd accumulates nothing into
-    ``.grad`` itself). It takes (what the program reads..., the parameters...): the parameters make
-    autograd record it; the program reads the first half (the parameters themselves, a policy's
-    working copies, ZeRO-2's gathered ones)."""
-
-    @staticmethod
-    def forward(ctx, call, bucket, *tensors):
-        ctx.call, ctx.bucket = call, bucket
-        ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors[: len(bucket.entries)])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.call.reducer._on_grads(ctx.bucket, grads, ctx.call.sync)
-        return (None, None) + (None,) * (2 * len(grads))
-
-
 @dataclasses.dataclass
 class _Call:
-    """One forward's view of the reducer: whether its backward synchronises."""
+    """One forward's view of the reducer: whether its backward synchronises, and per bucket how
+    many of its parameters' gradients that backward has handed in."""
 
     reducer: "GradReducer"
     sync: bool
+    arrived: dict = dataclasses.field(default_factory=dict)
 
 
 _LIVE: "weakref.WeakSet[GradReducer]" = weakref.WeakSet()
@@ -484,23 +468,26 @@ class GradReducer:
             self._sync_enabled = old
 
     def tap(self, state: list, sync: bool | None = None, reads: list | None = None) -> list:
-        """The program's state inputs with every synchronised parameter read through its bucket's
-        tap (call when autograd records the forward). ``sync`` overrides whether this forward's
-        backward synchronises (a pipeline's last microbatch does, inside ``no_sync()``: it launches
-        its collectives, see ``deferred_waits``). ``reads``:
-        what the program reads in place of ``state``'s parameters (a policy's working copies)."""
+        """The program's state inputs with every synchronised parameter read through a tap (call
+        when autograd records the forward): a leaf of its own per forward, viewing what the program
+        reads (the parameter, a policy's working copy, ZeRO-2's gathered one), whose gradient the
+        reducer takes as soon as autograd has it (``_on_part``). A leaf's gradient node runs the
+        moment its gradient is complete (autograd runs those first); a node made when the forward
+        starts would run after every other one, so every gradient would wait for the end of
+        backward, all alive at once, and no bucket's collective would start before it. ``sync``
+        overrides whether this forward's backward synchronises (a pipeline's last microbatch does,
+        inside ``no_sync()``: it launches its collectives, see ``deferred_waits``). ``reads``: what
+        the program reads in place of ``state``'s parameters (a policy's working copies)."""
         call = _Call(self, self._sync_enabled if sync is None else sync)
         out = list(state if reads is None else reads)
         for b in self.buckets:
             if b.split:
                 b.gather_if_stale()
-                ins = [e.full for e in b.entries] + [e.param for e in b.entries]
-            else:
-                ins = [out[e.slot] for e in b.entries] + [state[e.slot] for e in b.entries]
-            for e, t in zip(b.entries, _BucketTap.apply(call, b, *ins)):
-                out[e.slot] = t
+            for k, e in enumerate(b.entries):
+                leaf = (e.full if b.split else out[e.slot]).detach().requires_grad_()
+                leaf.register_post_accumulate_grad_hook(functools.partial(self._on_part, call, b, k))
+                out[e.slot] = leaf
         return out
-
     def working_copies(self, state: list) -> list:
         """The program's state inputs without taps (no-grad forwards): ZeRO-2 parameters replaced by
         their up-to-date working copies."""
@@ -513,12 +500,19 @@ class GradReducer:
         return state
 
     # ---- backward -------------------------------------------------------------------------------------
-    def _on_grads(self, bucket: _Bucket, grads, sync: bool) -> None:
-        if sync and not self._callback_queued:
+    def _on_part(self, call: _Call, bucket: _Bucket, k: int, leaf: torch.Tensor) -> None:
+        """Entry ``k``'s gradient from a tap's leaf (``tap``): into its bucket (and off the leaf);
+        the bucket launches once every entry's part of a synchronising backward is in (buckets in
+        bucket order; one an entry of which got no gradient launches at the end of backward)."""
+        part, leaf.grad = leaf.grad, None
+        if call.sync and not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
-        bucket.add(grads)
-        if not sync:
+        bucket.add([part if i == k else None for i in range(len(bucket.entries))])
+        if not call.sync:
+            return
+        arrived = call.arrived[bucket.index] = call.arrived.get(bucket.index, 0) + 1
+        if arrived < len(bucket.entries):
             return
         bucket.fired += 1
         if bucket.fired == 1 and bucket.index >= self._next:

@@ -502,13 +502,9 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
     parts = memory_parts(plan, graph, mesh, memory, precision, bucket_bytes, accumulated=step_share < 1.0)
     # the ILP's memory is the forward's peak; a bucket's gradient parts may outlast it (memory.grad_parts_in_flight)
     in_flight = memory_model.grad_parts_in_flight(_grad_part_bytes(plan, graph, mesh), bucket_bytes, parts["activations"])
-    # and ZeRO-2's accumulating buckets are not there at the forward's peak (memory.accumulation_overlap)
-    overlap = memory_model.accumulation_overlap(_accumulating_bytes(plan, graph, mesh, precision), parts["activations"]) \
-        if step_share < 1.0 else 0.0
     parts["gradients"] += in_flight
-    parts["activations"] -= overlap
     plan.predicted = dict(step_time(plan, graph, mesh, runs=round(1 / step_share), bucket_bytes=bucket_bytes,
-                                    grad_total_bytes=total), memory_bytes_per_device=memory + in_flight - overlap,
+                                    grad_total_bytes=total), memory_bytes_per_device=memory + in_flight,
                           memory_parts=parts)
     return plan
 
@@ -519,12 +515,6 @@ def _grad_part_bytes(plan, graph, mesh) -> float:
     grad = needs_grad(graph)
     return float(sum(local_nbytes(graph.nodes[p.node].meta, p.storage, mesh) for p in plan.params.values()
                      if not p.buffer and p.node in grad))
-
-
-def _accumulating_bytes(plan, graph, mesh, precision) -> float:
-    """ZeRO-2's whole buckets the microbatches' gradients add up in (``memory.accumulating_bytes``)."""
-    return float(sum(memory_model.accumulating_bytes(graph.nodes[p.node].meta, p.storage, mesh, p.grad_sync.axes, precision)
-                     for p in plan.params.values() if p.grad_sync is not None and p.grad_sync.split and not p.buffer))
 
 
 def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,

@@ -208,21 +208,33 @@ def _fixed_cuts(time_t: np.ndarray) -> np.ndarray:
 # ---- the DP's answer under a schedule -------------------------------------------------------------------
 class StageMemory(NamedTuple):
     """A stage's memory per (first unit, last unit, variant) (``stage_tables``): what it holds for
-    good, per microbatch in flight, and per microbatch whose weight half it defers."""
+    good, per microbatch in flight, per microbatch whose weight half it defers, per microbatch of
+    the step (receive buffers), and what it holds less where it runs its forwards first."""
 
     static: np.ndarray
     activations: np.ndarray
     deferred: np.ndarray
+    received: np.ndarray
+    overlap: np.ndarray
 
     def kept(self, keep) -> "StageMemory":
         return StageMemory(*(a[:, :, keep] for a in self))
+
+    def held_for_good(self, count: int, schedule: Schedule, virtual: int = 1) -> np.ndarray:
+        """What the DP counts a stage to hold besides its microbatches in flight: its state and
+        the step's receive buffers, less the overlap where every stage runs its forwards first
+        (``_fits_inflight`` checks each stage's own)."""
+        static = self.static + count * self.received
+        return static - self.overlap if schedule.forwards_first(0, 1, count, virtual) else static
 
     def at(self, i: int, j: int, m: int, stage: int, blocks: int, count: int, schedule: Schedule,
            virtual: int = 1) -> float:
         """Bytes of the stage of units i..j (variant m), stage ``stage`` in pipeline order on
         ``blocks`` blocks of ranks (``virtual`` stages each) under ``schedule``."""
+        first = schedule.forwards_first(stage, blocks, count, virtual)
         return float(self.static[i, j, m] + schedule.held_inflight(stage, blocks, count, virtual) * self.activations[i, j, m]
-                     + schedule.deferred(stage % blocks, blocks, count) * self.deferred[i, j, m])
+                     + schedule.deferred(stage % blocks, blocks, count) * self.deferred[i, j, m]
+                     + count * self.received[i, j, m] - (self.overlap[i, j, m] if first else 0.0))
 
 
 def _fits_inflight(sol, memory: StageMemory, schedule: Schedule, count: int, budget: float, virtual: int = 1) -> bool:
@@ -660,7 +672,8 @@ class _Search:
         nothing fits."""
         if virtual > 1:  # v stages per rank: the DP cuts p * v stages on v copies of the rows
             counts = {c * virtual for c in counts}
-        sol = solve_stages(time_t, devices, self.mesh.shape[0] * virtual, count, mem=memory.static, act=memory.activations,
+        sol = solve_stages(time_t, devices, self.mesh.shape[0] * virtual, count,
+                           mem=memory.held_for_good(count, schedule, virtual), act=memory.activations,
                            budget=self.budget / virtual, schedule=schedule.name, stage_counts=counts,
                            tolerance=self.tolerance)
         if sol is None or not _fits_inflight(sol, memory, schedule, count, self.budget, virtual):
@@ -715,9 +728,11 @@ def _stage_plans(found: Found, mesh: Mesh, virtual: int, budget: float) -> list[
             row = (len(stages) % blocks) * rows
         pos = len(stages) % blocks
         inflight = schedule.held_inflight(len(stages), blocks, count, virtual)
+        first = schedule.forwards_first(len(stages), blocks, count, virtual)
         mem = (prices.held_between(i, j) + inflight * prices.activation_bytes[i:j + 1].sum()
                + schedule.deferred(pos, blocks, count) * prices.deferred_between(i, j) + prices.stage_extra_bytes
-               + prices.parts_in_flight_from(i)[j - i] - prices.overlap_from(i)[j - i])
+               + prices.parts_in_flight_from(i)[j - i] + count * prices.receive_buffers_from(i)[j - i]
+               - (prices.overlap_from(i)[j - i] if first else 0.0))
         nodes = {name for name, u in unit.items() if i <= u <= j}
         if not stages:  # state nothing reads is held by the first stage (as codegen's cut_stages holds it)
             nodes |= {n for n, node in graph.nodes.items()

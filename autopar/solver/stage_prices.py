@@ -157,8 +157,8 @@ class UnitPrices:
     accumulating_bytes: np.ndarray | None = None
 
     def overlap_from(self, i: int) -> np.ndarray:
-        """For every j >= i, what a stage of units i..j holds less than its state and its
-        microbatches' activations summed (``memory.accumulation_overlap``)."""
+        """For every j >= i, what a stage of units i..j that runs its forwards first holds less
+        than its state and its microbatches' activations summed (``memory.accumulation_overlap``)."""
         n = len(self.static_bytes)
         if self.accumulating_bytes is None:
             return np.zeros(n - i)
@@ -176,6 +176,16 @@ class UnitPrices:
         # what the microbatch holds at its peak: its activations, and a recomputed layer's while it runs again
         act = np.cumsum(self.activation_bytes[i:]) + self.stage_extra_bytes
         return np.asarray([grad_parts_in_flight(p, self.bucket_bytes, a) for p, a in zip(parts, act)])
+
+    def receive_buffers_from(self, i: int) -> np.ndarray:
+        """For every j >= i, the bytes of one microbatch's receive buffers of a stage of units
+        i..j: its inputs (from the stage before; none for the first) and its outputs' gradients
+        (from the stage after; none for the last). torch's ``PipelineStage`` makes such buffers
+        for every microbatch of the step when it first runs, and keeps them."""
+        n = len(self.static_bytes)
+        grads = self.boundary_bytes if self.boundary_grad_bytes is None else self.boundary_grad_bytes
+        back = np.concatenate([grads[i + 1:], [0.0]])  # what the stage after one ending at j sends back
+        return (self.boundary_bytes[i] if i > 0 else 0.0) + back[:n - i]
 
     def receive_s(self, i: int, mesh: Mesh) -> float:
         """Seconds per microbatch a stage starting at unit i spends on the values it receives
@@ -450,22 +460,23 @@ def leaner_prices(model, sm, graph, intra_op_plan, config, fastest: UnitPrices, 
 
 
 def stage_tables(variants, n_units: int, mesh: Mesh, overlapped: bool = True):
-    """(time, static memory, activation memory, memory per deferred weight half) per (first unit,
-    last unit, variant); ``overlapped``: the schedule launches a stage's gradient syncs in its
-    last microbatch's backward (``Schedule.overlaps_sync``)."""
+    """(time, static memory, activation memory, memory per deferred weight half, receive buffers
+    per microbatch of the step, what a stage running its forwards first holds less) per (first
+    unit, last unit, variant); ``overlapped``: the schedule launches a stage's gradient syncs in
+    its last microbatch's backward (``Schedule.overlaps_sync``)."""
     n_opt = len(variants)
     time_t = np.full((n_units, n_units, n_opt), math.inf)
-    mem_t = np.zeros_like(time_t)
-    act_t = np.zeros_like(time_t)
-    deferred_t = np.zeros_like(time_t)
+    mem_t, act_t, deferred_t, received_t, overlap_t = (np.zeros_like(time_t) for _ in range(5))
     for m, (rows, p) in enumerate(variants):
         c_act = np.concatenate([[0.0], np.cumsum(p.activation_bytes)])
         for i in range(n_units):
             time_t[i, i:, m] = p.time_from(i, overlapped) + p.receive_s(i, mesh)
-            mem_t[i, i:, m] = p.held_from(i) + p.stage_extra_bytes + p.parts_in_flight_from(i) - p.overlap_from(i)
+            mem_t[i, i:, m] = p.held_from(i) + p.stage_extra_bytes + p.parts_in_flight_from(i)
             act_t[i, i:, m] = c_act[i + 1:] - c_act[i]
             deferred_t[i, i:, m] = p.deferred_from(i)
-    return time_t, mem_t, act_t, deferred_t
+            received_t[i, i:, m] = p.receive_buffers_from(i)
+            overlap_t[i, i:, m] = p.overlap_from(i)
+    return time_t, mem_t, act_t, deferred_t, received_t, overlap_t
 
 
 def multi_unit_params(graph) -> dict[str, set[int]]:

@@ -49,7 +49,7 @@ def _loss(out):
 
 
 class _CountSplit:
-    """Counts, on this rank, the taps' backwards (a whole backward reaching the buckets), the
+    """Counts, on this rank, the parts the taps hand in (a whole backward reaching the buckets), the
     weight halves handed to the reducer (``accumulate``), the backwards whose end started the
     gradient sync (``in_backward_syncs``), the collectives launched inside those backwards before
     their end (``launched_in_backward``) and those still in flight when they returned
@@ -59,14 +59,14 @@ class _CountSplit:
         from autopar.runtime import reducer
 
         self.taps = self.weight_halves = self.in_backward_syncs = self.launched_in_backward = self.left_in_flight = 0
-        self._patches = [(reducer._BucketTap, "backward"), (reducer.GradReducer, "accumulate"),
+        self._patches = [(reducer.GradReducer, "_on_part"), (reducer.GradReducer, "accumulate"),
                          (reducer.GradReducer, "_end_of_backward")]
         self._saved = [getattr(cls, name) for cls, name in self._patches]
         counter = self
 
-        def tap_backward(ctx, *grads):
+        def on_part(self, *a, **k):
             counter.taps += 1
-            return counter._saved[0](ctx, *grads)
+            return counter._saved[0](self, *a, **k)
 
         def accumulate(self, *a, **k):
             counter.weight_halves += 1
@@ -78,13 +78,13 @@ class _CountSplit:
             counter._saved[2](self)
             counter.left_in_flight += len(self._inflight)
 
-        reducer._BucketTap.backward = staticmethod(tap_backward)
+        reducer.GradReducer._on_part = on_part
         reducer.GradReducer.accumulate = accumulate
         reducer.GradReducer._end_of_backward = end_of_backward
 
     def close(self):
         for (cls, name), fn in zip(self._patches, self._saved):
-            setattr(cls, name, staticmethod(fn) if name == "backward" else fn)
+            setattr(cls, name, fn)
 
 
 def _padded(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

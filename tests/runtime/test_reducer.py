@@ -183,6 +183,43 @@ def no_grad_case(mesh, groups):
             "requires_grad": out.requires_grad, "zero2": sum(b.split for b in pm.reducer.buckets)}
 
 
+def early_launch_case(mesh, groups):
+    """A bucket's collective starts as soon as backward has its parameters' gradients, not at the
+    end of backward: data parallel on a 4-layer GPT with 1 KiB buckets (a parameter or two each);
+    the matrix products backward still runs after the first bucket launched (each layer's are
+    after its own buckets'), and the gradient parts the reducer took hold no memory after it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, inputs = models.build("gpt", layers=4)
+    pm = autopar.parallelize(model, mesh, inputs, groups=groups, force=autopar.Layout(dp=mesh.size),
+                             bucket_bytes=1024, pipeline=False)
+    products, at_launch, leaves = [0], [], []
+
+    class CountProducts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+                products[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    reducer, launch, tap = pm.reducer, pm.reducer._launch, pm.reducer.tap
+
+    def counted_launch(bucket):
+        at_launch.append(products[0])
+        return launch(bucket)
+
+    def kept_tap(state, sync=None, reads=None):
+        out = tap(state, sync, reads)
+        leaves.extend(t for t in out if isinstance(t, torch.Tensor) and t.requires_grad)
+        return out
+
+    reducer._launch, reducer.tap = counted_launch, kept_tap
+    with CountProducts():
+        pm.train_step(*inputs)
+    return {"tag": "early-launch", "buckets": len(reducer.buckets), "launched": len(at_launch),
+            "products": products[0], "products_after_first_launch": products[0] - at_launch[0],
+            "leaves_holding": sum(t.grad is not None for t in leaves)}
+
+
 def parts_case(mesh, groups):
     """Parts into one data-parallel bucket, bit for bit, on hand-made fp32 parameters (2 ranks):
     every rank knows every rank's parts (seeded by rank), so it computes what each path must give.
@@ -191,8 +228,9 @@ def parts_case(mesh, groups):
     - wire bf16, three parts (two under ``no_sync``): they add up in fp32 (1 + 2^-8 + 2^-8 is
       1 + 2^-7 there, 1 in bf16), then one bf16 sum;
     - an entry without a part in a micro-step, and one that never gets a part (``.grad`` None);
-    - two forwards, one backward: the bucket is launched twice in one synchronisation; the second
-      flight must not reuse the buffer the first one is summing (fp32 and bf16 wires)."""
+    - two forwards, one backward: the bucket is launched twice in one synchronisation (once the
+      later forward's parts are all in, then the earlier's at the end); the second flight must not
+      reuse the buffer the first one is summing (fp32 and bf16 wires)."""
     rank, bf16 = torch.distributed.get_rank(), torch.bfloat16
 
     def parts_of(r, step, shape, dtype):
@@ -209,8 +247,10 @@ def parts_case(mesh, groups):
             losses = []
             for f in range(forwards):
                 tapped = reducer.tap([p.to(dtype) for p in params], sync=step == steps - 1)
-                # the second parameter gets no part in the first micro-step; the third never
-                used = [0] + ([1] if step > 0 or steps == 1 else [])
+                # the second parameter gets no part in the first micro-step; the third never (but
+                # with two forwards, so that each forward's backward completes the bucket: a bucket
+                # launches once every entry of one forward has its part)
+                used = [0] + ([1] if step > 0 or steps == 1 else []) + ([2] if forwards > 1 else [])
                 for k in used:
                     part = (constant[step] * torch.ones(params[k].shape, dtype=dtype) if constant
                             else parts_of(rank, 10 * step + f, params[k].shape, dtype))
@@ -218,7 +258,7 @@ def parts_case(mesh, groups):
             sum(losses).backward()
         assert not reducer.pending()
         want = []
-        for k, p in enumerate(params[:2]):
+        for k, p in enumerate(params[:3 if forwards > 1 else 2]):
             total = None
             for f in range(forwards):
                 per_rank = []
@@ -235,7 +275,7 @@ def parts_case(mesh, groups):
                 total = summed if total is None else total + summed
             want.append(total)
         bad = [k for k, w in enumerate(want) if params[k].grad is None or not torch.equal(params[k].grad, w)]
-        return {"bad": bad, "third_grad": params[2].grad, "flights": reducer.launched}
+        return {"bad": bad, "third_grad": params[2].grad if forwards == 1 else None, "flights": reducer.launched}
 
     return {"tag": "parts",
             "one part, bf16 wire": run(bf16, bf16, 1),
@@ -284,6 +324,7 @@ def rank_cases(rank, world, shapes):
                                          force=autopar.Layout(dp=mesh.size)))
             out.append(run_case("no-grad", no_grad_case, mesh, groups))
             out.append(run_case("parts", parts_case, mesh, groups))
+            out.append(run_case("early-launch", early_launch_case, mesh, groups))
     return out
 
 
@@ -392,6 +433,16 @@ def test_no_grad_forward_runs_no_bookkeeping(two_ranks):
     case = _ok(two_ranks["no-grad"])
     assert case["err"] <= TOL and not case["pending"] and not case["requires_grad"]
     assert case["zero2"] >= 1
+
+
+@pytest.mark.multirank
+def test_buckets_launch_while_backward_runs(two_ranks):
+    case = _ok(two_ranks["early-launch"])
+    assert case["buckets"] >= 8 and case["launched"] == case["buckets"], case
+    # forward runs a third of the products, backward the rest; the last layers' buckets launch
+    # before backward reaches the first layers (were they all launched at its end: 0)
+    assert case["products_after_first_launch"] >= case["products"] / 3, case
+    assert case["leaves_holding"] == 0, case
 
 
 @pytest.mark.multirank
