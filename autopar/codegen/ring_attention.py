@@ -55,10 +55,40 @@ def _scores(q, k, scale, mask, causal_diag: bool, rows: int):
 
 _FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_CUDA_FUSED = torch.ops.aten._scaled_dot_product_flash_attention.default
+_CUDA_FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
 
 
-def _fused(q, k, mask) -> bool:
-    return mask is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+def _kernel(q, k, mask) -> str | None:
+    """The fused kernel a block runs (no scores made: the output and its log-sum-exp), or None for
+    the math path (a mask, or a device and dtype no flash kernel takes): torch's CPU flash kernel
+    on CPU and on meta (a dry run: its shapes stand for any device's fused kernel), CUDA's for half
+    types on CUDA."""
+    if mask is not None:
+        return None
+    if q.device.type in ("cpu", "meta") and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return "cpu"
+    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 \
+            and q.shape[-1] % 8 == 0:
+        return "cuda"
+    return None
+
+
+def _flash(kernel: str, q, k, v, causal: bool, scale):
+    """(output, log-sum-exp) of ``kernel`` (``_kernel``) on (B, H, L, E) blocks."""
+    if kernel == "cuda":
+        out, lse = _CUDA_FUSED(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+    return _FUSED(q, k, v, 0.0, causal, scale=scale)
+
+
+def _flash_backward(kernel: str, do, q, k, v, out, lse, causal: bool, scale):
+    """(dq, dk, dv) of ``_flash``'s block from the output's gradient ``do``."""
+    if kernel == "cuda":
+        unread = torch.empty((), dtype=torch.uint64, device=q.device)  # the dropout's seed and offset (none)
+        return _CUDA_FUSED_BACKWARD(do, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal,
+                                    unread, unread, scale=scale)
+    return _FUSED_BACKWARD(do, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
 def _per_head(q, k, v, groups: int, rows: int):
@@ -73,12 +103,13 @@ def _attend(q, k, v, scale, mask, diag: bool, rows: int, groups: int):
     """(output fp32, log-sum-exp fp32) of one block: queries q (B, Hk, G*rows, E) against k, v
     (B, Hk, rows, .); ``diag``: causal within the block (the same chunk); rows no key reaches:
     output 0, log-sum-exp -inf."""
-    if _fused(q, k, mask):
+    kernel = _kernel(q, k, mask)
+    if kernel is not None:
         b, hk = q.shape[:2]
         if diag and groups > 1:
-            out, lse = _FUSED(*_per_head(q, k, v, groups, rows), 0.0, True, scale=scale)
+            out, lse = _flash(kernel, *_per_head(q, k, v, groups, rows), True, scale)
             return out.reshape(b, hk, groups * rows, -1).float(), lse.reshape(b, hk, groups * rows)
-        out, lse = _FUSED(q, k.contiguous(), v.contiguous(), 0.0, diag, scale=scale)
+        out, lse = _flash(kernel, q, k.contiguous(), v.contiguous(), diag, scale)
         return out.float(), lse
     s = _scores(q.float(), k.float(), scale, mask, diag, rows)
     lse = torch.logsumexp(s, dim=-1)
@@ -89,18 +120,19 @@ def _attend(q, k, v, scale, mask, diag: bool, rows: int, groups: int):
 def _attend_backward(do, q, k, v, out, lse, scale, mask, diag: bool, rows: int, groups: int):
     """(dq, dk, dv), fp32, of one block from the output's gradient ``do``, the merged output ``out``
     and log-sum-exp ``lse`` of its query rows (shapes as ``_attend``'s)."""
-    if _fused(q, k, mask):
+    kernel = _kernel(q, k, mask)
+    if kernel is not None:
         b, hk = q.shape[:2]
         dt = q.dtype
         if diag and groups > 1:
             qh, kh, vh = _per_head(q, k, v, groups, rows)
             per = (b, hk * groups, rows)
-            dq, dk, dv = _FUSED_BACKWARD(do.to(dt).reshape(*per, -1), qh, kh, vh, out.reshape(*per, -1),
-                                         lse.reshape(per), 0.0, True, scale=scale)
+            dq, dk, dv = _flash_backward(kernel, do.to(dt).reshape(*per, -1), qh, kh, vh, out.reshape(*per, -1),
+                                         lse.reshape(per), True, scale)
             fold = (b, hk, groups, rows, -1)
             return dq.reshape(b, hk, groups * rows, -1).float(), dk.reshape(fold).sum(2).float(), \
                 dv.reshape(fold).sum(2).float()
-        dq, dk, dv = _FUSED_BACKWARD(do.to(dt), q, k.contiguous(), v.contiguous(), out, lse, 0.0, diag, scale=scale)
+        dq, dk, dv = _flash_backward(kernel, do.to(dt), q, k.contiguous(), v.contiguous(), out, lse, diag, scale)
         return dq.float(), dk.float(), dv.float()
     qf, kf, vf = q.float(), k.float(), v.float()
     s = _scores(qf, kf, scale, mask, diag, rows)

@@ -94,3 +94,41 @@ def test_the_balanced_cut_gives_every_rank_the_same_causal_work(n):
     contiguous = causal_pairs(n, balanced=False)
     assert max(contiguous) / min(contiguous) > 2  # what the cut avoids: the last rank works most
     assert sum(contiguous) == sum(work)
+
+
+@pytest.mark.parametrize("diag", [False, True])
+def test_a_block_runs_a_fused_kernel_on_every_device_that_has_one(diag):
+    """A block's scores are never made where a flash kernel takes it: the CPU's on CPU and on meta
+    (what a dry run holds), CUDA's for half types; CUDA's kernel is called as torch declares it
+    (checked on meta tensors, which run every kernel's shape function: no GPU here), giving the
+    shapes and dtypes the CPU kernel gives."""
+    from autopar.codegen import ring_attention as ra
+
+    q = torch.empty(1, 2, 64, 32, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 2, 64, 32, device="meta", dtype=torch.bfloat16)
+    cpu = torch.empty(1, 2, 64, 32, dtype=torch.bfloat16)
+    assert ra._kernel(q, k, None) == "cpu" and ra._kernel(cpu, cpu, None) == "cpu"
+    assert ra._kernel(q, k, torch.ones(64, 64, dtype=torch.bool, device="meta")) is None
+    results = {}
+    for kernel in ("cpu", "cuda"):
+        out, lse = ra._flash(kernel, q, k, k, diag, 0.125)
+        grads = ra._flash_backward(kernel, out, q, k, k, out, lse, diag, 0.125)
+        results[kernel] = [(t.shape, t.dtype) for t in (out, lse, *grads)]
+    assert results["cuda"] == results["cpu"]
+    assert results["cpu"][1] == (torch.Size([1, 2, 64]), torch.float32)
+
+
+def test_a_dry_run_of_ring_attention_holds_no_scores():
+    """On meta tensors (a dry run) a block holds what the fused kernel does: a forward and a
+    backward of one block keep nothing of (queries x keys) size."""
+    from autopar.codegen import ring_attention as ra
+    from autopar.runtime.dry_run import Recorder
+
+    q = torch.empty(1, 2, 2048, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 2, 1024, 64, device="meta", dtype=torch.bfloat16)
+    with Recorder() as rec:
+        rec.start_step()
+        out, lse = ra._attend(q, k, k, 0.125, None, False, 1024, 2)
+        ra._attend_backward(out, q, k, k, out.to(q.dtype), lse, 0.125, None, False, 1024, 2)
+    scores = 2 * 2048 * 1024 * 4  # one block's fp32 scores
+    assert rec.peak_bytes < scores, rec.peak_bytes
