@@ -53,8 +53,8 @@ gathering masters, as Megatron's distributed optimizer and FSDP2 gather bf16 par
 from __future__ import annotations
 
 import contextlib
-import functools
 import dataclasses
+import functools
 import math
 import weakref
 from typing import NamedTuple
@@ -488,6 +488,7 @@ class GradReducer:
                 leaf.register_post_accumulate_grad_hook(functools.partial(self._on_part, call, b, k))
                 out[e.slot] = leaf
         return out
+
     def working_copies(self, state: list) -> list:
         """The program's state inputs without taps (no-grad forwards): ZeRO-2 parameters replaced by
         their up-to-date working copies."""
