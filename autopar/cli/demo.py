@@ -11,10 +11,14 @@
    loss.backward(); opt.step()``), every loss checked against the single-process model's (same
    init, same batches, computed here), with the measured step beside the predicted one.
 
-``run`` returns 0 when every loss matches within 1e-5 relative, else 1 (the command's exit code).
+``run`` returns 0 when every loss matches, else 1 (the command's exit code): within 1e-5 relative of
+the single-process model's, or within ``NOISE_FACTOR`` times that model's own distance from the
+same steps in float64 (after many Adam steps, rounding in another order is amplified as much in
+one process as across ranks; the test suite's checks of trained state use the same rule).
 """
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import time
@@ -28,6 +32,7 @@ from autopar.sharding_spec import Mesh, ShardingSpec
 from autopar.solver.reshard_search import plan_reshard
 
 TOL = 1e-5
+NOISE_FACTOR = 10.0
 LR = 1e-2
 
 
@@ -155,7 +160,9 @@ def run(mesh_shape=(2, 2), model: str = "gpt", steps: int = 20) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like each rank: one core
     try:
+        exact = copy.deepcopy(module).double()  # the same steps in float64: the single process's own rounding
         ref_losses, ref_times = train(module, batches(inputs, steps))  # the same init (seeded build), here
+        exact_losses, _ = train(exact, [tuple(_double(t) for t in b) for b in batches(inputs, steps)])
     finally:
         torch.set_num_threads(threads)
     ok = True
@@ -167,28 +174,35 @@ def run(mesh_shape=(2, 2), model: str = "gpt", steps: int = 20) -> int:
         if "what_ifs" in first:
             print("hand-written layouts on the same mesh, priced by the same cost model:")
             print(first["what_ifs"])
-        this_ok, worst = compare_losses(rows, ref_losses)
+        this_ok, worst = compare_losses(rows, ref_losses, exact_losses)
         ok &= this_ok
         # the slowest rank's median step after the first: the pace training runs at
         step_s = max(statistics.median(r["times"][1:] or r["times"]) for r in rows)
         print(f"{steps} AdamW steps in the plain loop (loss = pmodel(x, y); loss.backward(); opt.step()): every loss "
-              f"{'within' if this_ok else 'NOT within'} {TOL:g} of the single-process model's (worst {worst:.1e}, "
+              f"{'matches' if this_ok else 'does NOT match'} the single-process model's (worst {worst:.1e} relative, "
               f"the same on every rank); step {step_s * 1e3:.1f} ms measured (slowest rank's median), "
               f"{first['predicted_s'] * 1e3:.1f} ms predicted; parallelize took {max(r['setup_s'] for r in rows):.1f} s")
     print(f"\nsingle process, one thread: {statistics.median(ref_times[1:] or ref_times) * 1e3:.1f} ms a step; "
           f"{wall:.0f} s for the ranks in all")
     print("(a model this small is communication-bound on CPU gloo: benchmarks/hybrid.py times a 10M one against hand-written layouts)")
-    print(f"every layout's losses {'match' if ok else 'DO NOT match'} the single-process model within {TOL:g} relative")
+    print(f"every layout's losses {'match' if ok else 'DO NOT match'} the single-process model's: within {TOL:g} "
+          f"relative, or within {NOISE_FACTOR:g}x its own rounding (its distance from the same steps in float64)")
     return 0 if ok else 1
 
 
-def compare_losses(rows, ref_losses) -> tuple[bool, float]:
-    """(every rank's every loss within TOL of the single-process one and the same on every rank,
-    the worst relative difference)."""
+def compare_losses(rows, ref_losses, exact_losses=None) -> tuple[bool, float]:
+    """(every rank's every loss the same on every rank and within TOL relative of the
+    single-process one, or within NOISE_FACTOR times that one's distance from ``exact_losses``
+    (the same steps in float64); the worst relative difference)."""
     worst, ok = 0.0, True
     for i, want in enumerate(ref_losses):
         loss = rows[0]["losses"][i]
         diff = abs(loss - want) / max(abs(want), 1e-30)
         worst = max(worst, diff)
-        ok &= diff <= TOL and all(r["losses"][i] == loss for r in rows)
+        noise = abs(want - exact_losses[i]) / max(abs(want), 1e-30) if exact_losses is not None else 0.0
+        ok &= (diff <= TOL or diff <= NOISE_FACTOR * noise) and all(r["losses"][i] == loss for r in rows)
     return ok, worst
+
+
+def _double(t):
+    return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t

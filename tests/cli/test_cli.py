@@ -201,6 +201,19 @@ def test_demo_runs_to_a_successful_exit(capsys, monkeypatch, tmp_path):
     assert out.count("measured (slowest rank's median)") == 3 and out.count("ms predicted") == 3
 
 
+def test_the_demo_holds_losses_to_one_process_or_to_its_own_rounding():
+    """A loss matches within 1e-5 of the single-process one, or within 10x that one's own distance
+    from float64; beyond both, or different across ranks, it does not."""
+    from autopar.cli.demo import compare_losses
+
+    ref, exact = [2.0, 2.0], [2.0, 2.0 + 2e-5]  # the second step: one process 1e-5 from float64
+    assert compare_losses([{"losses": [2.0, 2.0 + 1.8e-5]}], [2.0, 2.0], [2.0, 2.0]) == (True, pytest.approx(9e-6))
+    assert compare_losses([{"losses": [2.0, 2.0 + 8e-5]}], ref, exact)[0]  # 4e-5 < 10 x 1e-5
+    assert not compare_losses([{"losses": [2.0, 2.0 + 4e-4]}], ref, exact)[0]  # 2e-4 > both
+    assert not compare_losses([{"losses": [2.0, 2.0 + 8e-5]}], ref, [2.0, 2.0])[0]  # no rounding to hide in
+    assert not compare_losses([{"losses": [2.0, 2.0]}, {"losses": [2.0, 2.0 + 1e-7]}], ref, exact)[0]
+
+
 def test_profile_then_explain_profiled_a_cluster_file_and_a_kwargs_factory(capsys, monkeypatch, tmp_path):
     """The happy paths: `profile --mesh` (local gloo ranks) and `profile --ops` write the cache that
     `explain --profiled` prices with; `--cluster FILE` reads a ClusterSpec; a factory may return
