@@ -10,9 +10,13 @@
    forward and forward+backward times of the ops of one GPT-3 175B layer as a tensor-parallel-4
    stage runs them (microbatch 1, seq 2048, bf16), printed as predicted / measured per op.
 
-On ``--device cpu`` (no GPU here) it runs part 1 on gloo and part 2 against the cpu-gloo preset at
-a fraction of the shapes: a dry run of the script, not a measurement of a GPU. Nothing asserts;
-the figures go to ``benchmarks/results/gpu_check.json``.
+3. **Ring attention's blocks**: a block (bf16, grouped queries, off the diagonal and on it) through
+   the fused kernel the device takes (``codegen.ring_attention._kernel``: CUDA's flash kernel on a
+   GPU) against the math path, output, log-sum-exp and the three gradients.
+
+On ``--device cpu`` (no GPU here) it runs part 1 on gloo, part 2 against the cpu-gloo preset at
+a fraction of the shapes and part 3 through the CPU's kernel: a dry run of the script, not a
+measurement of a GPU. Nothing asserts; the figures go to ``benchmarks/results/gpu_check.json``.
 """
 from __future__ import annotations
 
@@ -130,6 +134,36 @@ def compute_model(device: torch.device, cluster: str) -> list[dict]:
     return rows
 
 
+def ring_blocks(device: torch.device, rows: int = 256, head_dim: int = 64) -> list[dict]:
+    """Each ring attention block kind through the device's fused kernel against the math path (an
+    all-True mask takes it): the largest difference over the output, log-sum-exp and the three
+    gradients, relative to each one's largest magnitude."""
+    from autopar.codegen import ring_attention as ra
+
+    gen = torch.Generator().manual_seed(0)
+    scale = head_dim ** -0.5
+    out = []
+    for groups in (1, 4):
+        for diag in (False, True):
+            def draw(n):
+                return torch.randn(1, 2, n, head_dim, generator=gen).to(device, torch.bfloat16)
+
+            q, k, v = draw(groups * rows), draw(rows), draw(rows)
+            grad = torch.randn(1, 2, groups * rows, head_dim, generator=gen).to(device)
+            whole = torch.ones(groups * rows, rows, dtype=torch.bool, device=device)
+            fused = ra._attend(q, k, v, scale, None, diag, rows, groups)
+            math_path = ra._attend(q, k, v, scale, whole, diag, rows, groups)
+            o = fused[0].to(q.dtype)
+            fused += ra._attend_backward(grad, q, k, v, o, fused[1], scale, None, diag, rows, groups)
+            math_path += ra._attend_backward(grad, q, k, v, o, fused[1], scale, whole, diag, rows, groups)
+            error = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+                        for a, b in zip(fused, math_path))
+            out.append({"groups": groups, "diagonal": diag, "kernel": ra._kernel(q, k, None), "max_rel_diff": error})
+            print(f"ring block, {groups} query heads a key head, {'diagonal' if diag else 'off the diagonal'}: "
+                  f"{out[-1]['kernel']} kernel against the math path, largest difference {error:.2g}")
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -152,8 +186,10 @@ def main():
     t0 = time.perf_counter()
     exact = bf16_exactness(device)
     rows = compute_model(device, cluster)
+    ring = ring_blocks(device)
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "cluster": cluster,
-           "torch": torch.__version__, "bf16": exact, "ops": rows, "seconds": time.perf_counter() - t0}
+           "torch": torch.__version__, "bf16": exact, "ops": rows, "ring_blocks": ring,
+           "seconds": time.perf_counter() - t0}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {a.out} ({out['seconds']:.0f} s)")
