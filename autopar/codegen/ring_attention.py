@@ -63,13 +63,13 @@ def _kernel(q, k, mask) -> str | None:
     """The fused kernel a block runs (no scores made: the output and its log-sum-exp), or None for
     the math path (a mask, or a device and dtype no flash kernel takes): torch's CPU flash kernel
     on CPU and on meta (a dry run: its shapes stand for any device's fused kernel), CUDA's for half
-    types on CUDA."""
+    types on GPUs it runs on."""
     if mask is not None:
         return None
     if q.device.type in ("cpu", "meta") and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return "cpu"
     if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 \
-            and q.shape[-1] % 8 == 0:
+            and q.shape[-1] % 8 == 0 and torch.cuda.get_device_capability(q.device)[0] >= 8:  # (flash: Ampere on)
         return "cuda"
     return None
 
