@@ -66,6 +66,7 @@ def export(path, pmodel, dtype=None):
 
     return _export(path, pmodel, dtype)
 
+
 def dry_run(plan, model, example_inputs=(), **kwargs):
     """Build and run ``plan``'s programs for sampled ranks in this process, on meta tensors over a
     fake process group: every collective checked against its peers, each rank's peak memory

@@ -143,11 +143,12 @@ def ring_blocks(device: torch.device, rows: int = 256, head_dim: int = 64) -> li
     gen = torch.Generator().manual_seed(0)
     scale = head_dim ** -0.5
     out = []
+
+    def draw(n):
+        return torch.randn(1, 2, n, head_dim, generator=gen).to(device, torch.bfloat16)
+
     for groups in (1, 4):
         for diag in (False, True):
-            def draw(n):
-                return torch.randn(1, 2, n, head_dim, generator=gen).to(device, torch.bfloat16)
-
             q, k, v = draw(groups * rows), draw(rows), draw(rows)
             grad = torch.randn(1, 2, groups * rows, head_dim, generator=gen).to(device)
             whole = torch.ones(groups * rows, rows, dtype=torch.bool, device=device)

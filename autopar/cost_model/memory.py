@@ -28,9 +28,8 @@ there (``forward_peak``, found on the replicated timeline), and on edges, the co
 of a value backward keeps (``saved_inputs``, ``held_reshard_bytes``). Approximations:
 
 - the peak is that of the forward pass; backward frees saved tensors as it goes but adds gradient
-  buffers of about one activation at a time, which is not counted, and the gradients of a bucket's
-  parameters, which the reducer takes together (``grad_parts_in_flight``: they outlast a
-  microbatch's activations only where a bucket holds more than one microbatch saves);
+  buffers of about one activation at a time, which is not counted; the gradient parts on their
+  way to the reducer's buckets are bounded by a bucket of them (``grad_parts_in_flight``);
 - parameters, buffers and constants are not activations (``param_memory`` counts them); user
   inputs are, from the start to their last reader;
 - small saved statistics (layer-norm mean/rstd, attention logsumexp) are ignored; a dropout mask
@@ -225,12 +224,12 @@ def accumulation_overlap(accumulating: float, activation_bytes: float) -> float:
 
 
 def grad_parts_in_flight(part_bytes: float, bucket_bytes: float, activation_bytes: float) -> float:
-    """What a backward holds beyond the forward's peak while the reducer collects a bucket: the
-    reducer takes a bucket's gradient parts together (one autograd node), so up to a bucket of
-    them (``part_bytes`` those of the parameters there are, in the dtype the program reads them)
-    lives at once, late in the microbatch's backward when most of its ``activation_bytes`` are
-    freed: the excess of the one over the other. Nothing for a model whose microbatch saves more
-    than a bucket; most of a small model's gradients where one bucket holds them all."""
+    """What a backward holds beyond the forward's peak while the reducer collects a bucket, bounded
+    by a bucket of gradient parts (``part_bytes`` those of the parameters there are, in the dtype
+    the program reads them) alive late in the microbatch's backward, when most of its
+    ``activation_bytes`` are freed: the excess of the one over the other. The reducer takes each
+    part as soon as autograd completes it (``runtime.reducer``'s taps), so fewer are alive at once:
+    an upper bound, nothing for a model whose microbatch saves more than a bucket."""
     return max(0.0, min(float(bucket_bytes), float(part_bytes)) - float(activation_bytes))
 
 

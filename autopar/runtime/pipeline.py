@@ -145,8 +145,8 @@ def _split_backward_stage():
 
     torch finds each weight's branch of the stage's autograd graph from ``submod.parameters()``.
     autopar's stage module owns no parameters, and the program reads them through the reducer's
-    taps (leaves whose gradients go to the reducer). So under this stage the program reads every parameter through a view of its own
-    (``StageProgram.weight_reads``): torch's input half runs as is with those views as the
+    taps (leaves whose gradients go to the reducer). So under this stage the program reads every
+    parameter through a view of its own (``StageProgram.weight_reads``): torch's input half runs as is with those views as the
     weights (it computes the stage's input gradients only, keeping the gradients where each
     weight's branch leaves that path); the weight half (``backward_weights``) computes each view's
     gradient from them and hands it to the reducer's bucket, or to ``.grad`` for a parameter no

@@ -356,7 +356,8 @@ def _search_counts(counts: list[int], evaluate):
 
 class Found(NamedTuple):
     """The best stages for one microbatch count: the DP's ``sol`` (stages as (first unit, last unit,
-    index into ``variants``)) under ``schedule``, on ``graph`` cut into units ``groups``."""
+    index into ``variants``)) under ``schedule``, on ``graph`` cut into units ``groups``, with the
+    stage memory tables the DP read (``memory``, every variant)."""
 
     sol: StageSolution
     count: int
@@ -364,6 +365,7 @@ class Found(NamedTuple):
     variants: list  # (rows, UnitPrices)
     graph: object
     groups: list
+    memory: StageMemory
 
 
 class _StageTables:
@@ -642,7 +644,7 @@ class _Search:
                     sol = self._dp_solution(schedule, virtual, counts, count, devices, one_view, time_t, memory,
                                             grouped, graph, groups, shared)
                     if sol is not None and (found is None or sol.step_time < found.sol.step_time - 1e-15):
-                        found = Found(sol, count, schedule, variants, graph, groups)
+                        found = Found(sol, count, schedule, variants, graph, groups, memory)
         self.timing["dp_s"] += time.perf_counter() - t_dp
         return found
 
@@ -716,7 +718,7 @@ def search(model, mesh: Mesh, example_inputs, example_kwargs=None, *, config: Pl
 def _stage_plans(found: Found, mesh: Mesh, virtual: int, budget: float) -> list[StagePlan]:
     """The stages of ``found``: each one's layers, rows and ranks, time and memory, and the
     whole-graph plan of its variant cut to its nodes (``restrict``)."""
-    sol, count, schedule, variants, graph, groups = found
+    sol, count, schedule, variants, graph, groups, memory = found
     unit = unit_of_nodes(graph)
     stages, row = [], 0
     per_row = math.prod(mesh.shape[1:])
@@ -726,13 +728,7 @@ def _stage_plans(found: Found, mesh: Mesh, virtual: int, budget: float) -> list[
         rows, prices = variants[m]
         if virtual > 1:
             row = (len(stages) % blocks) * rows
-        pos = len(stages) % blocks
-        inflight = schedule.held_inflight(len(stages), blocks, count, virtual)
-        first = schedule.forwards_first(len(stages), blocks, count, virtual)
-        mem = (prices.held_between(i, j) + inflight * prices.activation_bytes[i:j + 1].sum()
-               + schedule.deferred(pos, blocks, count) * prices.deferred_between(i, j) + prices.stage_extra_bytes
-               + prices.parts_in_flight_from(i)[j - i] + count * prices.receive_buffers_from(i)[j - i]
-               - (prices.overlap_from(i)[j - i] if first else 0.0))
+        mem = memory.at(gi, gj, m, len(stages), blocks, count, schedule, virtual)  # as the DP checked it
         nodes = {name for name, u in unit.items() if i <= u <= j}
         if not stages:  # state nothing reads is held by the first stage (as codegen's cut_stages holds it)
             nodes |= {n for n, node in graph.nodes.items()
