@@ -36,13 +36,13 @@ import torch
 import torch.fx as fx
 
 from autopar.codegen import ops
-from autopar.codegen.lowerings import lowering
+from autopar.codegen.lowerings import autopar_cross_entropy, lowering
 from autopar.record.gradients import grad_sum_reads, identical_ok, output_whole_axes, whole_on
 from autopar.record.gathers import grouped_route, param_gather_groups
 from autopar.errors import ConfigError, PlanError
 from autopar.ir.aliasing import in_place_reads, written_values
 from autopar.ir.graph import NodeRef, Role
-from autopar.ir.losses import counted_from_inputs
+from autopar.ir.losses import counted_from_inputs, fused_cross_entropy
 from autopar.sharding_spec.reshard import spec_after
 from autopar.sharding_spec.rules._common import localize_args, norm_dim
 from autopar.sharding_spec.spec import ShardingSpec
@@ -364,6 +364,8 @@ class _Emitter:
                 out = self._emit(fn, args, {**kwargs, **extra}, name=node.name, spec=node_plan.output)
         else:
             args, kwargs = localize(node, node_plan, args, kwargs, self.mesh)
+            if fused_cross_entropy(self.graph, node):  # its classes whole here: no logits-sized gradients made
+                fx_target = autopar_cross_entropy
             out = self._emit(fx_target, args, kwargs, name=node.name, spec=node_plan.output)
         self.env[node.name] = out
 

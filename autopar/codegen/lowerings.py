@@ -8,7 +8,9 @@
                                over class indices runs fused (``WholeClassCrossEntropy``:
                                torch's log_softmax kernel, the gradient made in place of its
                                output): ATen's makes three logits-sized tensors, whose
-                               allocation and page faults cost more than the op.
+                               allocation and page faults cost more than the op. A cross
+                               entropy on whole classes in another family runs the same
+                               (``autopar_cross_entropy``, chosen by ``codegen.lower``).
     loss-vocab-parallel        rules/loss.py: cross entropy over split classes (Megatron-style
                                max / sum-exp / target-logit all-reduces); replicated over them.
     ring, ring(causal)         rules/attention.py: scaled dot-product attention of the rank's
@@ -31,7 +33,7 @@ from autopar.codegen.ring_attention import ring_attention
 from autopar.record.gradients import whole_on
 from autopar.errors import PlanError
 from autopar.ir.graph import call_arg
-from autopar.ir.losses import CLASS_LOSSES
+from autopar.ir.losses import CLASS_LOSSES, fused_cross_entropy
 from autopar.sharding_spec.rules import attention as attention_rule
 from autopar.sharding_spec.rules import loss as loss_rule
 from autopar.sharding_spec.strategy import MEAN_PARTIAL, MEAN_SPLIT, VOCAB_EMBEDDING, VOCAB_LOSS
@@ -91,13 +93,13 @@ def class_denominator(target, weight, ignore_index, dtype, batch_axes, whole_tar
     return _sum_over(local, batch_axes)
 
 
-def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None, whole_target=None):
+def autopar_loss_global_mean(op: str, args, kwargs, *, batch_axes, count=None, whole_target=None, fused=False):
     """A mean-reduced loss over a batch split across ``batch_axes``: ``op`` with reduction="sum",
     divided by the global denominator (``count`` when static, else the weighted count of valid
     targets: of ``whole_target`` where the program has it, else all-reduced). A pending sum over
-    ``batch_axes``; further outputs (nll's total_weight) are local sums, already pending sums."""
-    if op == CROSS_ENTROPY and count is None and _fusable_cross_entropy(args, kwargs):
-        # the fused cross entropy (no class split): one logits-sized tensor instead of three
+    ``batch_axes``; further outputs (nll's total_weight) are local sums, already pending sums.
+    ``fused``: a cross entropy ``ir.losses.fused_cross_entropy`` runs fused."""
+    if fused:  # one logits-sized tensor instead of three
         target, ignore_index = args[1], call_arg(args, kwargs, 4, "ignore_index", -100)
         loss = WholeClassCrossEntropy.apply(_as_autocast_loss_input(args[0]), target, ignore_index).sum()
         return loss / class_denominator(target, None, ignore_index, loss.dtype, batch_axes, whole_target)
@@ -122,11 +124,15 @@ def _as_autocast_loss_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _fusable_cross_entropy(args, kwargs) -> bool:
-    """Class-index targets, no class weight, no label smoothing: what the fused loss computes."""
-    x, target = args[0], args[1]
-    return (x.is_floating_point() and not target.is_floating_point() and call_arg(args, kwargs, 2, "weight") is None
-            and not call_arg(args, kwargs, 5, "label_smoothing", 0.0))
+def autopar_cross_entropy(x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
+    """``aten.cross_entropy_loss`` on whole classes where ``ir.losses.fused_cross_entropy`` holds
+    (no class weight, no label smoothing; its arguments as ATen's), fused: forward keeps the
+    log-probabilities, backward makes the logits' gradient in place of them."""
+    per_sample = WholeClassCrossEntropy.apply(_as_autocast_loss_input(x), target, ignore_index)
+    if reduction == loss_rule.NONE:
+        return per_sample
+    total = per_sample.sum()
+    return total if reduction == SUM else total / (target != ignore_index).sum()
 
 
 def autopar_vocab_parallel_cross_entropy(x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0, *,
@@ -279,6 +285,8 @@ def lowering(node, node_plan, graph, identical=()):
         elif tuple(metas[1].shape) == tuple(metas[0].shape) and metas[1].dtype not in ("int64", "int32"):
             x_shape = tuple(metas[0].shape)  # probability targets: divide by the sample count
             extra["count"] = math.prod(x_shape) // x_shape[1 if len(x_shape) >= 2 else 0]
+        if target == CROSS_ENTROPY and "count" not in extra and fused_cross_entropy(graph, node):
+            extra["fused"] = True
         return autopar_loss_global_mean, extra, "packed"
     raise PlanError(
         f"node {node.name} ({target}) uses strategy family {node_plan.family!r}, which needs a lowering that "
@@ -291,7 +299,8 @@ def _register_builtins() -> None:
         from torch.fx.graph import _register_custom_builtin
     except ImportError:
         return
-    for fn in (autopar_vocab_parallel_embedding, autopar_vocab_parallel_cross_entropy, autopar_loss_global_mean, autopar_mean_as_sum):
+    for fn in (autopar_vocab_parallel_embedding, autopar_vocab_parallel_cross_entropy, autopar_loss_global_mean,
+               autopar_mean_as_sum, autopar_cross_entropy):
         _register_custom_builtin(fn.__name__, f"from {__name__} import {fn.__name__}", fn)
 
 

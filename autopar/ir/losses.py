@@ -8,6 +8,8 @@ is one of them itself (``direct``: through casts and views) or adds them to othe
 from the inputs. ``autopar.codegen.loss_weights`` weighs a pipelined step's microbatches from
 this; the pipeline search (``solver.microbatches.batch_mixing``) keeps one microbatch where it cannot.
 
+``fused_cross_entropy`` says which cross entropies autopar computes in place (their memory differs).
+
 A mean over a batch split across ranks needs the whole batch's count; ``counted_from_inputs`` says
 whether every rank can count it from the user inputs it is handed whole (a program then recomputes
 the targets from them instead of all-reducing the ranks' counts: one collective less per step).
@@ -111,6 +113,19 @@ def ancestors(graph, name: str, include: bool = False) -> list:
     if not include:
         seen.discard(name)
     return [graph.nodes[n] for n in graph.nodes if n in seen]
+
+
+def fused_cross_entropy(graph, node) -> bool:
+    """Whether autopar runs cross entropy ``node`` fused (``codegen.lowerings``): floating logits,
+    class-index targets, no class weight, no label smoothing. It keeps one logits-sized tensor for
+    backward and makes the logits' gradient in place of it; ATen's backward makes two more."""
+    if node.op != "call_function" or node.target != "aten.cross_entropy_loss.default":
+        return False
+    if call_arg(node.args, node.kwargs, 2, "weight") is not None or call_arg(node.args, node.kwargs, 5, "label_smoothing", 0.0):
+        return False
+    x, target = (graph.nodes[name].meta for name in node.inputs[:2])
+    return (x is not None and not isinstance(x, tuple) and x.torch_dtype.is_floating_point
+            and target is not None and not isinstance(target, tuple) and target.dtype in ("int64", "int32"))
 
 
 def _is_class_mean(graph, node) -> bool:
