@@ -23,13 +23,16 @@ matmul operands, the input of gelu/norms, the output of relu/softmax, embedding 
 they stay alive from their op to the end of the forward. Every other value lives from its op to
 its last reader. Views alias their source and cost nothing. ``activation_memory`` is the peak,
 over the forward order, of the live bytes. The ILP's linear terms (``node_activation_bytes``) are
-every saved value, what lives beside them at the forward's peak and the workspace of the op running
-there (``forward_peak``, found on the replicated timeline), and on edges, the copy a reshard makes
-of a value backward keeps (``saved_inputs``, ``held_reshard_bytes``). Approximations:
+every saved value and what lives beside them at the step's peak (``step_peak``, found on the
+replicated timeline): in the forward, the values alive there and the workspace of the op running
+there; in an op's backward (a language model's loss), the gradients it makes and its backward's
+workspace. On edges, the copy a reshard makes of a value backward keeps (``saved_inputs``,
+``held_reshard_bytes``). Approximations:
 
-- the peak is that of the forward pass; backward frees saved tensors as it goes but adds gradient
-  buffers of about one activation at a time, which is not counted; the gradient parts on their
-  way to the reducer's buckets are bounded by a bucket of them (``grad_parts_in_flight``);
+- backward frees saved tensors as it goes and makes gradients about one op at a time: the gradients
+  of values an op's backward does not touch (a residual stream's, waiting for the branch) are not
+  counted; the gradient parts on their way to the reducer's buckets are bounded by a bucket of them
+  (``grad_parts_in_flight``);
 - parameters, buffers and constants are not activations (``param_memory`` counts them); user
   inputs are, from the start to their last reader;
 - small saved statistics (layer-norm mean/rstd, attention logsumexp) are ignored; a dropout mask
@@ -52,10 +55,12 @@ from autopar.cost_model.ops import (
     save_rule,
     tensor_inputs,
     workspace_bytes,
+    BACKWARD_WORKSPACE_RULES,
 )
 from autopar.errors import ConfigError
 from autopar.ir.blocks import unit_of_nodes
 from autopar.ir.graph import needs_grad, per_graph
+from autopar.ir.losses import fused_cross_entropy
 from autopar.sharding_spec.strategy import active_axes
 
 # Optimizer states kept per parameter element.
@@ -224,7 +229,7 @@ def accumulation_overlap(accumulating: float, activation_bytes: float) -> float:
 
 
 def grad_parts_in_flight(part_bytes: float, bucket_bytes: float, activation_bytes: float) -> float:
-    """What a backward holds beyond the forward's peak while the reducer collects a bucket, bounded
+    """What a backward holds beyond the step's peak while the reducer collects a bucket, bounded
     by a bucket of gradient parts (``part_bytes`` those of the parameters there are, in the dtype
     the program reads them) alive late in the microbatch's backward, when most of its
     ``activation_bytes`` are freed: the excess of the one over the other. The reducer takes each
@@ -245,35 +250,50 @@ def held_reshard_bytes(src_static: bool, src_spec, dst_spec, mesh, itemsize: int
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardPeak:
-    """Where the forward's live activations peak (``forward_peak``): the node running then, and
-    the values alive beside the saved ones there."""
+class StepPeak:
+    """Where a training step's live activations peak (``step_peak``): the node running then and
+    the values alive beside the saved ones there; for a peak in that node's backward
+    (``backward``), the positions in its inputs whose gradients it makes (``grads``)."""
 
     node: str | None = None
     live: frozenset = frozenset()
+    backward: bool = False
+    grads: tuple = ()
 
 
-def node_activation_bytes(node, strategy, mesh, saved, peak: ForwardPeak = ForwardPeak(), in_metas=()) -> int:
+def node_activation_bytes(node, strategy, mesh, saved, peak: StepPeak = StepPeak(), in_metas=()) -> int:
     """The ILP's linear memory term of ``node`` under ``strategy`` (a Strategy or an output spec):
     its local bytes when it is saved for backward (``saved``: ``saved_for_backward``) or alive,
-    unsaved, at the forward's peak (``peak``: ``forward_peak``), and at the peak node its
-    workspace (``ops.workspace_bytes``; ``in_metas``: its inputs' metas). Summed over nodes: the
+    unsaved, at the step's peak (``peak``: ``step_peak``), and at the peak node what it makes
+    beside them (``node_peak_bytes``; ``in_metas``: its inputs' metas). Summed over nodes: the
     saved activations at the end of the forward plus what lives beside them at the peak (a
-    language model's loss: the logits and as large a copy of log-probabilities)."""
+    language model's loss: in backward, the gradients of its log-probabilities and logits)."""
     out = local_nbytes(node.meta, _output_spec(strategy), mesh) if node.name in saved else 0
     return out + node_peak_bytes(node, strategy, mesh, saved, peak, in_metas)
 
 
-def node_peak_bytes(node, strategy, mesh, saved, peak: ForwardPeak, in_metas=()) -> int:
-    """The part of ``node_activation_bytes`` held only at the forward's peak, once, not per
-    microbatch in flight: the node's value where it lives there unsaved, its workspace where it
-    is the peak's node."""
+def node_peak_bytes(node, strategy, mesh, saved, peak: StepPeak, in_metas=()) -> int:
+    """The part of ``node_activation_bytes`` held only at the step's peak, once, not per
+    microbatch in flight: the node's value where it lives there unsaved, and where it is the
+    peak's node, its workspace (``ops.workspace_bytes``), or for a peak in its backward its
+    output's gradient, the gradients it makes and its backward's workspace."""
     out = 0
     if node.name in peak.live and node.name not in saved:
         out += local_nbytes(node.meta, _output_spec(strategy), mesh)
-    if node.name == peak.node and hasattr(strategy, "inputs"):
-        out += workspace_bytes(node, in_metas, strategy.inputs, mesh)
-    return out
+    if node.name != peak.node or not hasattr(strategy, "inputs"):
+        return out
+    if not peak.backward:
+        return out + workspace_bytes(node, in_metas, strategy.inputs, mesh)
+    return out + _backward_bytes(node, in_metas, strategy.inputs, _output_spec(strategy), peak.grads, mesh)
+
+
+def _backward_bytes(node, in_metas, in_specs, out_spec, grads, mesh) -> int:
+    """What ``node``'s backward holds beside the saved values: its output's gradient, the
+    gradients it makes (``grads``: positions in its inputs) and its workspace."""
+    made = sum(local_nbytes(in_metas[k], in_specs[k] if k < len(in_specs) else None, mesh)
+               for k in grads if k < len(in_metas))
+    return (local_nbytes(node.meta, out_spec, mesh) + made
+            + workspace_bytes(node, in_metas, in_specs, mesh, BACKWARD_WORKSPACE_RULES))
 
 
 def _lifetimes(graph) -> tuple[list, list[tuple[str, int, int]]]:
@@ -316,18 +336,55 @@ def activation_timeline(graph, specs: Mapping | None, mesh) -> list[tuple[str, i
     return out
 
 
-def forward_peak(graph) -> ForwardPeak:
-    """The forward's peak on the replicated timeline (a plan splits most activations alike, so the
-    peak stays where it is): its node and the values alive there that are not saved."""
+def step_peak(graph) -> StepPeak:
+    """The step's activation peak on the replicated timeline (a plan splits most activations
+    alike, so the peak stays where it is): the forward's (``activation_timeline``), or an op's
+    backward where that holds more. An op's backward runs beside the saved values it or an earlier
+    op reads (those only later ops read were freed by their backward), the values the model returns, its output's
+    gradient, the gradients it makes for its inputs and its backward's workspace: ATen's cross
+    entropy makes two gradients as large as its logits while every activation is still saved
+    (the fused one, ``ir.losses.fused_cross_entropy``, none)."""
     from autopar.sharding_spec.mesh import Mesh
 
-    timeline = activation_timeline(graph, None, Mesh((1,)))
+    one = Mesh((1,))
+    timeline = activation_timeline(graph, None, one)
     if not timeline:
-        return ForwardPeak()
-    peak = max(range(len(timeline)), key=lambda t: timeline[t][1])
+        return StepPeak()
+    t = max(range(len(timeline)), key=lambda k: timeline[k][1])
     saved = saved_for_backward(graph)
-    _, spans = _lifetimes(graph)
-    return ForwardPeak(timeline[peak][0], frozenset(n for n, first, end in spans if first <= peak <= end and n not in saved))
+    order, spans = _lifetimes(graph)
+    best = timeline[t][1]
+    peak = StepPeak(timeline[t][0], frozenset(n for n, first, end in spans if first <= t <= end and n not in saved))
+    # the values the model returns (held by the caller through backward)
+    end = len(order) - 1
+    returned = frozenset(n for n, first, last in spans if last == end and n not in saved)
+    held = sum(local_nbytes(graph.nodes[n].meta, None, one) for n in returned)
+    # a saved value is alive in an op's backward while an op at or before it still has to read it
+    pos = {n.name: k for k, n in enumerate(order)}
+    first_reader: dict[str, int] = {}
+    roots = alias_roots(graph)
+    for node, tin, idx, saves_output in _saves(graph):
+        for name in [r for k in idx for r in roots[tin[k][1]]] + (sorted(roots[node.name]) if saves_output else []):
+            first_reader[name] = min(first_reader.get(name, pos[node.name]), pos[node.name])
+    kept_from = [0] * len(order)  # bytes of the saved values whose first reader is at each position
+    for name in saved:
+        kept_from[first_reader[name]] += local_nbytes(graph.nodes[name].meta, None, one)
+    grad = needs_grad(graph)
+    kept = 0
+    for k, node in enumerate(order):
+        kept += kept_from[k]
+        if node.op != "call_function" or is_view(node.target) or node.name not in grad \
+                or fused_cross_entropy(graph, node):  # (its gradient made in place of what it keeps)
+            continue
+        grads = tuple(k for k, i in enumerate(node.inputs)
+                      if i in grad and str(graph.nodes[i].role) not in STATIC_ROLES)
+        if not grads:
+            continue
+        metas = [graph.nodes[i].meta if i in graph.nodes else None for i in node.inputs]
+        total = kept + held + _backward_bytes(node, metas, (), None, grads, one)
+        if total > best:
+            best, peak = total, StepPeak(node.name, returned, backward=True, grads=grads)
+    return peak
 
 
 def activation_memory(graph, specs: Mapping | None, mesh) -> int:

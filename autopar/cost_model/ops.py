@@ -219,12 +219,16 @@ def is_view(target: str) -> bool:
 # fused cross entropy computes log-probabilities as large as its logits (kept for backward in
 # their place while the logits still live).
 WORKSPACE_RULES: dict[str, tuple[int, float]] = {"aten.cross_entropy_loss": (0, 1.0)}
+# The same for an op's backward, beside the gradients it makes: ATen's cross entropy makes the
+# log-probabilities' gradient before the logits' (autopar's fused one neither: memory.step_peak).
+BACKWARD_WORKSPACE_RULES: dict[str, tuple[int, float]] = {"aten.cross_entropy_loss": (0, 1.0)}
 
 
-def workspace_bytes(node, in_metas, in_specs, mesh) -> int:
-    """Bytes ``node`` allocates beside its output while it runs (``WORKSPACE_RULES``), its inputs
-    as the strategy reads them (``in_specs``: one spec or None per input)."""
-    rule = WORKSPACE_RULES.get(op_name(node.target)) if node.op == "call_function" else None
+def workspace_bytes(node, in_metas, in_specs, mesh, rules=WORKSPACE_RULES) -> int:
+    """Bytes ``node`` allocates beside its output while it runs (``rules``: ``WORKSPACE_RULES``, or
+    ``BACKWARD_WORKSPACE_RULES`` for its backward), its inputs as the strategy reads them
+    (``in_specs``: one spec or None per input)."""
+    rule = rules.get(op_name(node.target)) if node.op == "call_function" else None
     if rule is None:
         return 0
     k, factor = rule

@@ -500,7 +500,7 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
     # The ILP's objective ranks plans; the prediction prices what the runtime runs (buckets,
     # overheads, optimizer): see autopar.cost_model.step.
     parts = memory_parts(plan, graph, mesh, memory, precision, bucket_bytes, accumulated=step_share < 1.0)
-    # the ILP's memory is the forward's peak; a bucket's gradient parts may outlast it (memory.grad_parts_in_flight)
+    # the ILP's memory is the step's peak; a bucket's gradient parts may outlast it (memory.grad_parts_in_flight)
     in_flight = memory_model.grad_parts_in_flight(_grad_part_bytes(plan, graph, mesh), bucket_bytes, parts["activations"])
     parts["gradients"] += in_flight
     plan.predicted = dict(step_time(plan, graph, mesh, runs=round(1 / step_share), bucket_bytes=bucket_bytes,

@@ -77,7 +77,7 @@ class NodePlan:
     output: object  # ShardingSpec | tuple | None
     compute_s: float
     memory_bytes: float
-    peak_bytes: float = 0.0  # the part of memory_bytes held only at the forward's peak, once per stage
+    peak_bytes: float = 0.0  # the part of memory_bytes held only at the step's peak, once per stage
 
     def __post_init__(self):
         self.family = Family(self.family)

@@ -62,7 +62,7 @@ class NodeChoices:
     memory: np.ndarray
     grad_sync: list
     accumulate_s: np.ndarray | None = None
-    peak_memory: np.ndarray | None = None  # the part of ``memory`` held only at the forward's peak
+    peak_memory: np.ndarray | None = None  # the part of ``memory`` held only at the step's peak
     # a parameter's gradient sync priced per choice (``cost_model.grad_sync.SyncPrice``, or None)
     sync_prices: list | None = None
 
@@ -240,7 +240,7 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
     ``force``: node name -> family label (or a predicate on a Strategy) restricting that node's
     candidates (see ``restrict``)."""
     saved = memory_model.saved_for_backward(graph)
-    peak = memory_model.forward_peak(graph)
+    peak = memory_model.step_peak(graph)
     total = grad_bytes_total(graph, precision)
     out = {}
     memo: dict = {}  # repeated blocks repeat nodes: enumerate and price each kind once

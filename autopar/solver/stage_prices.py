@@ -131,8 +131,8 @@ class UnitPrices:
     # counts one in static_bytes and in its time, a stage holding several of them holds and pays it
     # once (``_extra_from``)
     shared_params: tuple = ()
-    # held at the forward's peak once per stage, not per microbatch in flight (a loss's logits and
-    # log-probabilities); None: nothing
+    # held at the step's peak once per stage, not per microbatch in flight (a loss's logits and
+    # log-probabilities, or their gradients); None: nothing
     peak_bytes: np.ndarray | None = None
     # per microbatch whose weight half a split backward defers (``Schedule.deferred``): the
     # gradients of the outputs of the ops that read parameters, which the weight half reads
@@ -229,7 +229,7 @@ class UnitPrices:
 
     def held_from(self, i: int, state_share: float = 1.0) -> np.ndarray:
         """For every j >= i, what a stage of units i..j holds whatever its microbatches in flight:
-        ``state_share`` of their state and what lives at the forward's peak, once."""
+        ``state_share`` of their state and what lives at the step's peak, once."""
         peak = 0.0 if self.peak_bytes is None else np.cumsum(self.peak_bytes[i:])
         return self.static_from(i) * state_share + peak
 
@@ -317,7 +317,7 @@ def unit_prices(plan, graph, mesh, *, step_share: float = 1.0, bucket_bytes: int
             if name in rerun:  # node compute is forward + 2x backward; a collective is run again either way
                 forward[u] += np_.compute_s / 3 + forward_s + in_forward
                 unsaved[u] += in_forward + (0.0 if saved_by_selective(node.target) else np_.compute_s / 3 + forward_s)
-            if saved_by_selective(node.target):  # what lives at the forward's peak is there once anyway
+            if saved_by_selective(node.target):  # what lives at the step's peak is there once anyway
                 out = local_nbytes(node.meta, np_.output, mesh)
                 saved[u] += max(0.0, out - np_.peak_bytes)
                 if attention_dropout(node):  # (the math path: the scores are kept too, key length over head dim)

@@ -1,4 +1,7 @@
 """Memory model: parameter/optimizer bytes, saved activations and the liveness peak."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +19,9 @@ from autopar.cost_model.ops import is_view
 from autopar.errors import ConfigError
 from autopar.ir import TensorMeta, trace
 from autopar.sharding_spec import Mesh, ShardingSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from memory_fidelity import tracked_peak  # noqa: E402  (the benchmark's measurement)
 
 M = 1_000_000
 FP32_1M = TensorMeta((1000, 1000), "float32", 4 * M)
@@ -223,3 +229,62 @@ def test_zero3_plan_holds_each_gathered_weight_until_backward():
     without = autopar.plan(model, mesh, inputs, force=autopar.Layout(dp=4), pipeline=False)
     assert plan.predicted["memory_parts"]["activations"] == pytest.approx(
         without.predicted["memory_parts"]["activations"] + gathered, rel=1e-6)
+
+
+def test_the_step_peaks_in_the_losss_backward_by_hand(mlp):
+    """mse_loss's backward reads the loss's gradient (4 B) and makes its inputs' (1024 B each: both
+    come out of broadcast_tensors, whose outputs all need one as one of its inputs does) while
+    every saved value (7168 B) and the returned loss (4 B) live: 9224 B, over the forward's 8192."""
+    from autopar.cost_model.memory import node_peak_bytes, step_peak
+    from autopar.sharding_spec.strategy import Strategy
+
+    peak = step_peak(mlp)
+    loss = next(n for n in mlp.nodes.values() if "mse_loss" in n.target)
+    assert (peak.node, peak.backward) == (loss.name, True)
+    assert [loss.inputs[k] for k in peak.grads] == ["getitem", "getitem_1"]
+    saved, mesh = saved_for_backward(mlp), Mesh((2,))
+    metas = [mlp.nodes[i].meta for i in loss.inputs]
+    whole = Strategy((None, None), None, "replicate", 1.0)
+    at_peak = node_peak_bytes(loss, whole, mesh, saved, peak, metas)
+    assert at_peak == 4 + 4 + 2 * 1024  # its value (returned), its gradient, its inputs'
+    assert sum(node_activation_bytes(n, None, mesh, saved) for n in mlp.nodes.values()) + at_peak == 9224
+
+
+def _language_model(**loss_kw):
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(512, 16), torch.nn.Linear(16, 512)
+
+        def forward(self, idx, targets):
+            return torch.nn.functional.cross_entropy(self.head(self.emb(idx)).view(-1, 512), targets.view(-1), **loss_kw)
+
+    idx = torch.randint(0, 512, (4, 32))
+    return LM(), (idx, torch.randint(0, 512, (4, 32)))
+
+
+@pytest.mark.parametrize("loss_kw, fused", [({}, True), ({"label_smoothing": 0.1}, False)])
+def test_atens_cross_entropy_peaks_in_backward_and_autopars_fused_one_in_forward(loss_kw, fused):
+    """A vocabulary-sized loss: ATen's backward makes the log-probabilities' and the logits'
+    gradients beside the saved log-probabilities (3 logits-sized tensors); autopar's fused loss
+    makes the logits' gradient in place of what it keeps, so its peak is the forward's (the logits
+    and the log-probabilities). The single-device plan predicts each, and runs each (measured)."""
+    import autopar
+    from autopar.cost_model.memory import step_peak
+    from autopar.ir.losses import fused_cross_entropy
+
+    model, inputs = _language_model(**loss_kw)
+    graph = trace(model, inputs)
+    loss = next(n for n in graph.nodes.values() if "cross_entropy" in n.target)
+    assert fused_cross_entropy(graph, loss) == fused
+    peak = step_peak(graph)
+    assert (peak.node == loss.name and peak.backward) == (not fused)
+    logits = 4 * 32 * 512 * 4
+    pm = autopar.parallelize(model, autopar.Mesh((1,)), inputs, pipeline=False)
+    activations = pm.plan.predicted["memory_parts"]["activations"]
+    assert activations == pytest.approx((2 if fused else 3) * logits, rel=0.05)
+    with torch.no_grad():
+        assert float(pm(*inputs)) == pytest.approx(float(model(*inputs)), rel=1e-6)
+    params = list(pm.parameters())
+    peak = tracked_peak(lambda: pm(*inputs).backward(), params)  # (the gradients made after the peak)
+    assert peak - sum(p.numel() * p.element_size() for p in params) == pytest.approx(activations, rel=0.05)
