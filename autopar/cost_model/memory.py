@@ -263,6 +263,14 @@ def accumulation_overlap(accumulating: float, activation_bytes: float) -> float:
     return min(float(accumulating), float(activation_bytes))
 
 
+def gradients_made_late(late_bytes: float, activation_bytes: float) -> float:
+    """What gradients that exist only from their backward on (``late_bytes``: no reducer's bucket
+    holds them between steps and ``zero_grad()`` frees them, as torch's does by default) add to
+    the step's peak: backward makes them as it frees the microbatch's ``activation_bytes``, so
+    only their excess, at its end."""
+    return max(0.0, float(late_bytes) - float(activation_bytes))
+
+
 def grad_parts_in_flight(part_bytes: float, bucket_bytes: float, activation_bytes: float) -> float:
     """What a backward holds beyond the step's peak while the reducer collects a bucket, bounded
     by a bucket of gradient parts (``part_bytes`` those of the parameters there are, in the dtype

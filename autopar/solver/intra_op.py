@@ -504,7 +504,7 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
     in_flight = memory_model.grad_parts_in_flight(_grad_part_bytes(plan, graph, mesh), bucket_bytes, parts["activations"])
     parts["gradients"] += in_flight
     plan.predicted = dict(step_time(plan, graph, mesh, runs=round(1 / step_share), bucket_bytes=bucket_bytes,
-                                    grad_total_bytes=total), memory_bytes_per_device=memory + in_flight,
+                                    grad_total_bytes=total), memory_bytes_per_device=sum(parts.values()),
                           memory_parts=parts)
     return plan
 
@@ -523,9 +523,12 @@ def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: 
     and the updated chunk), gradients (with ZeRO-2's share of the reducer's pool of bucket
     buffers, or over several microbatches, ``accumulated``, its whole buckets), optimizer states
     (and fp32 master copies), and activations (the rest of the total: saved values and the
-    reshards kept for backward)."""
+    reshards kept for backward). Gradients that no bucket holds from step to step (a parameter
+    with no gradient sync, in a step of one microbatch) are made in backward as the activations
+    are freed, after the step's peak: they count only by what they exceed the activations by
+    (``memory.gradients_made_late``; the ILP's budget counts them whole)."""
     zero2_bytes, saved = zero2_totals(plan, mesh)
-    params = grads = held = 0.0
+    params = grads = held = late = 0.0
     for p in plan.params.values():
         node = plan.nodes.get(p.node)
         if node is None:
@@ -539,7 +542,10 @@ def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: 
                                                 precision=precision, accumulated=accumulated)
         params += parts["parameters"]
         grads += parts["gradients"]
+        if p.grad_sync is None and not accumulated:
+            late += parts["gradients"]
         if zero_axes and not accumulated:
             grads += zero2_pool_bytes(p.grad_sync.nbytes, p.grad_sync.sum_by, zero2_bytes, saved, bucket_bytes)
-    return {"parameters": params, "gradients": grads, "optimizer_states": max(0.0, held - params - grads),
-            "activations": max(0.0, total - held)}
+    states, activations = max(0.0, held - params - grads), max(0.0, total - held)
+    grads += memory_model.gradients_made_late(late, activations) - late
+    return {"parameters": params, "gradients": grads, "optimizer_states": states, "activations": activations}

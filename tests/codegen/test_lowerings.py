@@ -73,7 +73,8 @@ CE = "aten.cross_entropy_loss.default"
 @pytest.mark.parametrize("case", ["2d", "ignored", "spatial", "weight", "smoothing", "probabilities"])
 def test_batch_split_mean_cross_entropy_equals_torch(case):
     # one rank holding the whole batch (no batch axes): the lowered loss equals torch's mean, fused
-    # where the fused loss computes the op (class indices, no weight, no smoothing), ATen's otherwise
+    # where the fused loss computes the op (class indices, no weight, no smoothing: the lowering
+    # says so from the graph, ir.losses.fused_cross_entropy), ATen's otherwise
     from autopar.codegen.lowerings import autopar_loss_global_mean
 
     g = torch.Generator().manual_seed(1)
@@ -93,7 +94,7 @@ def test_batch_split_mean_cross_entropy_equals_torch(case):
         target = torch.softmax(torch.randn(*shape, generator=g), 1)
         count = shape[0]
     args = (x, target, kwargs.get("weight"), 1, -100, kwargs.get("label_smoothing", 0.0))
-    loss = autopar_loss_global_mean(CE, args, {}, batch_axes=(), count=count)
+    loss = autopar_loss_global_mean(CE, args, {}, batch_axes=(), count=count, fused=fused)
     (gx,) = torch.autograd.grad(loss, x)
     x_ref = x.detach().clone().requires_grad_()
     ref = F.cross_entropy(x_ref, target, ignore_index=-100, **kwargs)
@@ -101,6 +102,53 @@ def test_batch_split_mean_cross_entropy_equals_torch(case):
     assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-6)
     assert torch.allclose(gx, gref, rtol=1e-5, atol=1e-7)
     assert ("WholeClassCrossEntropyBackward" in _grad_fns(loss)) == fused
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", ["2d", "ignored", "spatial"])
+def test_a_whole_class_cross_entropy_runs_fused_and_equals_torch(case, reduction):
+    """A cross entropy no lowering computes (replicated, or split by sample with sum/none) runs
+    fused too: torch's values and gradients, one logits-sized tensor kept."""
+    from autopar.codegen.lowerings import autopar_cross_entropy
+
+    g = torch.Generator().manual_seed(2)
+    shape = (6, 10, 3) if case == "spatial" else (12, 40)
+    x = (torch.randn(*shape, generator=g) * 4).requires_grad_()
+    target = torch.randint(0, shape[1], (shape[0], *shape[2:]), generator=g)
+    if case != "2d":
+        target.view(-1)[[1, 4]] = -100
+    code = {"none": 0, "mean": 1, "sum": 2}[reduction]
+    loss = autopar_cross_entropy(x, target, None, code, -100, 0.0)
+    seed = torch.rand(loss.shape, generator=g)
+    (gx,) = torch.autograd.grad(loss, x, seed)
+    x_ref = x.detach().clone().requires_grad_()
+    ref = F.cross_entropy(x_ref, target, ignore_index=-100, reduction=reduction)
+    (gref,) = torch.autograd.grad(ref, x_ref, seed)
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(gx, gref, rtol=1e-5, atol=1e-7)
+    assert "WholeClassCrossEntropyBackward" in _grad_fns(loss)
+
+
+@pytest.mark.parametrize("kw, fused", [({}, True), ({"reduction": "sum"}, True), ({"label_smoothing": 0.1}, False),
+                                       ({"weight": "w"}, False), ({"probabilities": True}, False)])
+def test_which_cross_entropies_run_fused_is_read_from_the_graph(kw, fused):
+    from autopar.ir import trace
+    from autopar.ir.losses import fused_cross_entropy
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 5)
+            self.register_buffer("w", torch.rand(5))
+
+        def forward(self, x, y):
+            opts = {k: (self.w if v == "w" else v) for k, v in kw.items() if k != "probabilities"}
+            return F.cross_entropy(self.fc(x), y, **opts)
+
+    y = torch.softmax(torch.randn(4, 5), 1) if kw.get("probabilities") else torch.randint(0, 5, (4,))
+    graph = trace(Head(), (torch.randn(4, 8), y))
+    (loss,) = [n for n in graph.nodes.values() if n.target == CE]
+    assert fused_cross_entropy(graph, loss) == fused
 
 
 @pytest.mark.parametrize("op, ref, extra", [
