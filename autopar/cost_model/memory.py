@@ -27,8 +27,7 @@ every saved value and what lives beside them at the step's peak (``step_peak``, 
 replicated timeline): in the forward, the values alive there and the workspace of the op running
 there; in an op's backward (a language model's loss), the gradients it makes and its backward's
 workspace. On edges, the copy a reshard makes of a value backward keeps (``saved_inputs``,
-``held_reshard_bytes``), in place of the value where that is freed (``reshards_replace``).
-Approximations:
+``held_reshard_bytes``). Approximations:
 
 - backward frees saved tensors as it goes and makes gradients about one op at a time: the gradients
   of values an op's backward does not touch (a residual stream's, waiting for the branch) are not
@@ -195,40 +194,6 @@ def saved_inputs(graph) -> frozenset[tuple[str, int]]:
 
 
 @per_graph
-def reshards_replace(graph) -> frozenset[tuple[str, int]]:
-    """The edges of ``saved_inputs`` on which a reshard's copy takes its source's place: the value
-    (its alias root) is made by an op and kept only as ops' saved inputs (no op keeps it as its
-    own output, the model does not return it) that together are no larger than it (disjoint views:
-    q, k and v split from one projection), so once they are all resharded the value itself is
-    freed after the forward. A copy there holds its bytes less its source's share
-    (``held_reshard_bytes``). Where only some of them are resharded the value stays alive: then
-    this undercounts."""
-    roots = alias_roots(graph)
-    reads: dict[str, int] = {}  # root -> bytes of its saved reads
-    whole: set[str] = set()  # roots kept whole: an op's saved output, or returned
-    for node, tin, idx, saves_output in _saves(graph):
-        for k in idx:
-            name = tin[k][1]
-            for r in roots[name]:
-                reads[r] = reads.get(r, 0) + _bytes(graph.nodes[name].meta)
-        if saves_output:
-            whole |= roots[node.name]
-    for node in graph.nodes.values():
-        if node.op == "output":
-            for name in node.inputs:
-                whole |= roots.get(name, frozenset())
-    fit = {r for r, b in reads.items() if r not in whole and graph.nodes[r].op != "placeholder"  # (the caller's)
-           and b <= _bytes(graph.nodes[r].meta)}
-    return frozenset((c, pos) for c, pos in saved_inputs(graph)
-                     if all(r in fit for r in roots[graph.nodes[c].inputs[pos]]))
-
-
-def _bytes(meta) -> int:
-    """A value's whole bytes (a multi-output op's: none, it is read by element)."""
-    return 0 if meta is None or isinstance(meta, tuple) else local_nbytes(meta, None, None)
-
-
-@per_graph
 def run_again(graph) -> frozenset[str]:
     """The ops a recomputed layer runs again in backward: torch's checkpoint (non-reentrant, as
     ``runtime.stage_program`` runs each layer's piece) stops recomputing once it has every tensor
@@ -281,19 +246,17 @@ def grad_parts_in_flight(part_bytes: float, bucket_bytes: float, activation_byte
     return max(0.0, min(float(bucket_bytes), float(part_bytes)) - float(activation_bytes))
 
 
-def held_reshard_bytes(source: str, src_spec, dst_spec, mesh, itemsize: int) -> int:
-    """Bytes a reshard on a saved edge (``saved_inputs``) keeps alive beyond what the producer's
-    value is counted for (saved, whole): nothing without a reshard; ``source`` "static" (a
-    parameter or buffer, held anyway: ZeRO-3's gathered weights), the whole copy; "replaced"
-    (``reshards_replace``: the copy takes the value's place), the copy less its source's share,
-    negative where the copy is smaller; else what the copy adds to the source, if anything."""
+def held_reshard_bytes(src_static: bool, src_spec, dst_spec, mesh, itemsize: int) -> int:
+    """Bytes a reshard on a saved edge (``saved_inputs``) keeps alive on top of what the source
+    holds: nothing without a reshard; the whole copy when the source is a parameter or buffer
+    (held anyway: ZeRO-3's gathered weights); else what the copy adds to the producer's value (the
+    producer's own value is counted as saved; where the copy is smaller it is not credited: the
+    value may stay alive beside it, as a slice's view keeps it, or a chain of views resharded
+    twice, gathered whole and split again by each reader, whose gathered copy is transient)."""
     if src_spec is None or dst_spec is None or src_spec == dst_spec:
         return 0
     held = local_numel(dst_spec.shape, dst_spec, mesh) * itemsize
-    if source == "static":
-        return held
-    over = held - local_numel(src_spec.shape, src_spec, mesh) * itemsize
-    return over if source == "replaced" else max(0, over)
+    return held if src_static else max(0, held - local_numel(src_spec.shape, src_spec, mesh) * itemsize)
 
 
 @dataclasses.dataclass(frozen=True)

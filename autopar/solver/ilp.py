@@ -438,11 +438,19 @@ def _budget_error(problem: Problem) -> PlanError:
 
 
 def min_memory(problem: Problem) -> float:
-    """The smallest memory any assignment needs (memory is a sum of per-node terms, and infinite
-    cost pairs do not forbid memory), used in the infeasibility message."""
+    """A lower bound of the memory any assignment needs (memory is a sum of per-node terms, and
+    infinite cost pairs do not forbid memory), used in the infeasibility message: an edge's
+    terms are taken with its producer's choice (the least of its row), which bounds a term that
+    depends on the producer's spec more tightly than the least of the whole matrix."""
     red = problem.reduced()
-    return (problem.base_memory + sum(float(np.min(m)) for m in red.memory.values())
-            + sum(float(np.min(m)) for m in red.edge_memory.values()))
+    mem = {v: np.asarray(m, dtype=float).copy() for v, m in red.memory.items()}
+    loose = 0.0
+    for (u, v), h in red.edge_memory.items():
+        if u in mem and h.shape[0] == len(mem[u]):
+            mem[u] += np.min(h, axis=1)
+        else:
+            loose += float(np.min(h))
+    return problem.base_memory + sum(float(np.min(m)) for m in mem.values()) + loose
 
 
 def _has_solution(s, x) -> bool:

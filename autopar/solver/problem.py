@@ -418,16 +418,15 @@ def gather_masks(graph, prod: NodeChoices, cons: NodeChoices, position: int, mes
     return out
 
 
-def held_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, source: str) -> np.ndarray:
+def held_matrix(graph, prod: NodeChoices, cons: NodeChoices, position: int, mesh, static: bool) -> np.ndarray:
     """Bytes each (producer strategy, consumer strategy) pair's reshard keeps alive until backward,
-    on an edge whose value the consumer's backward keeps (``memory.held_reshard_bytes``: ``source``
-    "static", "replaced" or "kept")."""
+    on an edge whose value the consumer's backward keeps (``memory.held_reshard_bytes``)."""
     consumer = graph.nodes[cons.name]
     itemsize = edge_itemsize(graph.nodes[prod.name].meta, consumer)
     srcs, dsts = _pair_specs(graph, prod, cons, position)
     src_ids, src_keys = _index(srcs)  # many strategies share specs: each distinct pair once
     dst_ids, dst_keys = _index(dsts)
-    table = np.array([[memory_model.held_reshard_bytes(source, a, b, mesh, itemsize) for b in dst_keys] for a in src_keys],
+    table = np.array([[memory_model.held_reshard_bytes(static, a, b, mesh, itemsize) for b in dst_keys] for a in src_keys],
                      dtype=float).reshape(len(src_keys), len(dst_keys))
     return table[np.ix_(src_ids, dst_ids)]
 
@@ -494,7 +493,7 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
     # one matrix too. Key on those lists' identities, the input position and what decides the rest.
     memo = {} if memo is None else memo
     in_place = in_place_reads(graph)
-    kept, replace = memory_model.saved_inputs(graph), memory_model.reshards_replace(graph)
+    kept = memory_model.saved_inputs(graph)
     roots = alias_roots(graph)
     held: dict[tuple[str, str], np.ndarray] = {}
     calls: dict[tuple, list] = {}  # (consumer's layer, axes) -> [latency s, members]
@@ -530,12 +529,11 @@ def build_problem(graph, mesh, *, memory_budget=None, optimizer: str = "adamw", 
             key = (src, node.name)
             edges[key] = edges[key] + mat if key in edges else mat
             if (node.name, pos) in kept:
-                source = ("static" if all(str(graph.nodes[r].role) in memory_model.STATIC_ROLES for r in roots[src])
-                          else "replaced" if (node.name, pos) in replace else "kept")
-                hkey = ("held", id(prod.strategies), id(cons.strategies), pos, source, edge_itemsize(graph.nodes[src].meta, node),
+                static = all(str(graph.nodes[r].role) in memory_model.STATIC_ROLES for r in roots[src])
+                hkey = ("held", id(prod.strategies), id(cons.strategies), pos, static, edge_itemsize(graph.nodes[src].meta, node),
                         node.args[1] if node.target == "operator.getitem" else None)
                 if hkey not in memo:
-                    memo[hkey] = held_matrix(graph, prod, cons, pos, mesh, source)
+                    memo[hkey] = held_matrix(graph, prod, cons, pos, mesh, static)
                 if memo[hkey].any():
                     held[key] = held[key] + memo[hkey] if key in held else memo[hkey]
     most = (sum(float(np.max(c.memory)) for c in choices.values() if len(c.memory))

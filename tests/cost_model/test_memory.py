@@ -299,28 +299,26 @@ def test_atens_cross_entropy_peaks_in_backward_and_autopars_fused_one_in_forward
             dist.destroy_process_group()
 
 
-def test_a_reshard_whose_copies_are_all_backward_keeps_frees_its_source():
-    """Each layer's q, k and v projection made whole (a row-parallel matmul's summed output) and
-    read by attention split by heads: backward keeps the three head-sliced copies, a quarter of
-    the projection, not the projection (``reshards_replace``; it was counted whole beside them, the
-    bench GPT's tensor-parallel plan 27% over its measured peak; here 10.5% over). The dry run
-    peaks in attention's backward, beside the heads' gradients gathered back (not priced): 5% under."""
+def test_a_smaller_copy_that_backward_keeps_is_not_credited_against_its_source():
+    """gelu's whole output read split by the row-parallel matmul after it, which keeps its slice
+    for backward: the slice is a view, which keeps the whole output alive, so the copy adds
+    nothing and the source is not credited (crediting it predicted this plan 35% under its dry
+    run). The gathered input of the matmul before it adds what it exceeds its source by."""
     import autopar
     from autopar.compose.dry_run import dry_run
-    from autopar.cost_model.memory import reshards_replace, saved_inputs
+    from autopar.cost_model.memory import held_reshard_bytes
 
     model, inputs = models.build("gpt", layers=2, width=128, heads=4, seq=64, vocab=256, batch=8)
     graph = trace(model, inputs)
-    attention = [n for n in graph.nodes.values() if "scaled_dot_product" in n.target]
-    projections = [graph.nodes[a.inputs[0]] for a in attention]  # transpose <- view <- getitem <- split <- linear
-    while any("linear" not in p.target for p in projections):
-        projections = [p if "linear" in p.target else graph.nodes[p.inputs[0]] for p in projections]
-    replace, kept = reshards_replace(graph), saved_inputs(graph)
-    assert all((a.name, k) in replace for a in attention for k in range(3))
-    assert (attention[0].name, 0) in kept and len(replace) < len(kept)  # not an op's saved output (attention's)
-    force = {**{a.name: "heads" for a in attention}, **{p.name: "1d-row" for p in projections}}
-    plan = autopar.plan(model, autopar.Mesh((4,)), inputs, force=force, pipeline=False)
-    moved = [e for e in plan.edges if e.dst in force and "scaled" in plan.nodes[e.dst].target and e.src_spec != e.dst_spec]
-    assert len(moved) == 3 * len(attention)
+    gelus = [n for n in graph.nodes.values() if "gelu" in n.target]
+    fc = [graph.nodes[g.inputs[0]] for g in gelus]
+    proj = [next(m for m in graph.nodes.values() if g.name in m.inputs) for g in gelus]
+    force = {**{f.name: "replicate" for f in fc}, **{g.name: "replicate" for g in gelus}, **{p.name: "1d-row" for p in proj}}
+    mesh = autopar.Mesh((4,))
+    plan = autopar.plan(model, mesh, inputs, force=force, pipeline=False)
+    sliced = [e for e in plan.edges if e.src in {g.name for g in gelus} and e.src_spec != e.dst_spec]
+    assert len(sliced) == len(gelus)
+    for e in sliced:
+        assert held_reshard_bytes(False, e.src_spec, e.dst_spec, mesh, 4) == 0
     run = dry_run(plan, model, inputs, ranks=[0]).runs[0]
-    assert run.peak_bytes == pytest.approx(run.predicted_bytes, rel=0.07)
+    assert run.peak_bytes == pytest.approx(run.predicted_bytes, rel=0.15)
