@@ -47,6 +47,7 @@ import math
 from typing import Mapping
 
 from autopar.cost_model.ops import (
+    BACKWARD_WORKSPACE_RULES,
     alias_roots,
     is_view,
     itemsize,
@@ -55,7 +56,6 @@ from autopar.cost_model.ops import (
     save_rule,
     tensor_inputs,
     workspace_bytes,
-    BACKWARD_WORKSPACE_RULES,
 )
 from autopar.errors import ConfigError
 from autopar.ir.blocks import unit_of_nodes
@@ -350,10 +350,10 @@ def step_peak(graph) -> StepPeak:
     """The step's activation peak on the replicated timeline (a plan splits most activations
     alike, so the peak stays where it is): the forward's (``activation_timeline``), or an op's
     backward where that holds more. An op's backward runs beside the saved values it or an earlier
-    op reads (those only later ops read were freed by their backward), the values the model returns, its output's
-    gradient, the gradients it makes for its inputs and its backward's workspace: ATen's cross
-    entropy makes two gradients as large as its logits while every activation is still saved
-    (the fused one, ``ir.losses.fused_cross_entropy``, none)."""
+    op reads (those only later ops read were freed by their backward), the values the model
+    returns, its output's gradient, the gradients it makes for its inputs and its backward's
+    workspace: ATen's cross entropy makes two gradients as large as its logits while every
+    activation is still saved (the fused one, ``ir.losses.fused_cross_entropy``, none)."""
     from autopar.sharding_spec.mesh import Mesh
 
     one = Mesh((1,))
@@ -386,7 +386,7 @@ def step_peak(graph) -> StepPeak:
         if node.op != "call_function" or is_view(node.target) or node.name not in grad \
                 or fused_cross_entropy(graph, node):  # (its gradient made in place of what it keeps)
             continue
-        grads = tuple(k for k, i in enumerate(node.inputs)
+        grads = tuple(j for j, i in enumerate(node.inputs)
                       if i in grad and str(graph.nodes[i].role) not in STATIC_ROLES)
         if not grads:
             continue
