@@ -258,9 +258,9 @@ def node_choices(graph, mesh, *, optimizer: str = "adamw", op_table=None, optimi
             comp = [0.0] * len(strategies)
             comm = [0.0] * len(strategies)
             # the caller hands every rank a user input whole and holds it: its shard is no saving
-            whole = node.meta.numel * node.meta.itemsize if node.role == Role.INPUT else None
-            mem = [0 if s.output is None else whole if whole is not None else local_bytes(s.output, mesh.shape, node.meta.itemsize)
-                   for s in strategies]
+            mem = [0 if s.output is None else
+                   node.meta.numel * node.meta.itemsize if node.role == Role.INPUT else
+                   local_bytes(s.output, mesh.shape, node.meta.itemsize) for s in strategies]
         elif node.op == "output":
             ins = tuple(rep(graph.nodes[i].meta.shape, mesh) if _is_tensor(graph.nodes[i].meta) else None for i in node.inputs)
             strategies = [Strategy(ins, None, "output", 1.0)]
