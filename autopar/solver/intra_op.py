@@ -499,13 +499,13 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
                 precision=precision.to_dict() if precision is not None else None)
     # The ILP's objective ranks plans; the prediction prices what the runtime runs (buckets,
     # overheads, optimizer): see autopar.cost_model.step.
-    parts = memory_parts(plan, graph, mesh, memory, precision, bucket_bytes, accumulated=step_share < 1.0)
+    parts, after_backward = memory_parts(plan, graph, mesh, memory, precision, bucket_bytes, accumulated=step_share < 1.0)
     # the ILP's memory is the step's peak; a bucket's gradient parts may outlast it (memory.grad_parts_in_flight)
     in_flight = memory_model.grad_parts_in_flight(_grad_part_bytes(plan, graph, mesh), bucket_bytes, parts["activations"])
     parts["gradients"] += in_flight
     plan.predicted = dict(step_time(plan, graph, mesh, runs=round(1 / step_share), bucket_bytes=bucket_bytes,
                                     grad_total_bytes=total), memory_bytes_per_device=sum(parts.values()),
-                          memory_parts=parts)
+                          memory_parts=parts, gradient_bytes_after_backward=after_backward + in_flight)
     return plan
 
 
@@ -518,7 +518,7 @@ def _grad_part_bytes(plan, graph, mesh) -> float:
 
 
 def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 accumulated: bool = False) -> dict:
+                 accumulated: bool = False) -> tuple[dict, float]:
     """Memory per device by kind: parameters (their stored shards; under ZeRO-2 the working copy
     and the updated chunk), gradients (with ZeRO-2's share of the reducer's pool of bucket
     buffers, or over several microbatches, ``accumulated``, its whole buckets), optimizer states
@@ -526,7 +526,8 @@ def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: 
     reshards kept for backward). Gradients that no bucket holds from step to step (a parameter
     with no gradient sync, in a step of one microbatch) are made in backward as the activations
     are freed, after the step's peak: they count only by what they exceed the activations by
-    (``memory.gradients_made_late``; the ILP's budget counts them whole)."""
+    (``memory.gradients_made_late``; the ILP's budget counts them whole). Also returned: the
+    gradient bytes held once backward is done (until ``zero_grad``)."""
     zero2_bytes, saved = zero2_totals(plan, mesh)
     params = grads = held = late = 0.0
     for p in plan.params.values():
@@ -547,5 +548,6 @@ def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: 
         if zero_axes and not accumulated:
             grads += zero2_pool_bytes(p.grad_sync.nbytes, p.grad_sync.sum_by, zero2_bytes, saved, bucket_bytes)
     states, activations = max(0.0, held - params - grads), max(0.0, total - held)
+    after_backward = grads
     grads += memory_model.gradients_made_late(late, activations) - late
-    return {"parameters": params, "gradients": grads, "optimizer_states": states, "activations": activations}
+    return {"parameters": params, "gradients": grads, "optimizer_states": states, "activations": activations}, after_backward

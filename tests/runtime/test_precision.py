@@ -149,8 +149,8 @@ def held_case(tag, mesh, groups, layout):
     live += sum(e.full.numel() * e.full.element_size() for e in pm._ap.zero2.values())
     working = sum(w.numel() * w.element_size() for _, _, w in pm._ap._kept.values())
     live += working + pm.reducer.pool.held_bytes()  # (ZeRO-2's bucket buffers, kept for the next step)
-    parts = pm.plan.predicted["memory_parts"]
-    priced = parts["parameters"] + parts["gradients"] + parts["optimizer_states"]
+    parts = pm.plan.predicted["memory_parts"]  # (its gradients: at the step's peak; ZeRO-3's are made after it)
+    priced = parts["parameters"] + pm.plan.predicted["gradient_bytes_after_backward"] + parts["optimizer_states"]
     return {"tag": tag, "live": live, "priced": priced, "parts": parts, "working": working}
 
 
