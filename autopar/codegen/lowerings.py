@@ -132,7 +132,7 @@ def autopar_cross_entropy(x, target, weight=None, reduction=1, ignore_index=-100
     if reduction == loss_rule.NONE:
         return per_sample
     total = per_sample.sum()
-    return total if reduction == SUM else total / (target != ignore_index).sum()
+    return total if reduction == SUM else total / class_denominator(target, None, ignore_index, total.dtype, ())
 
 
 def autopar_vocab_parallel_cross_entropy(x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0, *,
@@ -285,7 +285,7 @@ def lowering(node, node_plan, graph, identical=()):
         elif tuple(metas[1].shape) == tuple(metas[0].shape) and metas[1].dtype not in ("int64", "int32"):
             x_shape = tuple(metas[0].shape)  # probability targets: divide by the sample count
             extra["count"] = math.prod(x_shape) // x_shape[1 if len(x_shape) >= 2 else 0]
-        if target == CROSS_ENTROPY and "count" not in extra and fused_cross_entropy(graph, node):
+        if target == CROSS_ENTROPY and fused_cross_entropy(graph, node):  # (class indices: no static count)
             extra["fused"] = True
         return autopar_loss_global_mean, extra, "packed"
     raise PlanError(
