@@ -133,8 +133,9 @@ def measure(v) -> dict:
                 forward_backward=int(resident + fb), after_backward=int(after_fb), optimizer=int(after_fb + opt))
 
 
-def rank_main(rank, world, model_name, model_kw, case):
-    """One plan in fresh processes (a plan measured after others would count what they left)."""
+def rank_main(rank, world, model_name, model_kw, case, save_plans=""):
+    """One plan in fresh processes (a plan measured after others would count what they left);
+    rank 0 writes it to ``save_plans`` (a folder) where given."""
     from autopar import Layout, Mesh, Pipeline
 
     warnings.simplefilter("ignore")
@@ -146,6 +147,9 @@ def rank_main(rank, world, model_name, model_kw, case):
                                    pipeline=False if pipeline is None else pipeline)
     except Exception as err:  # a plan the planner cannot form here: report, go on
         return dict(error=f"{type(err).__name__}: {err}")
+    if save_plans and rank == 0:
+        Path(save_plans).mkdir(parents=True, exist_ok=True)
+        v.plan.save(str(Path(save_plans) / f"{model_name}-{case.replace(' ', '_')}.json"))
     for _ in range(2):
         v.step()
     m = measure(v)
@@ -201,6 +205,7 @@ def main():
     p.add_argument("--tiny", action="store_true", help="tiny shapes (to try the driver in seconds)")
     p.add_argument("--only", default="", help="comma-separated plan names of CASES")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--save-plans", default="", help="a folder to write each measured plan to (JSON), to dry-run or reprice")
     a = p.parse_args()
     from autopar.runtime.launch import spawn
 
@@ -214,7 +219,7 @@ def main():
     res = {}
     for model_name in names:
         for case in only or CASES:
-            rows = spawn(rank_main, a.ranks, args=(model_name, opts["shapes"][model_name], case), timeout_s=1800)
+            rows = spawn(rank_main, a.ranks, args=(model_name, opts["shapes"][model_name], case, a.save_plans), timeout_s=1800)
             res[f"{model_name} {case}"] = rows[0] if "error" in rows[0] else rows
             if "error" not in rows[0]:
                 print(f"  {model_name} {case}: " + ", ".join(

@@ -187,10 +187,57 @@ def saved_inputs(graph) -> frozenset[tuple[str, int]]:
             kept.add(tin[k][1])
     for node in reversed(list(graph.nodes.values())):  # a view's readers come after it
         if node.op == "call_function" and is_view(node.target) and node.name in kept:
-            for pos, name in tensor_inputs(node, graph):
+            # a getitem reads its multi-output view (a split) as a tuple, not a tensor input
+            ins = [(0, node.inputs[0])] if node.target == "operator.getitem" else tensor_inputs(node, graph)
+            for pos, name in ins:
                 out.add((node.name, pos))
                 kept.add(name)
     return frozenset(out)
+
+
+@per_graph
+def keeping_reads(graph) -> dict[str, tuple[tuple[tuple[str, int], ...], ...]]:
+    """For every value saved for backward (``saved_for_backward``): the reads that keep it alive,
+    each as the edges (consumer, position in its ``inputs``) from the op whose backward keeps it
+    back through views to the value; an empty tuple where its own op keeps its output."""
+    roots = alias_roots(graph)
+    saved = saved_for_backward(graph)
+
+    def path(name: str, root: str) -> tuple[tuple[str, int], ...]:
+        edges = []
+        while name != root:
+            node = graph.nodes[name]
+            pos, name = next((k, i) for k, i in enumerate(node.inputs) if i in roots and root in roots[i])
+            edges.append((node.name, pos))
+        return tuple(edges)
+
+    out: dict[str, list] = {}
+    for node, tin, idx, saves_output in _saves(graph):
+        for k in idx:
+            pos, name = tin[k]
+            for r in roots[name] & saved:
+                out.setdefault(r, []).append(((node.name, pos),) + path(name, r))
+        if saves_output:
+            for r in roots[node.name] & saved:
+                out.setdefault(r, []).append(())
+    return {r: tuple(paths) for r, paths in out.items()}
+
+
+def released_by_reshards(graph, fresh) -> tuple[frozenset[str], frozenset[tuple[str, int]]]:
+    """(the saved values no backward keeps once the plan runs, the reshard edges whose copies are
+    kept in their place). A value is freed when every read that would keep it crosses an edge in
+    ``fresh`` ((consumer, position) of reshards that make a new tensor); of each such read the
+    copy nearest its reader is kept (``held_reshard_bytes`` with ``released``), copies further
+    back are freed as the value is. A q, k and v split by heads from a projection made whole: the
+    split copies stay, the projection and its whole copy go."""
+    fresh = set(fresh)
+    released, holding = set(), set()
+    for r, paths in keeping_reads(graph).items():
+        nearest = [next((e for e in p if e in fresh), None) for p in paths]
+        if all(e is not None for e in nearest):
+            released.add(r)
+            holding.update(nearest)
+    return frozenset(released), frozenset(holding)
 
 
 @per_graph
@@ -246,17 +293,19 @@ def grad_parts_in_flight(part_bytes: float, bucket_bytes: float, activation_byte
     return max(0.0, min(float(bucket_bytes), float(part_bytes)) - float(activation_bytes))
 
 
-def held_reshard_bytes(src_static: bool, src_spec, dst_spec, mesh, itemsize: int) -> int:
+def held_reshard_bytes(src_static: bool, src_spec, dst_spec, mesh, itemsize: int, released: bool = False) -> int:
     """Bytes a reshard on a saved edge (``saved_inputs``) keeps alive on top of what the source
     holds: nothing without a reshard; the whole copy when the source is a parameter or buffer
-    (held anyway: ZeRO-3's gathered weights); else what the copy adds to the producer's value (the
-    producer's own value is counted as saved; where the copy is smaller it is not credited: the
-    value may stay alive beside it, as a slice's view keeps it, or a chain of views resharded
-    twice, gathered whole and split again by each reader, whose gathered copy is transient)."""
+    (held anyway: ZeRO-3's gathered weights) or is ``released`` (``released_by_reshards``: no
+    backward keeps it); else what the copy adds to the producer's value, which is counted as
+    saved. The ILP prices the last way (it cannot see whether every reader of a value reshards
+    it); the plan's prediction, the first where it applies. Crediting a smaller copy per edge let
+    the ILP make transient copies free: a chain of views gathered whole and split again by each
+    reader "saved" the whole projection)."""
     if src_spec is None or dst_spec is None or src_spec == dst_spec:
         return 0
     held = local_numel(dst_spec.shape, dst_spec, mesh) * itemsize
-    return held if src_static else max(0, held - local_numel(src_spec.shape, src_spec, mesh) * itemsize)
+    return held if src_static or released else max(0, held - local_numel(src_spec.shape, src_spec, mesh) * itemsize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +395,34 @@ def activation_timeline(graph, specs: Mapping | None, mesh) -> list[tuple[str, i
     return out
 
 
+def _backward_walk(graph):
+    """What ``step_peak`` and ``plan_backward_peak`` walk: (the forward order, the position of the
+    first reader of every saved value, the unsaved values the model returns, {op: positions in its
+    inputs whose gradients its backward makes} for the ops whose backward makes any). A saved value
+    is alive in an op's backward while an op at or before it still has to read it."""
+    saved = saved_for_backward(graph)
+    order, spans = _lifetimes(graph)
+    end = len(order) - 1
+    returned = frozenset(n for n, first, last in spans if last == end and n not in saved)
+    pos = {n.name: k for k, n in enumerate(order)}
+    first_reader: dict[str, int] = {}
+    roots = alias_roots(graph)
+    for node, tin, idx, saves_output in _saves(graph):
+        for name in [r for k in idx for r in roots[tin[k][1]]] + (sorted(roots[node.name]) if saves_output else []):
+            first_reader[name] = min(first_reader.get(name, pos[node.name]), pos[node.name])
+    grad = needs_grad(graph)
+    points = {}
+    for node in order:
+        if node.op != "call_function" or is_view(node.target) or node.name not in grad \
+                or fused_cross_entropy(graph, node):  # (its gradient made in place of what it keeps)
+            continue
+        grads = tuple(j for j, i in enumerate(node.inputs)
+                      if i in grad and str(graph.nodes[i].role) not in STATIC_ROLES)
+        if grads:
+            points[node.name] = grads
+    return order, first_reader, returned, points
+
+
 def step_peak(graph) -> StepPeak:
     """The step's activation peak on the replicated timeline (a plan splits most activations
     alike, so the peak stays where it is): the forward's (``activation_timeline``), or an op's
@@ -365,36 +442,102 @@ def step_peak(graph) -> StepPeak:
     order, spans = _lifetimes(graph)
     best = timeline[t][1]
     peak = StepPeak(timeline[t][0], frozenset(n for n, first, end in spans if first <= t <= end and n not in saved))
-    # the values the model returns (held by the caller through backward)
-    end = len(order) - 1
-    returned = frozenset(n for n, first, last in spans if last == end and n not in saved)
+    order, first_reader, returned, points = _backward_walk(graph)
     held = sum(local_nbytes(graph.nodes[n].meta, None, one) for n in returned)
-    # a saved value is alive in an op's backward while an op at or before it still has to read it
-    pos = {n.name: k for k, n in enumerate(order)}
-    first_reader: dict[str, int] = {}
-    roots = alias_roots(graph)
-    for node, tin, idx, saves_output in _saves(graph):
-        for name in [r for k in idx for r in roots[tin[k][1]]] + (sorted(roots[node.name]) if saves_output else []):
-            first_reader[name] = min(first_reader.get(name, pos[node.name]), pos[node.name])
     kept_from = [0] * len(order)  # bytes of the saved values whose first reader is at each position
     for name in saved:
         kept_from[first_reader[name]] += local_nbytes(graph.nodes[name].meta, None, one)
-    grad = needs_grad(graph)
     kept = 0
     for k, node in enumerate(order):
         kept += kept_from[k]
-        if node.op != "call_function" or is_view(node.target) or node.name not in grad \
-                or fused_cross_entropy(graph, node):  # (its gradient made in place of what it keeps)
-            continue
-        grads = tuple(j for j, i in enumerate(node.inputs)
-                      if i in grad and str(graph.nodes[i].role) not in STATIC_ROLES)
-        if not grads:
+        if node.name not in points:
             continue
         metas = [graph.nodes[i].meta if i in graph.nodes else None for i in node.inputs]
-        total = kept + held + _backward_bytes(node, metas, (), None, grads, one)
+        total = kept + held + _backward_bytes(node, metas, (), None, points[node.name], one)
         if total > best:
-            best, peak = total, StepPeak(node.name, returned, backward=True, grads=grads)
+            best, peak = total, StepPeak(node.name, returned, backward=True, grads=points[node.name])
     return peak
+
+
+def plan_backward_peak(graph, mesh, out_specs: Mapping, in_specs: Mapping, held_for: Mapping, released,
+                       reshard_backward: Mapping) -> int:
+    """The most live activation bytes in any op's backward under a plan: ``step_peak``'s walk with
+    the plan's local sizes (``out_specs``: {value: its output spec}; ``in_specs``: {op: the specs
+    its strategy reads}), the reshard copies kept for each op's backward (``held_for``: {op:
+    bytes}), without the saved values that are ``released`` (``released_by_reshards``), and beside
+    an op's backward what the backward of the reshards on the reads it makes gradients for holds
+    (``reshard_backward``: {(op, position): bytes}, ``reshard_backward_bytes``). Where a plan
+    gathers a gradient whole in backward, the peak moves there, off the replicated timeline's."""
+    order, first_reader, returned, points = _backward_walk(graph)
+    pos = {n.name: k for k, n in enumerate(order)}
+    kept_from = [0] * len(order)
+    for name in saved_for_backward(graph) - set(released):
+        kept_from[first_reader[name]] += local_nbytes(graph.nodes[name].meta, _output_spec(out_specs.get(name)), mesh)
+    for name, nbytes in held_for.items():
+        kept_from[pos[name]] += nbytes
+    held = sum(local_nbytes(graph.nodes[n].meta, _output_spec(out_specs.get(n)), mesh) for n in returned)
+    best = kept = 0
+    for k, node in enumerate(order):
+        kept += kept_from[k]
+        grads = points.get(node.name)
+        if grads is None:
+            continue
+        metas = [graph.nodes[i].meta if i in graph.nodes else None for i in node.inputs]
+        total = (kept + held + _backward_bytes(node, metas, in_specs.get(node.name, ()),
+                                               _output_spec(out_specs.get(node.name)), grads, mesh)
+                 + sum(reshard_backward.get((node.name, j), 0) for j in grads))
+        best = max(best, total)
+    return best
+
+
+# The steps' duals in backward (``codegen.collectives``): (kind, src_dim, dst_dim) of the step that
+# turns the gradient of a step's output into that of its input; a slice or gather over axes whose
+# gradients are whole (``identical``) chunks locally, a slice elsewhere pads with zeros.
+def _dual(step, identical) -> tuple[str, int | None, int | None]:
+    whole = set(step.axes) <= set(identical)
+    if step.kind == "all_gather":
+        return ("local", None, None) if whole else ("reduce_scatter", None, step.src_dim)
+    if step.kind == "reduce_scatter":
+        return ("all_gather", step.dst_dim, None)
+    if step.kind == "all_to_all":
+        return ("all_to_all", step.dst_dim, step.src_dim)
+    if step.kind == "slice":
+        return ("all_gather", step.dst_dim, None) if whole else ("local", None, None)
+    return (step.kind, None, None)
+
+
+def step_buffer_bytes(kind: str, src_dim, dst_dim, in_bytes: int, out_bytes: int) -> int:
+    """What a collective holds beside its input and its result while it runs
+    (``codegen.collectives``): an all_gather of a dim other than the leading one packs its input
+    and receives into a buffer it concatenates from; an all_to_all packs what it sends unless that
+    is split on the leading dim, and receives into a buffer unless the pieces land on it; a
+    reduce_scatter copies its input and, off the leading dim, receives into a buffer."""
+    if kind == "all_gather":
+        return 0 if src_dim == 0 else in_bytes + out_bytes
+    if kind == "all_to_all":
+        return (in_bytes if dst_dim != 0 else 0) + (in_bytes if src_dim != 0 else 0)
+    if kind == "reduce_scatter":
+        return in_bytes + (out_bytes if dst_dim != 0 else 0)
+    return 0
+
+
+def reshard_backward_bytes(steps, src_spec, mesh, itemsize: int, identical=()) -> int:
+    """What the backward of a reshard (``steps`` from ``src_spec``) holds beside the gradient it
+    is handed, at its largest: each step's dual makes the gradient of the step's input, with its
+    collective's buffers, while the gradient it turns (the handed one excepted) is alive."""
+    from autopar.sharding_spec.reshard import spec_after
+
+    specs = [src_spec]
+    for st in steps:
+        specs.append(spec_after(specs[-1], st))
+    sizes = [local_numel(sp.shape, sp, mesh) * itemsize for sp in specs]
+    best = 0
+    for k in reversed(range(len(steps))):
+        kind, src_dim, dst_dim = _dual(steps[k], identical)
+        turned, made = sizes[k + 1], sizes[k]
+        buffers = step_buffer_bytes(kind, src_dim, dst_dim, turned, made)
+        best = max(best, (turned if k < len(steps) - 1 else 0) + made + buffers)
+    return best
 
 
 def activation_memory(graph, specs: Mapping | None, mesh) -> int:

@@ -20,7 +20,7 @@ from autopar.record.buckets import DEFAULT_BUCKET_BYTES
 from autopar.errors import ConfigError, PlanError
 from autopar.ir import trace
 from autopar.ir.flops import model_flops
-from autopar.cost_model.ops import local_nbytes
+from autopar.cost_model.ops import alias_roots, local_nbytes
 from autopar.ir.graph import Role, needs_grad
 from autopar.sharding_spec.mesh import Mesh
 from autopar.sharding_spec.strategy import active_axes
@@ -28,7 +28,7 @@ import autopar.solver.ilp as ilp
 from autopar.solver.config import PlanConfig
 from autopar.solver.layout import Layout, layout_force
 from autopar.solver.plan import NodePlan, ParamPlan, Plan
-from autopar.solver.problem import Overlap, build_problem, node_choices, planned_edges
+from autopar.solver.problem import Overlap, build_problem, edge_itemsize, node_choices, planned_edges
 from autopar.solver.simplify import block_ties, eliminate, prune, recover
 from autopar.solver.units import parse_bytes
 
@@ -476,6 +476,9 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
     for e in edges:  # what the output node reads is what it returns (``problem.returned_spec``)
         if graph.nodes[e.dst].op == "output":
             nodes[e.dst].inputs[e.position] = e.dst_spec
+    credit, held_for, released = _kept_copies(graph, nodes, edges, mesh)
+    memory -= credit
+    backward_peak = _backward_peak(graph, nodes, edges, mesh, held_for, released, tuple(built.identical))
     params, prices = {}, {}
     for fqn, node_name in list(graph.params.items()) + list(graph.buffers.items()):
         if node_name not in choices:
@@ -499,7 +502,8 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
                 precision=precision.to_dict() if precision is not None else None)
     # The ILP's objective ranks plans; the prediction prices what the runtime runs (buckets,
     # overheads, optimizer): see autopar.cost_model.step.
-    parts, after_backward = memory_parts(plan, graph, mesh, memory, precision, bucket_bytes, accumulated=step_share < 1.0)
+    parts, after_backward = memory_parts(plan, graph, mesh, memory, precision, bucket_bytes, accumulated=step_share < 1.0,
+                                         activations_at_least=backward_peak)
     # the ILP's memory is the step's peak; a bucket's gradient parts may outlast it (memory.grad_parts_in_flight)
     in_flight = memory_model.grad_parts_in_flight(_grad_part_bytes(plan, graph, mesh), bucket_bytes, parts["activations"])
     parts["gradients"] += in_flight
@@ -507,6 +511,53 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
                                     grad_total_bytes=total), memory_bytes_per_device=sum(parts.values()),
                           memory_parts=parts, gradient_bytes_after_backward=after_backward + in_flight)
     return plan
+
+
+def _kept_copies(graph, nodes: dict, edges, mesh) -> tuple[float, dict, frozenset]:
+    """(what the prediction holds less than the ILP priced, the reshard copies each op's backward
+    keeps {op: bytes}, the saved values freed): ``nodes``' memory is corrected in place. A saved
+    value every keeping read of which reshards it to a new tensor is freed once they have
+    (``memory.released_by_reshards``), and the copies nearest their readers are kept whole in its
+    place. A reshard of only slices of the leading dim may be a view of its source
+    (``collectives.SliceWhole``): not counted as a new tensor."""
+    fresh = {(e.dst, e.position) for e in edges
+             if e.steps and not all(st.kind == "slice" and st.dst_dim == 0 for st in e.steps)}
+    released, holding = memory_model.released_by_reshards(graph, fresh)
+    released = released & nodes.keys()
+    credit = 0.0
+    for r in released:
+        out = float(local_nbytes(graph.nodes[r].meta, nodes[r].output, mesh))
+        nodes[r].memory_bytes -= out
+        credit += out
+    kept, roots = memory_model.saved_inputs(graph), alias_roots(graph)
+    held_for: dict[str, float] = {}
+    for e in edges:
+        if (e.dst, e.position) not in kept or not e.steps:
+            continue
+        itemsize = edge_itemsize(graph.nodes[e.src].meta, graph.nodes[e.dst])
+        static = all(str(graph.nodes[r].role) in memory_model.STATIC_ROLES for r in roots[e.src])
+        held = priced = memory_model.held_reshard_bytes(static, e.src_spec, e.dst_spec, mesh, itemsize)
+        if (e.dst, e.position) in fresh and roots[e.src] <= released:
+            held = memory_model.held_reshard_bytes(False, e.src_spec, e.dst_spec, mesh, itemsize,
+                                                   released=True) if (e.dst, e.position) in holding else 0
+            nodes[e.dst].memory_bytes += held - priced
+            credit -= held - priced
+        held_for[e.dst] = held_for.get(e.dst, 0.0) + held
+    return credit, held_for, frozenset(released)
+
+
+def _backward_peak(graph, nodes: dict, edges, mesh, held_for: dict, released, identical) -> float:
+    """The plan's activations at their largest in any op's backward (``memory.plan_backward_peak``)."""
+    in_specs = {name: n.inputs for name, n in nodes.items()}
+    for e in edges:
+        if e.dst in in_specs and e.position < len(in_specs[e.dst]):
+            in_specs[e.dst] = list(in_specs[e.dst])
+            in_specs[e.dst][e.position] = e.dst_spec
+    duals = {(e.dst, e.position): memory_model.reshard_backward_bytes(
+                 e.steps, e.src_spec, mesh, edge_itemsize(graph.nodes[e.src].meta, graph.nodes[e.dst]), identical)
+             for e in edges if e.steps and e.backward}
+    return float(memory_model.plan_backward_peak(graph, mesh, {k: n.output for k, n in nodes.items()}, in_specs,
+                                                 held_for, released, duals))
 
 
 def _grad_part_bytes(plan, graph, mesh) -> float:
@@ -518,7 +569,7 @@ def _grad_part_bytes(plan, graph, mesh) -> float:
 
 
 def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 accumulated: bool = False) -> tuple[dict, float]:
+                 accumulated: bool = False, activations_at_least: float = 0.0) -> tuple[dict, float]:
     """Memory per device by kind: parameters (their stored shards; under ZeRO-2 the working copy
     and the updated chunk), gradients (with ZeRO-2's share of the reducer's pool of bucket
     buffers, or over several microbatches, ``accumulated``, its whole buckets), optimizer states
@@ -526,8 +577,10 @@ def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: 
     reshards kept for backward). Gradients that no bucket holds from step to step (a parameter
     with no gradient sync, in a step of one microbatch) are made in backward as the activations
     are freed, after the step's peak: they count only by what they exceed the activations by
-    (``memory.gradients_made_late``; the ILP's budget counts them whole). Also returned: the
-    gradient bytes held once backward is done (until ``zero_grad``)."""
+    (``memory.gradients_made_late``; the ILP's budget counts them whole). ``activations_at_least``:
+    the plan's activations in its largest backward (``memory.plan_backward_peak``), where that is
+    above what the ILP priced. Also returned: the gradient bytes held once backward is done (until
+    ``zero_grad``)."""
     zero2_bytes, saved = zero2_totals(plan, mesh)
     params = grads = held = late = 0.0
     for p in plan.params.values():
@@ -547,7 +600,7 @@ def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: 
             late += parts["gradients"]
         if zero_axes and not accumulated:
             grads += zero2_pool_bytes(p.grad_sync.nbytes, p.grad_sync.sum_by, zero2_bytes, saved, bucket_bytes)
-    states, activations = max(0.0, held - params - grads), max(0.0, total - held)
+    states, activations = max(0.0, held - params - grads), max(0.0, total - held, activations_at_least)
     after_backward = grads
     grads += memory_model.gradients_made_late(late, activations) - late
     return {"parameters": params, "gradients": grads, "optimizer_states": states, "activations": activations}, after_backward
