@@ -355,14 +355,15 @@ def _backward_bytes(node, in_metas, in_specs, out_spec, grads, mesh) -> int:
             + workspace_bytes(node, in_metas, in_specs, mesh, BACKWARD_WORKSPACE_RULES))
 
 
-def _lifetimes(graph) -> tuple[list, list[tuple[str, int, int]]]:
+def _lifetimes(graph, released=frozenset()) -> tuple[list, list[tuple[str, int, int]]]:
     """(nodes in forward order, (name, first, last position alive) of every value that owns its
-    memory and is an activation): a saved value lives to the end of the forward, another to its
-    last reader (the end, when the model returns it)."""
+    memory and is an activation): a saved value lives to the end of the forward (unless
+    ``released``: ``released_by_reshards``), another to its last reader (the end, when the model
+    returns it)."""
     order = list(graph.nodes.values())
     pos = {n.name: t for t, n in enumerate(order)}
     roots = alias_roots(graph)
-    saved = saved_for_backward(graph)
+    saved = saved_for_backward(graph) - set(released)
     end_of_forward = len(order) - 1
     last = {n.name: pos[n.name] for n in order}
     for t, node in enumerate(order):
@@ -393,6 +394,57 @@ def activation_timeline(graph, specs: Mapping | None, mesh) -> list[tuple[str, i
         in_specs = strategy.inputs if hasattr(strategy, "inputs") else ()
         out.append((node.name, live + workspace_bytes(node, ins, in_specs, mesh)))
     return out
+
+
+def plan_forward_peak(graph, mesh, out_specs: Mapping, in_specs: Mapping, held_for: Mapping, released,
+                      reshard_forward: Mapping) -> int:
+    """The most live activation bytes while any op runs forward under a plan: ``activation_timeline``
+    with the plan's local sizes (``out_specs``, ``in_specs`` as ``plan_backward_peak``'s), the
+    ``released`` values living to their last reader only, the reshard copies kept for backward
+    (``held_for``: {op: bytes}) from their reader on, and at each op what the reshards of its
+    reads make and hold while they run (``reshard_forward``: {(op, position): (the copy's bytes,
+    its collectives' buffers)}, ``reshard_forward_bytes``): the copies it reads, and the
+    largest of the buffers. A plan that gathers a large value whole where it is read (a ring's
+    logits for a replicated loss) peaks there."""
+    order, spans = _lifetimes(graph, released)
+    pos = {n.name: t for t, n in enumerate(order)}
+    end = len(order) - 1
+    delta = [0] * (len(order) + 1)
+    for name, first, last in spans:
+        size = local_nbytes(graph.nodes[name].meta, _output_spec(out_specs.get(name)), mesh)
+        delta[first] += size
+        delta[last + 1] -= size
+    for name, nbytes in held_for.items():
+        delta[pos[name]] += nbytes
+        delta[end + 1] -= nbytes
+    copies: dict[str, int] = {}
+    buffers: dict[str, int] = {}
+    for (name, _), (copy, buffer) in reshard_forward.items():
+        copies[name] = copies.get(name, 0) + copy
+        buffers[name] = max(buffers.get(name, 0), buffer)
+    best = live = 0
+    for t, node in enumerate(order):
+        live += delta[t]
+        ins = [graph.nodes[i].meta if i in graph.nodes else None for i in node.inputs]
+        work = workspace_bytes(node, ins, in_specs.get(node.name, ()), mesh)
+        best = max(best, live + copies.get(node.name, 0) + max(work, buffers.get(node.name, 0)))
+    return best
+
+
+def reshard_forward_bytes(steps, src_spec, mesh, itemsize: int) -> tuple[int, int]:
+    """(the bytes of a reshard's result, what its steps hold beside their input and result at the
+    largest: an intermediate result and the collective's buffers, ``step_buffer_bytes``)."""
+    from autopar.sharding_spec.reshard import spec_after
+
+    specs = [src_spec]
+    for st in steps:
+        specs.append(spec_after(specs[-1], st))
+    sizes = [local_numel(sp.shape, sp, mesh) * itemsize for sp in specs]
+    held = 0
+    for k, st in enumerate(steps):
+        held = max(held, (sizes[k] if k else 0)
+                   + step_buffer_bytes(st.kind, st.src_dim, st.dst_dim, sizes[k], sizes[k + 1]))
+    return sizes[-1], held
 
 
 def _backward_walk(graph):

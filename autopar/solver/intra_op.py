@@ -478,7 +478,7 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
             nodes[e.dst].inputs[e.position] = e.dst_spec
     credit, held_for, released = _kept_copies(graph, nodes, edges, mesh)
     memory -= credit
-    backward_peak = _backward_peak(graph, nodes, edges, mesh, held_for, released, tuple(built.identical))
+    activation_peak = _activation_peak(graph, nodes, edges, mesh, held_for, released, tuple(built.identical))
     params, prices = {}, {}
     for fqn, node_name in list(graph.params.items()) + list(graph.buffers.items()):
         if node_name not in choices:
@@ -503,7 +503,7 @@ def make_plan(graph, mesh, built, full: dict[str, int], memory: float, stats: di
     # The ILP's objective ranks plans; the prediction prices what the runtime runs (buckets,
     # overheads, optimizer): see autopar.cost_model.step.
     parts, after_backward = memory_parts(plan, graph, mesh, memory, precision, bucket_bytes, accumulated=step_share < 1.0,
-                                         activations_at_least=backward_peak)
+                                         activations_at_least=activation_peak)
     # the ILP's memory is the step's peak; a bucket's gradient parts may outlast it (memory.grad_parts_in_flight)
     in_flight = memory_model.grad_parts_in_flight(_grad_part_bytes(plan, graph, mesh), bucket_bytes, parts["activations"])
     parts["gradients"] += in_flight
@@ -546,18 +546,29 @@ def _kept_copies(graph, nodes: dict, edges, mesh) -> tuple[float, dict, frozense
     return credit, held_for, frozenset(released)
 
 
-def _backward_peak(graph, nodes: dict, edges, mesh, held_for: dict, released, identical) -> float:
-    """The plan's activations at their largest in any op's backward (``memory.plan_backward_peak``)."""
+def _activation_peak(graph, nodes: dict, edges, mesh, held_for: dict, released, identical) -> float:
+    """The plan's activations at their largest while any op runs, forward or backward, with its
+    local sizes and what its reshards make and hold (``memory.plan_forward_peak``,
+    ``memory.plan_backward_peak``)."""
     in_specs = {name: n.inputs for name, n in nodes.items()}
     for e in edges:
         if e.dst in in_specs and e.position < len(in_specs[e.dst]):
             in_specs[e.dst] = list(in_specs[e.dst])
             in_specs[e.dst][e.position] = e.dst_spec
-    duals = {(e.dst, e.position): memory_model.reshard_backward_bytes(
-                 e.steps, e.src_spec, mesh, edge_itemsize(graph.nodes[e.src].meta, graph.nodes[e.dst]), identical)
-             for e in edges if e.steps and e.backward}
-    return float(memory_model.plan_backward_peak(graph, mesh, {k: n.output for k, n in nodes.items()}, in_specs,
-                                                 held_for, released, duals))
+    out_specs = {k: n.output for k, n in nodes.items()}
+    kept = memory_model.saved_inputs(graph)  # (their copies are in ``held_for``)
+    forward, backward = {}, {}
+    for e in edges:
+        if not e.steps or graph.nodes[e.dst].op == "output":
+            continue
+        itemsize = edge_itemsize(graph.nodes[e.src].meta, graph.nodes[e.dst])
+        copy, buffers = memory_model.reshard_forward_bytes(e.steps, e.src_spec, mesh, itemsize)
+        forward[(e.dst, e.position)] = (0 if (e.dst, e.position) in kept else copy, buffers)
+        if e.backward:
+            backward[(e.dst, e.position)] = memory_model.reshard_backward_bytes(e.steps, e.src_spec, mesh, itemsize,
+                                                                                identical)
+    return float(max(memory_model.plan_forward_peak(graph, mesh, out_specs, in_specs, held_for, released, forward),
+                     memory_model.plan_backward_peak(graph, mesh, out_specs, in_specs, held_for, released, backward)))
 
 
 def _grad_part_bytes(plan, graph, mesh) -> float:
@@ -578,8 +589,9 @@ def memory_parts(plan, graph, mesh, total: float, precision=None, bucket_bytes: 
     with no gradient sync, in a step of one microbatch) are made in backward as the activations
     are freed, after the step's peak: they count only by what they exceed the activations by
     (``memory.gradients_made_late``; the ILP's budget counts them whole). ``activations_at_least``:
-    the plan's activations in its largest backward (``memory.plan_backward_peak``), where that is
-    above what the ILP priced. Also returned: the gradient bytes held once backward is done (until
+    the plan's activations where they are largest with its local sizes and reshards
+    (``memory.plan_forward_peak``, ``plan_backward_peak``), where that is above what the ILP
+    priced. Also returned: the gradient bytes held once backward is done (until
     ``zero_grad``)."""
     zero2_bytes, saved = zero2_totals(plan, mesh)
     params = grads = held = late = 0.0
