@@ -43,8 +43,9 @@ workspace. On edges, the copy a reshard makes of a value backward keeps (``saved
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from autopar.cost_model.ops import (
     BACKWARD_WORKSPACE_RULES,
@@ -355,23 +356,34 @@ def _backward_bytes(node, in_metas, in_specs, out_spec, grads, mesh) -> int:
             + workspace_bytes(node, in_metas, in_specs, mesh, BACKWARD_WORKSPACE_RULES))
 
 
-def _lifetimes(graph, released=frozenset()) -> tuple[list, list[tuple[str, int, int]]]:
-    """(nodes in forward order, (name, first, last position alive) of every value that owns its
-    memory and is an activation): a saved value lives to the end of the forward (unless
-    ``released``: ``released_by_reshards``), another to its last reader (the end, when the model
-    returns it)."""
+@per_graph
+def _last_readers(graph) -> tuple[list, dict[str, int], int]:
+    """(nodes in forward order, the last position each storage-owning value is read at (the end
+    of the forward when the model returns it), that end)."""
     order = list(graph.nodes.values())
     pos = {n.name: t for t, n in enumerate(order)}
     roots = alias_roots(graph)
-    saved = saved_for_backward(graph) - set(released)
     end_of_forward = len(order) - 1
     last = {n.name: pos[n.name] for n in order}
     for t, node in enumerate(order):
         for name in node.inputs:
             for r in roots.get(name, ()):
                 last[r] = max(last[r], end_of_forward if node.op == "output" else t)
-    spans = [(n.name, pos[n.name], end_of_forward if n.name in saved else last[n.name]) for n in order
-             if roots[n.name] == frozenset({n.name}) and str(n.role) not in STATIC_ROLES]
+    owners = [(n.name, pos[n.name]) for n in order
+              if roots[n.name] == frozenset({n.name}) and str(n.role) not in STATIC_ROLES]
+    return order, last, owners
+
+
+def _lifetimes(graph, released=frozenset()) -> tuple[list, list[tuple[str, int, int]]]:
+    """(nodes in forward order, (name, first, last position alive) of every value that owns its
+    memory and is an activation): a saved value lives to the end of the forward (unless
+    ``released``: ``released_by_reshards``), another to its last reader (the end, when the model
+    returns it)."""
+    order, last, owners = _last_readers(graph)
+    saved = saved_for_backward(graph)
+    end_of_forward = len(order) - 1
+    spans = [(name, first, end_of_forward if name in saved and name not in released else last[name])
+             for name, first in owners]
     return order, spans
 
 
@@ -431,15 +443,30 @@ def plan_forward_peak(graph, mesh, out_specs: Mapping, in_specs: Mapping, held_f
     return best
 
 
-def reshard_forward_bytes(steps, src_spec, mesh, itemsize: int) -> tuple[int, int]:
-    """(the bytes of a reshard's result, what its steps hold beside their input and result at the
-    largest: an intermediate result and the collective's buffers, ``step_buffer_bytes``)."""
+def _route_sizes(steps, src_spec, mesh, itemsize: int) -> list[int]:
+    """The local bytes before a reshard's first step and after each."""
     from autopar.sharding_spec.reshard import spec_after
 
     specs = [src_spec]
     for st in steps:
         specs.append(spec_after(specs[-1], st))
-    sizes = [local_numel(sp.shape, sp, mesh) * itemsize for sp in specs]
+    return [local_numel(sp.shape, sp, mesh) * itemsize for sp in specs]
+
+
+def _route_key(steps) -> tuple:
+    return tuple((st.kind, tuple(st.axes), st.src_dim, st.dst_dim) for st in steps)
+
+
+def reshard_forward_bytes(steps, src_spec, mesh, itemsize: int) -> tuple[int, int]:
+    """(the bytes of a reshard's result, what its steps hold beside their input and result at the
+    largest: an intermediate result and the collective's buffers, ``step_buffer_bytes``)."""
+    return _forward_bytes(_route_key(steps), src_spec, mesh, itemsize)
+
+
+@functools.lru_cache(maxsize=65536)  # (a plan's edges share few routes; the planner makes ~50 plans)
+def _forward_bytes(route, src_spec, mesh, itemsize: int) -> tuple[int, int]:
+    steps = [_RouteStep(*r) for r in route]
+    sizes = _route_sizes(steps, src_spec, mesh, itemsize)
     held = 0
     for k, st in enumerate(steps):
         held = max(held, (sizes[k] if k else 0)
@@ -447,6 +474,7 @@ def reshard_forward_bytes(steps, src_spec, mesh, itemsize: int) -> tuple[int, in
     return sizes[-1], held
 
 
+@per_graph
 def _backward_walk(graph):
     """What ``step_peak`` and ``plan_backward_peak`` walk: (the forward order, the position of the
     first reader of every saved value, the unsaved values the model returns, {op: positions in its
@@ -542,6 +570,15 @@ def plan_backward_peak(graph, mesh, out_specs: Mapping, in_specs: Mapping, held_
     return best
 
 
+class _RouteStep(NamedTuple):
+    """A step as the byte counts read it (``spec_after``'s fields)."""
+
+    kind: str
+    axes: tuple
+    src_dim: int | None
+    dst_dim: int | None
+
+
 # The steps' duals in backward (``codegen.collectives``): (kind, src_dim, dst_dim) of the step that
 # turns the gradient of a step's output into that of its input; a slice or gather over axes whose
 # gradients are whole (``identical``) chunks locally, a slice elsewhere pads with zeros.
@@ -577,12 +614,13 @@ def reshard_backward_bytes(steps, src_spec, mesh, itemsize: int, identical=()) -
     """What the backward of a reshard (``steps`` from ``src_spec``) holds beside the gradient it
     is handed, at its largest: each step's dual makes the gradient of the step's input, with its
     collective's buffers, while the gradient it turns (the handed one excepted) is alive."""
-    from autopar.sharding_spec.reshard import spec_after
+    return _backward_bytes_of(_route_key(steps), src_spec, mesh, itemsize, tuple(sorted(identical)))
 
-    specs = [src_spec]
-    for st in steps:
-        specs.append(spec_after(specs[-1], st))
-    sizes = [local_numel(sp.shape, sp, mesh) * itemsize for sp in specs]
+
+@functools.lru_cache(maxsize=65536)
+def _backward_bytes_of(route, src_spec, mesh, itemsize: int, identical: tuple) -> int:
+    steps = [_RouteStep(*r) for r in route]
+    sizes = _route_sizes(steps, src_spec, mesh, itemsize)
     best = 0
     for k in reversed(range(len(steps))):
         kind, src_dim, dst_dim = _dual(steps[k], identical)
