@@ -234,6 +234,8 @@ def released_by_reshards(graph, fresh) -> tuple[frozenset[str], frozenset[tuple[
     fresh = set(fresh)
     released, holding = set(), set()
     for r, paths in keeping_reads(graph).items():
+        if graph.nodes[r].op == "placeholder":  # a user's input: the caller holds it
+            continue
         nearest = [next((e for e in p if e in fresh), None) for p in paths]
         if all(e is not None for e in nearest):
             released.add(r)

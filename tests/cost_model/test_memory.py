@@ -374,3 +374,7 @@ def test_a_projection_split_into_heads_is_kept_through_its_split_and_freed_when_
     released, holding = released_by_reshards(graph, {(split.name, 0)})
     assert proj in released and holding == {(split.name, 0)}
     assert proj not in released_by_reshards(graph, set(list(heads)[:2]))[0]
+    # a user's input (the token ids the embedding keeps) stays with the caller, resharded or not
+    every_read = {(n.name, k) for n in graph.nodes.values() for k in range(len(n.inputs))}
+    inputs = {n.name for n in graph.nodes.values() if n.op == "placeholder" and str(n.role) == "input"}
+    assert inputs & set(keeping_reads(graph)) and not inputs & released_by_reshards(graph, every_read)[0]
