@@ -27,7 +27,11 @@ every saved value and what lives beside them at the step's peak (``step_peak``, 
 replicated timeline): in the forward, the values alive there and the workspace of the op running
 there; in an op's backward (a language model's loss), the gradients it makes and its backward's
 workspace. On edges, the copy a reshard makes of a value backward keeps (``saved_inputs``,
-``held_reshard_bytes``). Approximations:
+``held_reshard_bytes``). A plan's prediction goes further than these linear terms: a value whose
+every keeping read reshards it to a new tensor is freed (``released_by_reshards``), and its
+activations are at least their largest while any op runs, forward or backward, with the plan's
+local sizes, the copies its reshards make and their collectives' buffers (``plan_forward_peak``,
+``plan_backward_peak``). Approximations:
 
 - backward frees saved tensors as it goes and makes gradients about one op at a time: the gradients
   of values an op's backward does not touch (a residual stream's, waiting for the branch) are not
@@ -304,7 +308,7 @@ def held_reshard_bytes(src_static: bool, src_spec, dst_spec, mesh, itemsize: int
     saved. The ILP prices the last way (it cannot see whether every reader of a value reshards
     it); the plan's prediction, the first where it applies. Crediting a smaller copy per edge let
     the ILP make transient copies free: a chain of views gathered whole and split again by each
-    reader "saved" the whole projection)."""
+    reader "saved" the whole projection."""
     if src_spec is None or dst_spec is None or src_spec == dst_spec:
         return 0
     held = local_numel(dst_spec.shape, dst_spec, mesh) * itemsize
@@ -359,9 +363,10 @@ def _backward_bytes(node, in_metas, in_specs, out_spec, grads, mesh) -> int:
 
 
 @per_graph
-def _last_readers(graph) -> tuple[list, dict[str, int], int]:
-    """(nodes in forward order, the last position each storage-owning value is read at (the end
-    of the forward when the model returns it), that end)."""
+def _last_readers(graph) -> tuple[list, dict[str, int], list[tuple[str, int]]]:
+    """(nodes in forward order, the last position each value is read at (the end of the forward
+    when the model returns it), (name, position) of the values that own their memory and are
+    activations)."""
     order = list(graph.nodes.values())
     pos = {n.name: t for t, n in enumerate(order)}
     roots = alias_roots(graph)
