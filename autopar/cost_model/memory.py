@@ -394,20 +394,35 @@ def _lifetimes(graph, released=frozenset()) -> tuple[list, list[tuple[str, int, 
     return order, spans
 
 
+def _forward_live(graph, out_specs: Mapping, mesh, released=frozenset(), held_for: Mapping | None = None):
+    """(node, the live activation bytes while it runs, its workspace aside) in forward order, each
+    value's local size by its output spec (``out_specs``: {name: spec or Strategy}; missing names
+    are replicated), the ``released`` values living to their last reader only, and the reshard
+    copies kept for backward (``held_for``: {op: bytes}) from their reader on."""
+    order, spans = _lifetimes(graph, released)
+    delta = [0] * (len(order) + 1)
+    for name, first, end in spans:
+        size = local_nbytes(graph.nodes[name].meta, _output_spec(out_specs.get(name)), mesh)
+        delta[first] += size
+        delta[end + 1] -= size
+    if held_for:
+        pos = {n.name: t for t, n in enumerate(order)}
+        for name, nbytes in held_for.items():
+            delta[pos[name]] += nbytes
+            delta[len(order)] -= nbytes
+    live = 0
+    for t, node in enumerate(order):
+        live += delta[t]
+        yield node, live
+
+
 def activation_timeline(graph, specs: Mapping | None, mesh) -> list[tuple[str, int]]:
     """(node name, live activation bytes while that node runs) in forward order. ``specs``:
     {node name: output ShardingSpec (a tuple for multi-output ops) or Strategy}; missing names
     are replicated."""
     specs = specs or {}
-    order, spans = _lifetimes(graph)
-    delta = [0] * (len(order) + 1)
-    for name, first, end in spans:
-        size = local_nbytes(graph.nodes[name].meta, _output_spec(specs.get(name)), mesh)
-        delta[first] += size
-        delta[end + 1] -= size
-    out, live = [], 0
-    for t, node in enumerate(order):
-        live += delta[t]
+    out = []
+    for node, live in _forward_live(graph, specs, mesh):
         ins = [graph.nodes[i].meta if i in graph.nodes else None for i in node.inputs]
         strategy = specs.get(node.name)
         in_specs = strategy.inputs if hasattr(strategy, "inputs") else ()
@@ -425,25 +440,13 @@ def plan_forward_peak(graph, mesh, out_specs: Mapping, in_specs: Mapping, held_f
     its collectives' buffers)}, ``reshard_forward_bytes``): the copies it reads, and the
     largest of the buffers. A plan that gathers a large value whole where it is read (a ring's
     logits for a replicated loss) peaks there."""
-    order, spans = _lifetimes(graph, released)
-    pos = {n.name: t for t, n in enumerate(order)}
-    end = len(order) - 1
-    delta = [0] * (len(order) + 1)
-    for name, first, last in spans:
-        size = local_nbytes(graph.nodes[name].meta, _output_spec(out_specs.get(name)), mesh)
-        delta[first] += size
-        delta[last + 1] -= size
-    for name, nbytes in held_for.items():
-        delta[pos[name]] += nbytes
-        delta[end + 1] -= nbytes
     copies: dict[str, int] = {}
     buffers: dict[str, int] = {}
     for (name, _), (copy, buffer) in reshard_forward.items():
         copies[name] = copies.get(name, 0) + copy
         buffers[name] = max(buffers.get(name, 0), buffer)
-    best = live = 0
-    for t, node in enumerate(order):
-        live += delta[t]
+    best = 0
+    for node, live in _forward_live(graph, out_specs, mesh, released, held_for):
         ins = [graph.nodes[i].meta if i in graph.nodes else None for i in node.inputs]
         work = workspace_bytes(node, ins, in_specs.get(node.name, ()), mesh)
         best = max(best, live + copies.get(node.name, 0) + max(work, buffers.get(node.name, 0)))
@@ -467,11 +470,11 @@ def _route_key(steps) -> tuple:
 def reshard_forward_bytes(steps, src_spec, mesh, itemsize: int) -> tuple[int, int]:
     """(the bytes of a reshard's result, what its steps hold beside their input and result at the
     largest: an intermediate result and the collective's buffers, ``step_buffer_bytes``)."""
-    return _forward_bytes(_route_key(steps), src_spec, mesh, itemsize)
+    return _reshard_forward_of(_route_key(steps), src_spec, mesh, itemsize)
 
 
 @functools.lru_cache(maxsize=65536)  # (a plan's edges share few routes; the planner makes ~50 plans)
-def _forward_bytes(route, src_spec, mesh, itemsize: int) -> tuple[int, int]:
+def _reshard_forward_of(route, src_spec, mesh, itemsize: int) -> tuple[int, int]:
     steps = [_RouteStep(*r) for r in route]
     sizes = _route_sizes(steps, src_spec, mesh, itemsize)
     held = 0
@@ -529,20 +532,10 @@ def step_peak(graph) -> StepPeak:
     order, spans = _lifetimes(graph)
     best = timeline[t][1]
     peak = StepPeak(timeline[t][0], frozenset(n for n, first, end in spans if first <= t <= end and n not in saved))
-    order, first_reader, returned, points = _backward_walk(graph)
-    held = sum(local_nbytes(graph.nodes[n].meta, None, one) for n in returned)
-    kept_from = [0] * len(order)  # bytes of the saved values whose first reader is at each position
-    for name in saved:
-        kept_from[first_reader[name]] += local_nbytes(graph.nodes[name].meta, None, one)
-    kept = 0
-    for k, node in enumerate(order):
-        kept += kept_from[k]
-        if node.name not in points:
-            continue
-        metas = [graph.nodes[i].meta if i in graph.nodes else None for i in node.inputs]
-        total = kept + held + _backward_bytes(node, metas, (), None, points[node.name], one)
+    returned = _backward_walk(graph)[2]  # (held by the caller through backward)
+    for node, grads, total in _backward_totals(graph, one):
         if total > best:
-            best, peak = total, StepPeak(node.name, returned, backward=True, grads=points[node.name])
+            best, peak = total, StepPeak(node.name, returned, backward=True, grads=grads)
     return peak
 
 
@@ -555,26 +548,35 @@ def plan_backward_peak(graph, mesh, out_specs: Mapping, in_specs: Mapping, held_
     an op's backward what the backward of the reshards on the reads it makes gradients for holds
     (``reshard_backward``: {(op, position): bytes}, ``reshard_backward_bytes``). Where a plan
     gathers a gradient whole in backward, the peak moves there, off the replicated timeline's."""
+    return max((total for _, _, total in _backward_totals(graph, mesh, out_specs, in_specs, held_for, released,
+                                                          reshard_backward)), default=0)
+
+
+def _backward_totals(graph, mesh, out_specs: Mapping | None = None, in_specs: Mapping | None = None,
+                     held_for: Mapping | None = None, released=frozenset(), reshard_backward: Mapping | None = None):
+    """(op, the positions whose gradients its backward makes, the live bytes while it runs) for
+    every op whose backward makes any (``plan_backward_peak``'s arguments; none given: the
+    replicated timeline ``step_peak`` reads)."""
+    out_specs, in_specs = out_specs or {}, in_specs or {}
+    held_for, reshard_backward = held_for or {}, reshard_backward or {}
     order, first_reader, returned, points = _backward_walk(graph)
     pos = {n.name: k for k, n in enumerate(order)}
-    kept_from = [0] * len(order)
+    kept_from = [0] * len(order)  # bytes of the saved values whose first reader is at each position
     for name in saved_for_backward(graph) - set(released):
         kept_from[first_reader[name]] += local_nbytes(graph.nodes[name].meta, _output_spec(out_specs.get(name)), mesh)
     for name, nbytes in held_for.items():
         kept_from[pos[name]] += nbytes
     held = sum(local_nbytes(graph.nodes[n].meta, _output_spec(out_specs.get(n)), mesh) for n in returned)
-    best = kept = 0
+    kept = 0
     for k, node in enumerate(order):
         kept += kept_from[k]
         grads = points.get(node.name)
         if grads is None:
             continue
         metas = [graph.nodes[i].meta if i in graph.nodes else None for i in node.inputs]
-        total = (kept + held + _backward_bytes(node, metas, in_specs.get(node.name, ()),
-                                               _output_spec(out_specs.get(node.name)), grads, mesh)
-                 + sum(reshard_backward.get((node.name, j), 0) for j in grads))
-        best = max(best, total)
-    return best
+        yield node, grads, (kept + held + _backward_bytes(node, metas, in_specs.get(node.name, ()),
+                                                          _output_spec(out_specs.get(node.name)), grads, mesh)
+                            + sum(reshard_backward.get((node.name, j), 0) for j in grads))
 
 
 class _RouteStep(NamedTuple):
@@ -621,11 +623,11 @@ def reshard_backward_bytes(steps, src_spec, mesh, itemsize: int, identical=()) -
     """What the backward of a reshard (``steps`` from ``src_spec``) holds beside the gradient it
     is handed, at its largest: each step's dual makes the gradient of the step's input, with its
     collective's buffers, while the gradient it turns (the handed one excepted) is alive."""
-    return _backward_bytes_of(_route_key(steps), src_spec, mesh, itemsize, tuple(sorted(identical)))
+    return _reshard_backward_of(_route_key(steps), src_spec, mesh, itemsize, tuple(sorted(identical)))
 
 
 @functools.lru_cache(maxsize=65536)
-def _backward_bytes_of(route, src_spec, mesh, itemsize: int, identical: tuple) -> int:
+def _reshard_backward_of(route, src_spec, mesh, itemsize: int, identical: tuple) -> int:
     steps = [_RouteStep(*r) for r in route]
     sizes = _route_sizes(steps, src_spec, mesh, itemsize)
     best = 0

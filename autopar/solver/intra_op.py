@@ -550,10 +550,7 @@ def _activation_peak(graph, nodes: dict, edges, mesh, held_for: dict, released, 
     """The plan's activations at their largest while any op runs, forward or backward, with its
     local sizes and what its reshards make and hold (``memory.plan_forward_peak``,
     ``memory.plan_backward_peak``)."""
-    in_specs = {name: list(n.inputs) for name, n in nodes.items()}
-    for e in edges:
-        if e.dst in in_specs and e.position < len(in_specs[e.dst]):
-            in_specs[e.dst][e.position] = e.dst_spec
+    in_specs = {name: n.inputs for name, n in nodes.items()}  # (what each edge's steps end at)
     out_specs = {k: n.output for k, n in nodes.items()}
     kept = memory_model.saved_inputs(graph)  # (their copies are in ``held_for``)
     forward, backward = {}, {}
