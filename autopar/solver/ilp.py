@@ -200,7 +200,9 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str | None = 
     # (CBC hands back its last point even where it proved the program infeasible)
     found = x is not None and status_name != "Infeasible" and _has_solution(s, x)
     if cutoff_s is not None and (not found or evaluate(problem, _picked(problem, s, x))[0] > cutoff_s):
-        raise NoCheaperPlan(f"no assignment costs under the cutoff of {cutoff_s:.3g} s")
+        # (proven where HiGHS' bound dropped every branch, or its optimum lies above: not where it stopped on time)
+        raise NoCheaperPlan(f"no assignment costs under the cutoff of {cutoff_s:.3g} s",
+                            proven=status_name in ("Infeasible", "Optimal"))
     if not found:
         if status_name == "Infeasible" and problem.budget is not None:
             raise _budget_error(problem)
@@ -417,7 +419,12 @@ def _variable_factory(lp):
 
 
 class NoCheaperPlan(PlanError):
-    """Every assignment costs more than the caller's cutoff."""
+    """Every assignment costs more than the caller's cutoff: ``proven`` where the solver showed it,
+    not only ran out of time before it found one under it."""
+
+    def __init__(self, message: str, proven: bool = False):
+        super().__init__(message)
+        self.proven = proven
 
 
 class OverBudget(PlanError):

@@ -307,7 +307,8 @@ def _plan_under(graph, mesh, budget, force, config: PlanConfig, identical: tuple
     overheads = graph_overheads_s(graph, mesh.resolved_cluster())
     cutoff = config.objective_cutoff_s
     attempt, overlap_stats = _solve_overlapped(graph, built.problem, overlap, choices,
-                                               config if cutoff is None else config.replace(objective_cutoff_s=cutoff - overheads))
+                                               config if cutoff is None else config.replace(objective_cutoff_s=cutoff - overheads),
+                                               built.lower_bounds)
     tie, period, full, solution, objective, memory, reduced, small = attempt
     objective += overheads
     if "objective_bound_s" in overlap_stats:
@@ -333,7 +334,7 @@ def _plan_under(graph, mesh, budget, force, config: PlanConfig, identical: tuple
     return mesh, built, full, stats, memory
 
 
-def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: PlanConfig):
+def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: PlanConfig, bounds: dict | None = None):
     """``_solve_tied`` with the gradient syncs that backward hides left out of the objective: the
     step is b + max(0, r) (``Overlap``: b the rest and the last bucket, r the syncs past the
     last bucket less their cover), which no sum over choices gives. For every l in [0, 1], min b + l r is a sum the
@@ -343,14 +344,15 @@ def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: 
     moves to where their sums meet (the Lagrangian dual's search: each new minimiser replaces the
     bracket end of its sign of r, and the bound rises) until a minimiser proves optimal, no new one
     appears, or ``DUAL_STEPS`` ILPs more are spent. Returns (the cheapest attempt, with the step as
-    its objective; stats, with the bound where unproven)."""
+    its objective; stats, with the bound where unproven). ``bounds``: the problem's lower bounds
+    per (costs variant, block period) (``Built.lower_bounds``), read and added to."""
     periods = (1, 2) if config.reuse_blocks else (0,)
 
-    def run(costs, cutoff=None):
+    def run(costs, lam=None, cutoff=None):
         variant = dataclasses.replace(problem, costs=costs, tie={})
         cutoffs = [c for c in (cutoff, config.objective_cutoff_s) if c is not None]
         return _solve_tied(graph, variant, periods, choices, config.simplify, config.time_limit_s, config.solver,
-                           min(cutoffs) if cutoffs else None)
+                           min(cutoffs) if cutoffs else None, bounds, lam)
 
     if overlap is None:
         return run(problem.costs), {}
@@ -373,17 +375,17 @@ def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: 
         # (the pipeline search's ILPs, one per sub-mesh, count and budget) the end that charges
         # the syncs less their cover, one ILP: optimal where they do not all hide (a stage's hide
         # behind one microbatch's backward, seldom wholly), a bound of the step else
-        paid = run(at(1.0))
+        paid = run(at(1.0), 1.0)
         b1, r1 = split(paid)
         floor = overlap.last_bucket(paid[2])
         if r1 >= 0:
             return priced(paid), {"sync_hidden": "in part", "sync_floor_s": floor}
         return priced(paid), {"sync_hidden": "bounded", "sync_floor_s": floor, "objective_bound_s": b1 + r1}
-    hidden = run(at(0.0))
+    hidden = run(at(0.0), 0.0)
     b0, r0 = split(hidden)
     if r0 <= 0:
         return priced(hidden), {"sync_hidden": "all", "sync_floor_s": overlap.last_bucket(hidden[2])}
-    paid = run(at(1.0))
+    paid = run(at(1.0), 1.0)
     b1, r1 = split(paid)
     if r1 >= 0:
         return priced(paid), {"sync_hidden": "in part", "sync_floor_s": overlap.last_bucket(paid[2])}
@@ -394,7 +396,7 @@ def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: 
             break
         lam = (b1 - b0) / (r0 - r1)  # where the bracket ends' sums meet
         try:
-            found = run(at(lam), cutoff=b0 + lam * r0)
+            found = run(at(lam), lam, cutoff=b0 + lam * r0)
         except ilp.NoCheaperPlan:  # the dual's maximum: nothing below the ends' meeting point
             bound = max(bound, b0 + lam * r0)
             break
@@ -418,24 +420,39 @@ def _solve_overlapped(graph, problem, overlap: Overlap | None, choices, config: 
 DUAL_STEPS = 4
 
 
-def _solve_tied(graph, problem, periods, choices, simplify, time_limit_s, solver, cutoff_s=None):
+def _solve_tied(graph, problem, periods, choices, simplify, time_limit_s, solver, cutoff_s=None, bounds=None,
+                costs_key=None):
     """Solve with repeated blocks sharing one solution, for each block period (0: no sharing):
     (tie, period, choice per node, solution, objective, memory, reduced, solved) of the cheapest.
     A period of 2 lets neighbouring copies alternate (e.g. column- then row-parallel when each copy
     is a single linear). ``cutoff_s``: see ``ilp.solve`` (NoCheaperPlan when no period gets under it).
     A later period is solved with the best objective so far as its cutoff: it is kept only where
-    it is cheaper, and HiGHS drops the branches that cannot be."""
+    it is cheaper, and HiGHS drops the branches that cannot be. ``bounds``: lower bounds per
+    (``costs_key``, period) that unbudgeted solves proved (their optimum, or a cutoff nothing got
+    under); a budgeted solve whose cutoff lies below one is not run (the pipeline search's leaner
+    plans under a cutoff: most cannot beat the stages found)."""
     best, above = None, None
+    budgeted = problem.budget is not None
     for period in periods:
         problem.tie = block_ties(graph, choices, period) if period else {}
         if best is not None and problem.tie == best[0]:
             continue
         cutoff = cutoff_s if best is None else min(best[4], math.inf if cutoff_s is None else cutoff_s)
+        key = (costs_key, period)
+        if budgeted and bounds is not None and cutoff is not None and bounds.get(key, -math.inf) >= cutoff:
+            above = ilp.NoCheaperPlan(f"no assignment costs under the cutoff of {cutoff:.3g} s (none does without "
+                                      "a memory budget)", proven=True)
+            continue
         try:
             attempt = _solve(problem, simplify, time_limit_s, solver, cutoff)
         except ilp.NoCheaperPlan as err:
+            if not budgeted and bounds is not None and err.proven:
+                bounds[key] = max(bounds.get(key, -math.inf), cutoff)
             above = err
             continue
+        if not budgeted and bounds is not None and attempt[1].status == "Optimal":
+            # (less a margin for the solver's tolerances: a cutoff near the optimum is solved)
+            bounds[key] = max(bounds.get(key, -math.inf), attempt[2] - 1e-6 * abs(attempt[2]))
         if best is None or attempt[2] < best[4] - 1e-15:
             best = (problem.tie, period, *attempt)
     if best is None:

@@ -47,7 +47,8 @@ from autopar.solver.plan import PipelinePlan, Plan, StagePlan
 from autopar.solver.receives import received_edges
 from autopar.solver.stage_dp import StageSolution, solve_stages
 from autopar.solver.stage_prices import (
-    UnitPrices, fastest_prices, grouped_prices, held_bytes, leaner_prices, multi_unit_params, stage_tables, step_extras,
+    UnitPrices, fastest_prices, grouped_prices, held_bytes, leaner_prices, multi_unit_params, stacked_tables, step_extras,
+    variant_tables,
 )
 
 log = logging.getLogger(__name__)
@@ -369,12 +370,15 @@ class Found(NamedTuple):
 
 
 class _StageTables:
-    """The stage DP's tables over ``variants`` (``stage_tables``) per grouping of the layers into
-    units (``unit_groups``), built on first use."""
+    """The stage DP's tables over ``variants`` (``stage_prices.stage_tables``) per grouping of the
+    layers into units (``unit_groups``), built on first use; each variant's own tables kept in
+    ``per_variant`` (shared by the DP runs of one search: a count's leaner and wider variants join
+    the ones it already priced)."""
 
-    def __init__(self, variants, graph, mesh: Mesh, layers: tuple[int, ...] | None):
+    def __init__(self, variants, graph, mesh: Mesh, layers: tuple[int, ...] | None, per_variant: dict):
         self.variants, self.graph, self.mesh, self.layers = variants, graph, mesh, layers
         self.built: dict[tuple, tuple] = {}  # (group sizes, overlapped) -> (groups, grouped variants, time, StageMemory)
+        self.per_variant = per_variant  # (id of UnitPrices, group sizes, overlapped) -> (it, grouped, tables)
 
     def for_stages(self, stage_count: int | None, schedule: Schedule):
         """(groups, grouped variants, time, StageMemory) on units fit for ``stage_count`` stages
@@ -382,8 +386,15 @@ class _StageTables:
         groups = unit_groups(len(self.graph.layers), stage_count, self.layers)
         key = (tuple(map(len, groups)), schedule.overlaps_sync)
         if key not in self.built:
-            grouped = [(rows, grouped_prices(p, groups)) for rows, p in self.variants]
-            time_t, *memory = stage_tables(grouped, len(groups), self.mesh, schedule.overlaps_sync)
+            grouped, tables = [], []
+            for rows, p in self.variants:
+                own = (id(p), *key)
+                if own not in self.per_variant:
+                    g = grouped_prices(p, groups)
+                    self.per_variant[own] = (p, g, variant_tables(g, len(groups), self.mesh, schedule.overlaps_sync))
+                grouped.append((rows, self.per_variant[own][1]))
+                tables.append(self.per_variant[own][2])
+            time_t, *memory = stacked_tables(tables, len(groups))
             if self.layers is not None:
                 time_t = _fixed_cuts(time_t)
             self.built[key] = (groups, grouped, time_t, StageMemory(*memory))
@@ -420,6 +431,7 @@ class _Search:
         self.options = _stage_rows(mesh, pipeline.stages, equal_stages)
         self.timing = {"trace_s": 0.0, "intra_op_s": 0.0, "dp_s": 0.0, "traces": 0, "scaled_graphs": 0}
         self.results: dict[int, Found | None] = {}
+        self.tables_by_variant: dict = {}  # (see _StageTables)
         self.graphs: dict[int, object] = {}
         self.real: list[int] = []  # the counts whose graph was traced (the others were scaled from two of them)
 
@@ -625,7 +637,7 @@ class _Search:
             return None
         found = None
         mesh = self.mesh
-        tables = _StageTables(variants, graph, mesh, self.pipeline.layers)
+        tables = _StageTables(variants, graph, mesh, self.pipeline.layers, self.tables_by_variant)
         shared = multi_unit_params(graph)
         devices = np.array([rows for rows, _ in variants])
         recomputed = np.array([bool(p.recompute) for _, p in variants])

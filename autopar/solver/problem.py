@@ -144,6 +144,10 @@ class Built:
     requires_grad: set[str]
     identical: tuple = ()  # the axes gradients are whole on (``record.gradients``)
     most: float = math.inf  # the memory of every node's most memory-hungry choice together
+    # (costs variant, block period) -> a lower bound of the objective of any assignment, from the
+    # unbudgeted solves: shared by every ``with_budget`` copy, since a budget only removes
+    # assignments (``intra_op._solve_tied`` skips a budgeted solve its cutoff rules out)
+    lower_bounds: dict = dataclasses.field(default_factory=dict)
 
     def with_budget(self, memory_budget: float | None) -> "Built":
         """This problem under another memory budget (a copy; the choices and prices shared). A

@@ -464,18 +464,28 @@ def stage_tables(variants, n_units: int, mesh: Mesh, overlapped: bool = True):
     per microbatch of the step, what a stage running its forwards first holds less) per (first
     unit, last unit, variant); ``overlapped``: the schedule launches a stage's gradient syncs in
     its last microbatch's backward (``Schedule.overlaps_sync``)."""
-    n_opt = len(variants)
-    time_t = np.full((n_units, n_units, n_opt), math.inf)
+    return stacked_tables([variant_tables(p, n_units, mesh, overlapped) for _, p in variants], n_units)
+
+
+def stacked_tables(per_variant: list, n_units: int):
+    """``stage_tables`` from each variant's own (``variant_tables``)."""
+    if not per_variant:
+        return tuple(np.full((n_units, n_units, 0), math.inf) for _ in range(6))
+    return tuple(np.stack(parts, axis=2) for parts in zip(*per_variant))
+
+
+def variant_tables(p: UnitPrices, n_units: int, mesh: Mesh, overlapped: bool = True):
+    """``stage_tables`` of one variant: six (first unit, last unit) tables."""
+    time_t = np.full((n_units, n_units), math.inf)
     mem_t, act_t, deferred_t, received_t, overlap_t = (np.zeros_like(time_t) for _ in range(5))
-    for m, (rows, p) in enumerate(variants):
-        c_act = np.concatenate([[0.0], np.cumsum(p.activation_bytes)])
-        for i in range(n_units):
-            time_t[i, i:, m] = p.time_from(i, overlapped) + p.receive_s(i, mesh)
-            mem_t[i, i:, m] = p.held_from(i) + p.stage_extra_bytes + p.parts_in_flight_from(i)
-            act_t[i, i:, m] = c_act[i + 1:] - c_act[i]
-            deferred_t[i, i:, m] = p.deferred_from(i)
-            received_t[i, i:, m] = p.receive_buffers_from(i)
-            overlap_t[i, i:, m] = p.overlap_from(i)
+    c_act = np.concatenate([[0.0], np.cumsum(p.activation_bytes)])
+    for i in range(n_units):
+        time_t[i, i:] = p.time_from(i, overlapped) + p.receive_s(i, mesh)
+        mem_t[i, i:] = p.held_from(i) + p.stage_extra_bytes + p.parts_in_flight_from(i)
+        act_t[i, i:] = c_act[i + 1:] - c_act[i]
+        deferred_t[i, i:] = p.deferred_from(i)
+        received_t[i, i:] = p.receive_buffers_from(i)
+        overlap_t[i, i:] = p.overlap_from(i)
     return time_t, mem_t, act_t, deferred_t, received_t, overlap_t
 
 
