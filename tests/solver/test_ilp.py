@@ -149,6 +149,44 @@ def test_a_cutoff_keeps_the_optimum_above_it_and_refuses_below_it(seed, solver):
     with pytest.raises(NoCheaperPlan, match="no assignment costs under the cutoff") as err:
         solve(p, solver=solver, cutoff_s=best * (1 - 1e-3) - 1e-9)
     assert isinstance(err.value, PlanError)
+    assert err.value.proven  # (solved to the end: not a time limit)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_budgeted_solve_below_what_the_unbudgeted_one_proved_is_not_run(seed, monkeypatch):
+    """The pipeline search's leaner plans: the unbudgeted solve records its optimum as a lower
+    bound (``Built.lower_bounds``); a budgeted solve of the same costs whose cutoff lies below it
+    raises a proven NoCheaperPlan without a solver run, and one above it solves as brute force
+    does under the budget."""
+    import dataclasses
+
+    from autopar.solver import ilp as ilp_module
+    from autopar.solver.intra_op import _solve_tied
+
+    free = random_problem(seed, infinite=False)
+    _, unbudgeted = brute_force(free)
+    bounds: dict = {}
+    best = _solve_tied(None, free, (0,), None, True, 60.0, None, None, bounds, "paid")
+    assert best[4] == pytest.approx(unbudgeted, rel=1e-9, abs=1e-12)
+    assert bounds[("paid", 0)] == pytest.approx(unbudgeted, rel=1e-5)
+    rng = np.random.default_rng(seed)
+    budgeted = dataclasses.replace(free, budget=min_memory(free) + float(rng.integers(0, 10)), tie={})
+    runs = []
+    real = ilp_module.solve
+    monkeypatch.setattr(ilp_module, "solve", lambda *a, **k: runs.append(1) or real(*a, **k))
+    with pytest.raises(NoCheaperPlan) as err:
+        _solve_tied(None, budgeted, (0,), None, True, 60.0, None, unbudgeted * (1 - 1e-3), bounds, "paid")
+    assert err.value.proven and not runs
+    try:
+        _, least = brute_force(budgeted)
+    except PlanError:
+        return  # (nothing fits this budget: the solve says so, as without the bound)
+    found = _solve_tied(None, budgeted, (0,), None, True, 60.0, None, least * (1 + 1e-6) + 1e-9, bounds, "paid")
+    assert runs and found[4] == pytest.approx(least, rel=1e-9, abs=1e-12)
+    # another costs variant has no bound yet: its solve runs
+    with pytest.raises(NoCheaperPlan):
+        _solve_tied(None, budgeted, (0,), None, True, 60.0, None, unbudgeted * (1 - 1e-3), bounds, "hidden")
+    assert len(runs) == 2
 
 
 def test_prune_only_when_too_big_and_keeps_valid_indices():
