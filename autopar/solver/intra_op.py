@@ -450,8 +450,9 @@ def _solve_tied(graph, problem, periods, choices, simplify, time_limit_s, solver
                 bounds[key] = max(bounds.get(key, -math.inf), cutoff)
             above = err
             continue
-        if not budgeted and bounds is not None and attempt[1].status == "Optimal":
-            # (less a margin for the solver's tolerances: a cutoff near the optimum is solved)
+        if not budgeted and bounds is not None and attempt[1].status == "Optimal" and not attempt[1].pruned:
+            # (less a margin for the solver's tolerances: a cutoff near the optimum is solved; a
+            # pruned problem's optimum bounds only the candidates it kept, and a budget keeps others)
             bounds[key] = max(bounds.get(key, -math.inf), attempt[2] - 1e-6 * abs(attempt[2]))
         if best is None or attempt[2] < best[4] - 1e-15:
             best = (problem.tie, period, *attempt)
@@ -465,9 +466,14 @@ def _solve(problem, simplify: bool, time_limit_s: float, solver, cutoff_s=None):
     reduced = problem.reduced()
     small, records = eliminate(reduced) if simplify else (reduced, [])
     pruned, keep = prune(small) if simplify else (small, {v: None for v in small.costs})
-    solution = ilp.solve(pruned, time_limit_s=time_limit_s, solver=solver, cutoff_s=cutoff_s)
+    cut = any(k is not None and len(k) < len(small.costs[v]) for v, k in keep.items())
+    try:
+        solution = ilp.solve(pruned, time_limit_s=time_limit_s, solver=solver, cutoff_s=cutoff_s)
+    except ilp.NoCheaperPlan as err:
+        err.proven = err.proven and not cut  # (proven of the candidates pruning kept, not of all)
+        raise
     choice = {v: (i if keep[v] is None else int(keep[v][i])) for v, i in solution.choice.items()}
-    solution.pruned = any(k is not None and len(k) < len(small.costs[v]) for v, k in keep.items())
+    solution.pruned = cut
     picked = recover(choice, records)
     full = {v: picked[problem.rep(v)] for v in problem.costs}
     objective, memory = ilp.evaluate(problem, full)

@@ -319,3 +319,22 @@ def _highs() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_a_pruned_solve_records_no_lower_bound(monkeypatch):
+    """Pruning keeps some candidates of the widest nodes (and, under a budget, the leanest too): an
+    unbudgeted pruned optimum bounds only what it kept, so it is not recorded, and a cutoff it
+    misses is not proven."""
+    from autopar.solver import intra_op, simplify
+
+    rng = np.random.default_rng(3)
+    names = ["a", "b", "c"]
+    p = Problem({v: rng.random(8) for v in names}, {v: rng.random(8) for v in names},
+                {("a", "b"): rng.random((8, 8)), ("b", "c"): rng.random((8, 8))})
+    monkeypatch.setattr(intra_op, "prune", lambda q: simplify.prune(q, max_edge_pairs=1))
+    bounds: dict = {}
+    best = intra_op._solve_tied(None, p, (0,), None, True, 60.0, None, None, bounds, "paid")
+    assert best[3].pruned and not bounds
+    with pytest.raises(NoCheaperPlan) as err:
+        intra_op._solve_tied(None, p, (0,), None, True, 60.0, None, 1e-9, bounds, "paid")
+    assert not err.value.proven and not bounds
