@@ -190,7 +190,7 @@ def step_time(plan, graph, mesh, *, runs: int = 1, overlapped: bool = True, reco
     selective recomputation, those of the ops it does not save: ``record.recompute``; the
     forward of their collectives either way, reshards and those inside ops: no policy saves them;
     up to each layer's last op that saves a tensor: ``cost_model.memory.run_again``). The
-    activations it receives are not in it (``stage_prices.stage_tables``)."""
+    activations it receives are not in it (``stage_prices.variant_tables``)."""
     from autopar.ir.graph import needs_grad
 
     cluster = mesh.resolved_cluster()

@@ -208,7 +208,7 @@ def _fixed_cuts(time_t: np.ndarray) -> np.ndarray:
 
 # ---- the DP's answer under a schedule -------------------------------------------------------------------
 class StageMemory(NamedTuple):
-    """A stage's memory per (first unit, last unit, variant) (``stage_tables``): what it holds for
+    """A stage's memory per (first unit, last unit, variant) (``stacked_tables``): what it holds for
     good, per microbatch in flight, per microbatch whose weight half it defers, per microbatch of
     the step (receive buffers), and what it holds less where it runs its forwards first."""
 
@@ -370,7 +370,7 @@ class Found(NamedTuple):
 
 
 class _StageTables:
-    """The stage DP's tables over ``variants`` (``stage_prices.stage_tables``) per grouping of the
+    """The stage DP's tables over ``variants`` (``stage_prices.stacked_tables``) per grouping of the
     layers into units (``unit_groups``), built on first use; each variant's own tables kept in
     ``per_variant`` (shared by the DP runs of one search: a count's leaner and wider variants join
     the ones it already priced)."""
@@ -394,7 +394,7 @@ class _StageTables:
                     self.per_variant[own] = (p, g, variant_tables(g, len(groups), self.mesh, schedule.overlaps_sync))
                 grouped.append((rows, self.per_variant[own][1]))
                 tables.append(self.per_variant[own][2])
-            time_t, *memory = stacked_tables(tables, len(groups))
+            time_t, *memory = stacked_tables(tables)
             if self.layers is not None:
                 time_t = _fixed_cuts(time_t)
             self.built[key] = (groups, grouped, time_t, StageMemory(*memory))

@@ -9,7 +9,7 @@ over the B microbatches in the DP), its bytes held for good (parameters, gradien
 states) and per microbatch in flight (activations). A stage's price is the sum over its units, its
 gradient syncs as its own reducer runs them (``UnitSyncs``: each group's first calls once, hidden
 behind its last microbatch's backward where the schedule launches them there) and what it receives
-over axis 0's link (``stage_tables``): what ``cost_model.step.step_time`` prices the stage's own
+over axis 0's link (``variant_tables``): what ``cost_model.step.step_time`` prices the stage's own
 plan at, run once per microbatch. Several ILP solutions per
 sub-mesh (the fastest, then ones under tighter memory budgets: ``leaner_prices``) become separate
 options, so a stage can trade speed for memory as Alpa's per-stage ILP does. What a pipelined step
@@ -459,23 +459,17 @@ def leaner_prices(model, sm, graph, intra_op_plan, config, fastest: UnitPrices, 
     return out[1:]
 
 
-def stage_tables(variants, n_units: int, mesh: Mesh, overlapped: bool = True):
-    """(time, static memory, activation memory, memory per deferred weight half, receive buffers
-    per microbatch of the step, what a stage running its forwards first holds less) per (first
-    unit, last unit, variant); ``overlapped``: the schedule launches a stage's gradient syncs in
-    its last microbatch's backward (``Schedule.overlaps_sync``)."""
-    return stacked_tables([variant_tables(p, n_units, mesh, overlapped) for _, p in variants], n_units)
-
-
-def stacked_tables(per_variant: list, n_units: int):
-    """``stage_tables`` from each variant's own (``variant_tables``)."""
-    if not per_variant:
-        return tuple(np.full((n_units, n_units, 0), math.inf) for _ in range(6))
+def stacked_tables(per_variant: list):
+    """The stage DP's tables per (first unit, last unit, variant): each variant's own
+    (``variant_tables``) stacked on a last axis."""
     return tuple(np.stack(parts, axis=2) for parts in zip(*per_variant))
 
 
 def variant_tables(p: UnitPrices, n_units: int, mesh: Mesh, overlapped: bool = True):
-    """``stage_tables`` of one variant: six (first unit, last unit) tables."""
+    """(time, static memory, activation memory, memory per deferred weight half, receive buffers
+    per microbatch of the step, what a stage running its forwards first holds less) per (first
+    unit, last unit) of one variant's prices; ``overlapped``: the schedule launches a stage's
+    gradient syncs in its last microbatch's backward (``Schedule.overlaps_sync``)."""
     time_t = np.full((n_units, n_units), math.inf)
     mem_t, act_t, deferred_t, received_t, overlap_t = (np.zeros_like(time_t) for _ in range(5))
     c_act = np.concatenate([[0.0], np.cumsum(p.activation_bytes)])
